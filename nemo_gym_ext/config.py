@@ -1,0 +1,296 @@
+"""Ownership of `env.nemo_gym`: recipe-only postprocess keys, shards, and Gym's own config.
+
+`env.nemo_gym` mixes three kinds of keys (see docs/configuration.md):
+
+* recipe-only postprocess keys, owned by :class:`NemoGymPostprocessConfig` (the one place their
+  defaults live) and never forwarded to Gym;
+* the sharding key `shards`: each shard's overrides are merged over the base to form one Gym
+  actor's config;
+* everything else, which is Gym's own global config and is forwarded untouched.
+
+:func:`build_gym_actor_config` is the single builder of a shard's actor config. It runs at
+composition time (from the recipe's validator) so that an incompatible combination fails before
+Ray, a model or a GPU is touched, and again when the actors are created.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+SHARDS_KEY = "shards"
+DEFAULT_SHARD_NAME = "default"
+ROUTER_REPLAY_KEY = "policy.router_replay.enabled"
+RECEIPT_MODE_KEY = "token_capture.receipt_mode"
+TRUNCATION_KEY = "truncate_noncontiguous_episodes"
+
+
+class NemoGymPostprocessConfig(BaseModel):
+    """Recipe-only keys of `env.nemo_gym` that steer how Gym results become training data."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    truncate_noncontiguous_episodes: bool = Field(
+        default=False,
+        description=(
+            "When an episode's token history stops being contiguous across turns (a turn's "
+            "prompt does not start with every earlier prompt delta and generation), drop that "
+            "turn and everything after it and train on the contiguous prefix with the episode's "
+            "reward. False keeps the hard error. Incompatible with policy.router_replay.enabled "
+            "and token_capture.receipt_mode."
+        ),
+    )
+    on_malformed_result: Literal["raise", "mask"] = Field(
+        default="raise",
+        description=(
+            "What to do with a result whose token fields are malformed (missing, mismatched "
+            "lengths, NaN log-probabilities, ids outside the vocabulary): 'raise' fails with the "
+            "row and field named; 'mask' keeps the reward for GRPO grouping but trains on none "
+            "of its tokens and marks it `malformed_sample`."
+        ),
+    )
+
+
+RECIPE_ONLY_KEYS = frozenset(NemoGymPostprocessConfig.model_fields)
+
+
+@dataclass(frozen=True)
+class ConfigIssue:
+    """One problem in a composed config: where, what was there, what is wrong, how to fix it."""
+
+    key: str
+    value: Any
+    problem: str
+    fix: str
+
+    def render(self) -> str:
+        value = _short_repr(self.value)
+        return f"{self.key} = {value}: {self.problem}\n    fix: {self.fix}"
+
+
+class ConfigError(ValueError):
+    """A config that cannot run. Carries every issue found, not just the first."""
+
+    def __init__(self, issues: list[ConfigIssue]):
+        self.issues = list(issues)
+        noun = "problem" if len(self.issues) == 1 else "problems"
+        body = "\n".join(f"  - {issue.render()}" for issue in self.issues)
+        super().__init__(f"invalid config ({len(self.issues)} {noun}):\n{body}")
+
+
+@dataclass(frozen=True)
+class GymActorConfig:
+    """What one Gym actor (one shard) is started with."""
+
+    shard: str
+    postprocess: NemoGymPostprocessConfig
+    gym_config: dict[str, Any]
+
+
+def shard_names(nemo_gym: Mapping[str, Any]) -> list[str]:
+    """Names of the shards of `env.nemo_gym`; no `shards` key means one shard, `default`."""
+    shards = nemo_gym.get(SHARDS_KEY)
+    if not shards:
+        return [DEFAULT_SHARD_NAME]
+    return list(shards)
+
+
+def build_gym_actor_config(
+    nemo_gym: Mapping[str, Any],
+    shard: str = DEFAULT_SHARD_NAME,
+    *,
+    router_replay_enabled: bool,
+    key_prefix: str = "env.nemo_gym",
+) -> GymActorConfig:
+    """Build the actor config of one shard, or raise :class:`ConfigError` naming every problem.
+
+    The shard's overrides (`shards.<shard>`) are merged recursively over the base; the recipe-only
+    keys are taken out and validated; compatibility with truncation is checked; the returned Gym
+    config holds neither the recipe-only keys nor `shards`. Neither `nemo_gym` nor anything in
+    it is mutated: the result is built from deep copies.
+    """
+    issues: list[ConfigIssue] = []
+    merged = _merged_shard_mapping(nemo_gym, shard, key_prefix, issues)
+    shard_prefix = _shard_key_prefix(nemo_gym, shard, key_prefix)
+
+    recipe_only = {key: merged.pop(key) for key in list(merged) if key in RECIPE_ONLY_KEYS}
+    issues.extend(_misspelled_recipe_keys(merged, shard_prefix))
+    postprocess = _validate_postprocess(recipe_only, shard_prefix, issues)
+
+    if postprocess is not None and postprocess.truncate_noncontiguous_episodes:
+        issues.extend(
+            _truncation_conflicts(merged, shard, shard_prefix, router_replay_enabled, key_prefix)
+        )
+    if issues:
+        raise ConfigError(issues)
+    assert postprocess is not None
+    return GymActorConfig(shard=shard, postprocess=postprocess, gym_config=merged)
+
+
+def build_all_gym_actor_configs(
+    nemo_gym: Mapping[str, Any],
+    *,
+    router_replay_enabled: bool,
+    key_prefix: str = "env.nemo_gym",
+) -> list[GymActorConfig]:
+    """Build every shard's actor config; raise one :class:`ConfigError` with all shards' issues."""
+    actors: list[GymActorConfig] = []
+    issues: list[ConfigIssue] = []
+    for name in shard_names(nemo_gym):
+        try:
+            actors.append(
+                build_gym_actor_config(
+                    nemo_gym, name, router_replay_enabled=router_replay_enabled,
+                    key_prefix=key_prefix,
+                )
+            )
+        except ConfigError as error:
+            issues.extend(error.issues)
+    if issues:
+        raise ConfigError(issues)
+    return actors
+
+
+def deep_merge(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Recursive merge returning new containers; nested mappings merge, everything else replaces."""
+    merged: dict[str, Any] = {key: copy.deepcopy(value) for key, value in base.items()}
+    for key, value in overrides.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def _merged_shard_mapping(
+    nemo_gym: Mapping[str, Any], shard: str, key_prefix: str, issues: list[ConfigIssue]
+) -> dict[str, Any]:
+    base = {key: value for key, value in nemo_gym.items() if key != SHARDS_KEY}
+    shards = nemo_gym.get(SHARDS_KEY)
+    if not shards:
+        if shard != DEFAULT_SHARD_NAME:
+            raise KeyError(f"{key_prefix} has no shards; the only shard is {DEFAULT_SHARD_NAME!r}")
+        return deep_merge(base, {})
+    if not isinstance(shards, Mapping):
+        issues.append(
+            ConfigIssue(
+                f"{key_prefix}.{SHARDS_KEY}", shards, "must be a mapping of shard name to overrides",
+                f"write {key_prefix}.{SHARDS_KEY}: {{<name>: {{<overrides>}}}}",
+            )
+        )
+        return deep_merge(base, {})
+    if shard not in shards:
+        raise KeyError(f"{key_prefix}.{SHARDS_KEY} has no shard {shard!r}; shards: {list(shards)}")
+    overrides = shards[shard]
+    if overrides is None:
+        overrides = {}
+    if not isinstance(overrides, Mapping):
+        issues.append(
+            ConfigIssue(
+                f"{key_prefix}.{SHARDS_KEY}.{shard}", overrides, "shard overrides must be a mapping",
+                "use {} for a shard with no overrides",
+            )
+        )
+        overrides = {}
+    if SHARDS_KEY in overrides:
+        issues.append(
+            ConfigIssue(
+                f"{key_prefix}.{SHARDS_KEY}.{shard}.{SHARDS_KEY}", overrides[SHARDS_KEY],
+                "shards cannot be nested", "declare every shard under the base's shards",
+            )
+        )
+        overrides = {key: value for key, value in overrides.items() if key != SHARDS_KEY}
+    return deep_merge(base, overrides)
+
+
+def _shard_key_prefix(nemo_gym: Mapping[str, Any], shard: str, key_prefix: str) -> str:
+    if nemo_gym.get(SHARDS_KEY):
+        return f"{key_prefix}[shard {shard}]"
+    return key_prefix
+
+
+def _validate_postprocess(
+    recipe_only: dict[str, Any], shard_prefix: str, issues: list[ConfigIssue]
+) -> NemoGymPostprocessConfig | None:
+    try:
+        return NemoGymPostprocessConfig.model_validate(recipe_only)
+    except ValidationError as error:
+        for detail in error.errors():
+            field = ".".join(str(part) for part in detail["loc"])
+            issues.append(
+                ConfigIssue(
+                    f"{shard_prefix}.{field}", detail.get("input"), detail["msg"],
+                    _postprocess_fix(field),
+                )
+            )
+        return None
+
+
+def _postprocess_fix(field: str) -> str:
+    info = NemoGymPostprocessConfig.model_fields.get(field)
+    if info is None:
+        return f"use one of {sorted(RECIPE_ONLY_KEYS)}"
+    annotation = info.annotation
+    if annotation is bool:
+        return "set true or false"
+    return f"use a value of type {getattr(annotation, '__name__', annotation)}"
+
+
+def _misspelled_recipe_keys(gym_keys: Mapping[str, Any], shard_prefix: str) -> list[ConfigIssue]:
+    """Gym keys pass through untyped, so a typo of a recipe-only key would be silently forwarded
+    to Gym and the option would do nothing. Catch near-misses by name."""
+    issues = []
+    for key in gym_keys:
+        close = difflib.get_close_matches(key, RECIPE_ONLY_KEYS, n=1, cutoff=0.85)
+        if close:
+            issues.append(
+                ConfigIssue(
+                    f"{shard_prefix}.{key}", gym_keys[key],
+                    f"unknown key, close to the recipe-only key {close[0]!r} (it would be forwarded "
+                    "to Gym and ignored)",
+                    f"rename it to {close[0]}",
+                )
+            )
+    return issues
+
+
+def _truncation_conflicts(
+    gym_config: Mapping[str, Any],
+    shard: str,
+    shard_prefix: str,
+    router_replay_enabled: bool,
+    key_prefix: str,
+) -> list[ConfigIssue]:
+    issues = []
+    truncation_key = f"{shard_prefix}.{TRUNCATION_KEY}"
+    if router_replay_enabled:
+        issues.append(
+            ConfigIssue(
+                ROUTER_REPLAY_KEY, True,
+                f"incompatible with {truncation_key}=true (shard {shard!r}): router replay needs "
+                "the next contiguous prompt's prefill to repair the retained prefix's final route",
+                f"set {ROUTER_REPLAY_KEY}=false or {key_prefix}.{TRUNCATION_KEY}=false",
+            )
+        )
+    token_capture = gym_config.get("token_capture")
+    receipt_mode = isinstance(token_capture, Mapping) and token_capture.get("receipt_mode") is True
+    if receipt_mode:
+        issues.append(
+            ConfigIssue(
+                f"{shard_prefix}.{RECEIPT_MODE_KEY}", True,
+                f"incompatible with {truncation_key}=true (shard {shard!r}): receipt mode bypasses "
+                "the token-prefix check, so truncation would silently do nothing",
+                f"set {shard_prefix}.{RECEIPT_MODE_KEY}=false or {truncation_key}=false",
+            )
+        )
+    return issues
+
+
+def _short_repr(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,54 @@
+"""Per-agent scalar metrics over a batch of postprocessed Gym results.
+
+For every numeric or boolean top-level field of the results (`reward`, `noncontiguous_truncated`,
+any verifier field), each agent gets `<agent>/<field>/mean`, `/min` and `/max`. A result that lacks
+a field does not count towards that field; agents are keyed by `agent_ref.name`. So the share of an
+agent's episodes that were truncated is `<agent>/noncontiguous_truncated/mean`. The trainer logs
+these under `train/`. Every key is documented in docs/metrics.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+REDUCTIONS = ("mean", "min", "max")
+
+
+def per_agent_metrics(results: Iterable[Mapping[str, Any]]) -> dict[str, float]:
+    """`{"<agent>/<field>/<mean|min|max>": value}` over `results` (Gym `full_result` dicts)."""
+    values: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for result in results:
+        agent = _agent(result)
+        for field, value in result.items():
+            number = _scalar(value)
+            if number is not None:
+                values[(agent, field)].append(number)
+    metrics: dict[str, float] = {}
+    for (agent, field), numbers in sorted(values.items()):
+        prefix = f"{agent}/{field}"
+        metrics[f"{prefix}/mean"] = math.fsum(numbers) / len(numbers)
+        metrics[f"{prefix}/min"] = min(numbers)
+        metrics[f"{prefix}/max"] = max(numbers)
+    return metrics
+
+
+def _agent(result: Mapping[str, Any]) -> str:
+    ref = result.get("agent_ref")
+    if isinstance(ref, Mapping) and isinstance(ref.get("name"), str):
+        return ref["name"]
+    raise ValueError(
+        "a Gym result has no agent_ref.name, so its metrics cannot be attributed to an agent; "
+        f"top-level fields: {sorted(result)[:12]}"
+    )
+
+
+def _scalar(value: Any) -> float | None:
+    """Booleans count as 0/1; non-finite numbers and everything else are not scalar metrics."""
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, int | float) and math.isfinite(value):
+        return float(value)
+    return None

@@ -1,0 +1,295 @@
+"""Turn one NeMo-Gym result into training data, checking that its token history is contiguous.
+
+A Gym agent's result holds the OpenAI Responses output items of an episode. The last item of each
+model call carries the token bundle the engine produced: `prompt_token_ids` (the exact prompt it
+consumed), `generation_token_ids` and `generation_log_probs`. An item with a non-empty generation
+is a *trainable turn*. The episode is *contiguous* when every trainable turn's prompt starts with
+everything seen before it (every earlier prompt delta and generation): only then is each generated
+span conditioned, in the flattened sequence the trainer sees, on exactly what the sampler saw.
+
+Re-rendering and re-tokenising the conversation between turns can break this. By default that is
+an error (:class:`NonContiguousEpisodeError`). With
+`env.nemo_gym.truncate_noncontiguous_episodes=true` the first divergent turn and everything after
+it are dropped and the contiguous prefix is trained on with the episode's reward.
+
+Cost matters: a 200-turn SWE episode repeats its history in every prompt, millions of ids in all.
+The walk compares list slices (C speed), converts nothing per turn but the new delta, and copies
+the result shallowly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from nemo_gym_ext.config import NemoGymPostprocessConfig
+
+TRUNCATED_FLAG = "noncontiguous_truncated"
+DROPPED_TURNS_FIELD = "noncontiguous_dropped_turns"
+MALFORMED_FLAG = "malformed_sample"
+OVERLONG_FLAG = "overlong"
+_WINDOW = 8
+_ROW_ID_FIELDS = ("id", "task_id", "instance_id")
+
+Decode = Callable[[Sequence[int]], str]
+
+
+class NonContiguousEpisodeError(AssertionError):
+    """A trainable turn's prompt does not start with the tokens seen before it.
+
+    An `AssertionError` so that callers which already treat the contiguity assertion as a rollout
+    failure keep doing so.
+    """
+
+    def __init__(self, message: str, *, agent: str, row_id: str, turn: int, position: int):
+        super().__init__(message)
+        self.agent = agent
+        self.row_id = row_id
+        self.turn = turn
+        self.position = position
+
+
+class MalformedGymResultError(ValueError):
+    """A Gym result whose fields cannot be trained on; the message names the row and the field."""
+
+
+def postprocess_gym_result(
+    row: Mapping[str, Any],
+    result: Mapping[str, Any],
+    config: NemoGymPostprocessConfig,
+    *,
+    vocab_size: int | None = None,
+    decode: Decode | None = None,
+) -> dict[str, Any]:
+    """Return `{"message_log", "full_result", "overlong"}` for one Gym result.
+
+    `message_log` alternates user-delta entries (`{"role": "user", "token_ids"}`) and assistant
+    entries (`{"role": "assistant", "token_ids", "generation_logprobs"}`). `full_result` is a
+    shallow copy of `result` with `noncontiguous_truncated` (set on every call),
+    `noncontiguous_dropped_turns` and, for a masked malformed sample, `malformed_sample`.
+    `overlong` is the result's own overlong flag, kept even when the turn that hit the limit
+    was dropped, so overlong filtering still sees the episode.
+
+    `vocab_size` enables the id range check; `decode` adds text to the divergence message.
+    Neither `row` nor `result` is mutated.
+    """
+    agent = _agent_name(row, result)
+    row_id = _row_id(row, result)
+    full_result = dict(result)
+    full_result[TRUNCATED_FLAG] = False
+    full_result[DROPPED_TURNS_FIELD] = 0
+    full_result.pop(MALFORMED_FLAG, None)
+    overlong = bool(result.get(OVERLONG_FLAG, False))
+    try:
+        _check_reward(result, agent, row_id)
+        turns = _trainable_turns(result, agent, row_id)
+        message_log, dropped = _walk(turns, config, agent, row_id, vocab_size, decode)
+    except MalformedGymResultError:
+        if config.on_malformed_result == "raise":
+            raise
+        full_result[MALFORMED_FLAG] = True
+        return {"message_log": [], "full_result": full_result, "overlong": overlong}
+    if dropped:
+        full_result[TRUNCATED_FLAG] = True
+        full_result[DROPPED_TURNS_FIELD] = dropped
+    return {"message_log": message_log, "full_result": full_result, "overlong": overlong}
+
+
+def _walk(
+    turns: list[tuple[int, list[int], list[int], list[float]]],
+    config: NemoGymPostprocessConfig,
+    agent: str,
+    row_id: str,
+    vocab_size: int | None,
+    decode: Decode | None,
+) -> tuple[list[dict[str, Any]], int]:
+    """Walk trainable turns; return the message log and the number of dropped turns.
+
+    `seen` is never materialised: while the episode is contiguous, everything seen before turn k
+    is exactly turn k-1's prompt followed by its generation, so two slice comparisons suffice.
+    Turn 0 has seen nothing, so it is always contiguous and a truncated prefix is never empty.
+    """
+    message_log: list[dict[str, Any]] = []
+    previous_prompt: list[int] = []
+    previous_generation: list[int] = []
+    for turn, (item_index, prompt, generation, logprobs) in enumerate(turns):
+        seen_len = len(previous_prompt) + len(previous_generation)
+        contiguous = (
+            len(prompt) >= seen_len
+            and prompt[: len(previous_prompt)] == previous_prompt
+            and prompt[len(previous_prompt) : seen_len] == previous_generation
+        )
+        if not contiguous:
+            if config.truncate_noncontiguous_episodes:
+                return message_log, len(turns) - turn
+            raise _divergence_error(
+                agent, row_id, turn, item_index, prompt, previous_prompt, previous_generation,
+                decode,
+            )
+        delta = prompt[seen_len:]
+        where = f"row {row_id!r} (agent {agent!r}) output item {item_index}"
+        _check_ids(delta, vocab_size, f"{where} prompt_token_ids")
+        _check_ids(generation, vocab_size, f"{where} generation_token_ids")
+        _check_logprobs(logprobs, f"{where} generation_log_probs")
+        message_log.append({"role": "user", "token_ids": delta})
+        message_log.append(
+            {"role": "assistant", "token_ids": list(generation), "generation_logprobs": list(logprobs)}
+        )
+        previous_prompt, previous_generation = prompt, generation
+    return message_log, 0
+
+
+def _trainable_turns(
+    result: Mapping[str, Any], agent: str, row_id: str
+) -> list[tuple[int, list[int], list[int], list[float]]]:
+    """(item index, prompt ids, generation ids, log-probs) of every item with a generation."""
+    response = result.get("response")
+    output = response.get("output") if isinstance(response, Mapping) else None
+    if not isinstance(output, list):
+        raise MalformedGymResultError(
+            f"row {row_id!r} (agent {agent!r}): result has no list at response.output "
+            f"(got {type(output).__name__})"
+        )
+    turns = []
+    for index, item in enumerate(output):
+        if not isinstance(item, Mapping):
+            raise MalformedGymResultError(
+                f"row {row_id!r} (agent {agent!r}): response.output[{index}] is a "
+                f"{type(item).__name__}, expected an object"
+            )
+        generation = item.get("generation_token_ids")
+        if not generation:
+            continue
+        where = f"row {row_id!r} (agent {agent!r}) response.output[{index}]"
+        prompt = item.get("prompt_token_ids")
+        logprobs = item.get("generation_log_probs")
+        if not isinstance(generation, list):
+            raise MalformedGymResultError(f"{where}.generation_token_ids is not a list")
+        if not isinstance(prompt, list) or not prompt:
+            raise MalformedGymResultError(
+                f"{where}.prompt_token_ids is missing or empty on an item with a generation"
+            )
+        if not isinstance(logprobs, list):
+            raise MalformedGymResultError(
+                f"{where}.generation_log_probs is missing on an item with a generation"
+            )
+        if len(logprobs) != len(generation):
+            raise MalformedGymResultError(
+                f"{where}: generation_log_probs has {len(logprobs)} entries but "
+                f"generation_token_ids has {len(generation)}"
+            )
+        turns.append((index, prompt, generation, logprobs))
+    if not turns:
+        raise MalformedGymResultError(
+            f"row {row_id!r} (agent {agent!r}): no output item carries generation_token_ids, "
+            "so there is nothing to train on (is the policy server returning token ids?)"
+        )
+    return turns
+
+
+def _check_reward(result: Mapping[str, Any], agent: str, row_id: str) -> None:
+    reward = result.get("reward")
+    if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
+        raise MalformedGymResultError(
+            f"row {row_id!r} (agent {agent!r}): reward must be a finite number, got {reward!r}"
+        )
+
+
+def _check_ids(ids: list[int], vocab_size: int | None, where: str) -> None:
+    if not ids:
+        return
+    try:
+        low, high = min(ids), max(ids)
+    except TypeError as error:
+        raise MalformedGymResultError(f"{where} holds a non-integer id") from error
+    if low < 0 or (vocab_size is not None and high >= vocab_size):
+        bad = low if low < 0 else high
+        raise MalformedGymResultError(
+            f"{where} holds id {bad}, outside the vocabulary [0, {vocab_size})"
+        )
+
+
+def _check_logprobs(logprobs: list[float], where: str) -> None:
+    try:
+        total = math.fsum(logprobs)
+        highest = max(logprobs)
+    except (TypeError, ValueError) as error:
+        raise MalformedGymResultError(f"{where} holds a non-numeric value") from error
+    if math.isfinite(total) and highest <= 1e-4:
+        return
+    for position, value in enumerate(logprobs):
+        if not math.isfinite(value) or value > 1e-4:
+            raise MalformedGymResultError(
+                f"{where}[{position}] = {value!r}: a log-probability must be finite and <= 0"
+            )
+
+
+def _divergence_error(
+    agent: str,
+    row_id: str,
+    turn: int,
+    item_index: int,
+    prompt: list[int],
+    previous_prompt: list[int],
+    previous_generation: list[int],
+    decode: Decode | None,
+) -> NonContiguousEpisodeError:
+    seen_len = len(previous_prompt) + len(previous_generation)
+    position = _first_difference(prompt, previous_prompt, previous_generation)
+    start, stop = max(0, position - _WINDOW), position + _WINDOW
+    expected = _seen_window(previous_prompt, previous_generation, start, stop)
+    actual = prompt[start:stop]
+    lines = [
+        f"non-contiguous episode: agent {agent!r}, row {row_id!r}, trainable turn {turn} "
+        f"(output item {item_index}): its prompt ({len(prompt)} tokens) does not start with the "
+        f"{seen_len} tokens seen before it; first difference at token {position}.",
+        f"  seen   [{start}:{stop}] ids {expected}",
+        f"  prompt [{start}:{stop}] ids {actual}",
+    ]
+    if decode is not None:
+        lines.append(f"  seen   text {decode(expected)!r}")
+        lines.append(f"  prompt text {decode(actual)!r}")
+    lines.append(
+        "  Set env.nemo_gym.truncate_noncontiguous_episodes=true to train on the contiguous "
+        "prefix instead, or make the policy server keep earlier turns' token ids."
+    )
+    return NonContiguousEpisodeError(
+        "\n".join(lines), agent=agent, row_id=row_id, turn=turn, position=position
+    )
+
+
+def _first_difference(prompt: list[int], previous_prompt: list[int], generation: list[int]) -> int:
+    """Index of the first token where `prompt` departs from previous_prompt + generation."""
+    offset = 0
+    for segment in (previous_prompt, generation):
+        candidate = prompt[offset : offset + len(segment)]
+        if candidate != segment:
+            return offset + next(
+                (i for i, (a, b) in enumerate(zip(candidate, segment, strict=False)) if a != b),
+                min(len(candidate), len(segment)),
+            )
+        offset += len(segment)
+    return offset
+
+
+def _seen_window(prompt: list[int], generation: list[int], start: int, stop: int) -> list[int]:
+    head = prompt[start:stop]
+    tail_start, tail_stop = max(0, start - len(prompt)), max(0, stop - len(prompt))
+    return head + generation[tail_start:tail_stop]
+
+
+def _agent_name(row: Mapping[str, Any], result: Mapping[str, Any]) -> str:
+    for source in (result, row):
+        ref = source.get("agent_ref")
+        if isinstance(ref, Mapping) and isinstance(ref.get("name"), str):
+            return ref["name"]
+    return "<unknown agent>"
+
+
+def _row_id(row: Mapping[str, Any], result: Mapping[str, Any]) -> str:
+    for source in (row, result):
+        for field in _ROW_ID_FIELDS:
+            if field in source:
+                return str(source[field])
+    return "<no id>"
