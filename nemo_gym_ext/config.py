@@ -90,6 +90,7 @@ class GymActorConfig:
     shard: str
     postprocess: NemoGymPostprocessConfig
     gym_config: dict[str, Any]
+    key_prefix: str  # where this shard's keys are reported: `env.nemo_gym[shard x]`
 
 
 def shard_names(nemo_gym: Mapping[str, Any]) -> list[str]:
@@ -129,7 +130,9 @@ def build_gym_actor_config(
     if issues:
         raise ConfigError(issues)
     assert postprocess is not None
-    return GymActorConfig(shard=shard, postprocess=postprocess, gym_config=merged)
+    return GymActorConfig(
+        shard=shard, postprocess=postprocess, gym_config=merged, key_prefix=shard_prefix
+    )
 
 
 def build_all_gym_actor_configs(
@@ -145,7 +148,9 @@ def build_all_gym_actor_configs(
         try:
             actors.append(
                 build_gym_actor_config(
-                    nemo_gym, name, router_replay_enabled=router_replay_enabled,
+                    nemo_gym,
+                    name,
+                    router_replay_enabled=router_replay_enabled,
                     key_prefix=key_prefix,
                 )
             )
@@ -179,7 +184,9 @@ def _merged_shard_mapping(
     if not isinstance(shards, Mapping):
         issues.append(
             ConfigIssue(
-                f"{key_prefix}.{SHARDS_KEY}", shards, "must be a mapping of shard name to overrides",
+                f"{key_prefix}.{SHARDS_KEY}",
+                shards,
+                "must be a mapping of shard name to overrides",
                 f"write {key_prefix}.{SHARDS_KEY}: {{<name>: {{<overrides>}}}}",
             )
         )
@@ -192,7 +199,9 @@ def _merged_shard_mapping(
     if not isinstance(overrides, Mapping):
         issues.append(
             ConfigIssue(
-                f"{key_prefix}.{SHARDS_KEY}.{shard}", overrides, "shard overrides must be a mapping",
+                f"{key_prefix}.{SHARDS_KEY}.{shard}",
+                overrides,
+                "shard overrides must be a mapping",
                 "use {} for a shard with no overrides",
             )
         )
@@ -200,8 +209,10 @@ def _merged_shard_mapping(
     if SHARDS_KEY in overrides:
         issues.append(
             ConfigIssue(
-                f"{key_prefix}.{SHARDS_KEY}.{shard}.{SHARDS_KEY}", overrides[SHARDS_KEY],
-                "shards cannot be nested", "declare every shard under the base's shards",
+                f"{key_prefix}.{SHARDS_KEY}.{shard}.{SHARDS_KEY}",
+                overrides[SHARDS_KEY],
+                "shards cannot be nested",
+                "declare every shard under the base's shards",
             )
         )
         overrides = {key: value for key, value in overrides.items() if key != SHARDS_KEY}
@@ -224,7 +235,9 @@ def _validate_postprocess(
             field = ".".join(str(part) for part in detail["loc"])
             issues.append(
                 ConfigIssue(
-                    f"{shard_prefix}.{field}", detail.get("input"), detail["msg"],
+                    f"{shard_prefix}.{field}",
+                    detail.get("input"),
+                    detail["msg"],
                     _postprocess_fix(field),
                 )
             )
@@ -250,9 +263,10 @@ def _misspelled_recipe_keys(gym_keys: Mapping[str, Any], shard_prefix: str) -> l
         if close:
             issues.append(
                 ConfigIssue(
-                    f"{shard_prefix}.{key}", gym_keys[key],
-                    f"unknown key, close to the recipe-only key {close[0]!r} (it would be forwarded "
-                    "to Gym and ignored)",
+                    f"{shard_prefix}.{key}",
+                    gym_keys[key],
+                    f"unknown key, close to the recipe-only key {close[0]!r} (it would be "
+                    "forwarded to Gym and ignored)",
                     f"rename it to {close[0]}",
                 )
             )
@@ -271,7 +285,8 @@ def _truncation_conflicts(
     if router_replay_enabled:
         issues.append(
             ConfigIssue(
-                ROUTER_REPLAY_KEY, True,
+                ROUTER_REPLAY_KEY,
+                True,
                 f"incompatible with {truncation_key}=true (shard {shard!r}): router replay needs "
                 "the next contiguous prompt's prefill to repair the retained prefix's final route",
                 f"set {ROUTER_REPLAY_KEY}=false or {key_prefix}.{TRUNCATION_KEY}=false",
@@ -282,7 +297,8 @@ def _truncation_conflicts(
     if receipt_mode:
         issues.append(
             ConfigIssue(
-                f"{shard_prefix}.{RECEIPT_MODE_KEY}", True,
+                f"{shard_prefix}.{RECEIPT_MODE_KEY}",
+                True,
                 f"incompatible with {truncation_key}=true (shard {shard!r}): receipt mode bypasses "
                 "the token-prefix check, so truncation would silently do nothing",
                 f"set {shard_prefix}.{RECEIPT_MODE_KEY}=false or {truncation_key}=false",

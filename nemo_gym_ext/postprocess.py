@@ -124,7 +124,13 @@ def _walk(
             if config.truncate_noncontiguous_episodes:
                 return message_log, len(turns) - turn
             raise _divergence_error(
-                agent, row_id, turn, item_index, prompt, previous_prompt, previous_generation,
+                agent,
+                row_id,
+                turn,
+                item_index,
+                prompt,
+                previous_prompt,
+                previous_generation,
                 decode,
             )
         delta = prompt[seen_len:]
@@ -134,7 +140,11 @@ def _walk(
         _check_logprobs(logprobs, f"{where} generation_log_probs")
         message_log.append({"role": "user", "token_ids": delta})
         message_log.append(
-            {"role": "assistant", "token_ids": list(generation), "generation_logprobs": list(logprobs)}
+            {
+                "role": "assistant",
+                "token_ids": list(generation),
+                "generation_logprobs": list(logprobs),
+            }
         )
         previous_prompt, previous_generation = prompt, generation
     return message_log, 0

@@ -97,7 +97,7 @@ def build_tiny_llama(
     seed: int,
     dtype: torch.dtype = torch.float32,
 ) -> LlamaForCausalLM:
-    """A randomly initialised Llama that shares `tokenizer`'s vocabulary, for tests and smoke runs."""
+    """A randomly initialised Llama sharing `tokenizer`'s vocabulary, for tests and smoke runs."""
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,

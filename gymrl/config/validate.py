@@ -1,0 +1,355 @@
+"""Validate a composed config once, reporting every problem with its key, value and fix.
+
+Two passes, both always run so that one error message lists everything wrong with a config:
+
+1. structure and types: pydantic (`extra="forbid"`) over the whole tree;
+2. cross-field rules that no single field can check: GPU budget and parallelism, async GRPO's need
+   for importance sampling, and, per Gym shard, the recipe-only keys and their incompatibilities
+   (built by `nemo_gym_ext.config.build_gym_actor_config`, the same builder the Gym actors use).
+   The Gym rules read the raw tree, so they report even when an unrelated field fails pass 1.
+"""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from gymrl.config.schema import (
+    MegatronTrainerConfig,
+    RecipeConfig,
+    SGLangGenerationConfig,
+    TorchGenerationConfig,
+    TorchTrainerConfig,
+)
+from nemo_gym_ext.config import (
+    ConfigError,
+    ConfigIssue,
+    GymActorConfig,
+    build_all_gym_actor_configs,
+)
+
+_SCHEMA_HINT = "see the field descriptions in gymrl/config/schema.py"
+
+
+def validate_config(raw: Mapping[str, Any]) -> RecipeConfig:
+    """Return the typed config or raise :class:`ConfigError` listing every issue."""
+    issues: list[ConfigIssue] = []
+    config: RecipeConfig | None = None
+    try:
+        config = RecipeConfig.model_validate(raw)
+    except ValidationError as error:
+        issues.extend(_issue_from_pydantic(detail) for detail in error.errors())
+    issues.extend(_gym_issues(raw))
+    if config is not None:
+        issues.extend(_cross_field_issues(config))
+    if issues:
+        raise ConfigError(issues)
+    assert config is not None
+    return config
+
+
+def gym_actor_configs(config: RecipeConfig) -> list[GymActorConfig]:
+    """Every shard's Gym actor config of a validated recipe config."""
+    return build_all_gym_actor_configs(
+        config.env.nemo_gym, router_replay_enabled=config.policy.router_replay.enabled
+    )
+
+
+def trainer_gpus(config: RecipeConfig) -> int:
+    """GPUs left for training once generation has its own (roles are not colocated)."""
+    if config.trainer.backend == "torch" and config.cluster.total_gpus == 0:
+        return 0
+    return config.cluster.total_gpus - generation_gpus(config)
+
+
+def generation_gpus(config: RecipeConfig) -> int:
+    generation = config.generation
+    return generation.num_gpus if isinstance(generation, SGLangGenerationConfig) else 0
+
+
+# ------------------------------------------------------------------------------------ pass 1
+def _issue_from_pydantic(detail: Mapping[str, Any]) -> ConfigIssue:
+    loc = tuple(detail["loc"])
+    key = ".".join(str(part) for part in _strip_union_tags(loc))
+    kind = detail["type"]
+    value = detail.get("input")
+    if kind == "extra_forbidden":
+        known = list(_model_at(loc[:-1]).model_fields)
+        close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
+        fix = f"did you mean {close[0]!r}?" if close else f"remove it; known keys: {sorted(known)}"
+        return ConfigIssue(key, value, "unknown key", fix)
+    if kind == "union_tag_invalid":
+        expected = detail["ctx"]["expected_tags"]
+        return ConfigIssue(
+            f"{key}.backend",
+            value["backend"] if isinstance(value, Mapping) else value,
+            "unknown backend",
+            f"use one of {expected} (select a group: {loc[0]}=<backend>)",
+        )
+    description = _description_at(loc)
+    if kind == "missing":
+        return ConfigIssue(key, None, "required key is missing", f"set {key}: {description}")
+    return ConfigIssue(key, value, detail["msg"], f"give {key} a valid value: {description}")
+
+
+def _strip_union_tags(loc: tuple[Any, ...]) -> tuple[Any, ...]:
+    """pydantic puts the discriminator value in the location (`generation.sglang.x`); users wrote
+    `generation.x`."""
+    if len(loc) > 1 and loc[0] in ("generation", "trainer") and loc[1] in _backend_tags(loc[0]):
+        return (loc[0], *loc[2:])
+    return loc
+
+
+def _backend_tags(field: str) -> set[str]:
+    return {model.model_fields["backend"].default for model in _models_of(RecipeConfig, field)}
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel]:
+    """The model class that validated the object at `loc` (tags in `loc` pick union members)."""
+    model: type[BaseModel] = RecipeConfig
+    parts = list(loc)
+    while parts:
+        candidates = _models_of(model, str(parts.pop(0)))
+        if len(candidates) > 1 and parts:
+            tag = parts.pop(0)
+            candidates = [m for m in candidates if m.model_fields["backend"].default == tag]
+        if len(candidates) != 1:
+            break
+        model = candidates[0]
+    return model
+
+
+def _description_at(loc: tuple[Any, ...]) -> str:
+    field = _model_at(loc[:-1]).model_fields.get(str(loc[-1]))
+    if field is None or not field.description:
+        return _SCHEMA_HINT
+    return field.description
+
+
+def _models_of(model: type[BaseModel], name: str) -> list[type[BaseModel]]:
+    if name not in model.model_fields:
+        return []
+    annotation = model.model_fields[name].annotation
+    return [arg for arg in _flatten_union(annotation) if _is_model(arg)]
+
+
+def _flatten_union(annotation: Any) -> Iterator[Any]:
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(annotation):
+            yield from _flatten_union(arg)
+    elif origin is typing.Annotated:
+        yield from _flatten_union(typing.get_args(annotation)[0])
+    else:
+        yield annotation
+
+
+def _is_model(value: Any) -> bool:
+    return isinstance(value, type) and issubclass(value, BaseModel)
+
+
+# ------------------------------------------------------------------------------------ pass 2
+def _gym_issues(raw: Mapping[str, Any]) -> list[ConfigIssue]:
+    env = raw.get("env")
+    nemo_gym = env.get("nemo_gym") if isinstance(env, Mapping) else None
+    if not isinstance(nemo_gym, Mapping):
+        return []  # pass 1 reports the missing or mistyped env.nemo_gym
+    policy = raw.get("policy")
+    replay = policy.get("router_replay") if isinstance(policy, Mapping) else None
+    router_replay_enabled = isinstance(replay, Mapping) and replay.get("enabled") is True
+    try:
+        actors = build_all_gym_actor_configs(nemo_gym, router_replay_enabled=router_replay_enabled)
+    except ConfigError as error:
+        return list(error.issues)
+    return _agent_issues(actors)
+
+
+def _agent_issues(actors: list[GymActorConfig]) -> list[ConfigIssue]:
+    """Each shard serves named agents; a row's agent_ref must route to exactly one shard."""
+    issues = []
+    owner: dict[str, str] = {}
+    for actor in actors:
+        key = f"{actor.key_prefix}.agents"
+        agents = actor.gym_config.get("agents")
+        if not isinstance(agents, Mapping) or not agents:
+            issues.append(
+                ConfigIssue(
+                    key,
+                    agents,
+                    "a shard must serve at least one agent",
+                    "add env.nemo_gym.agents.<name>: {environment: <built-in>} or {url: <agent "
+                    "server>}",
+                )
+            )
+            continue
+        for name, spec in agents.items():
+            if not isinstance(spec, Mapping) or ("environment" in spec) == ("url" in spec):
+                issues.append(
+                    ConfigIssue(
+                        f"{key}.{name}",
+                        spec,
+                        "an agent needs exactly one of `environment` (built-in) or `url` (remote)",
+                        "set environment: calculator|guess_number, or url: http://host:port",
+                    )
+                )
+            if name in owner and owner[name] != actor.shard:
+                issues.append(
+                    ConfigIssue(
+                        f"{key}.{name}",
+                        spec,
+                        f"agent {name!r} is served by shards {owner[name]!r} and {actor.shard!r}",
+                        "serve each agent from one shard so rows route unambiguously",
+                    )
+                )
+            owner.setdefault(name, actor.shard)
+    return issues
+
+
+def _cross_field_issues(config: RecipeConfig) -> list[ConfigIssue]:
+    issues: list[ConfigIssue] = []
+    policy, cluster = config.policy, config.cluster
+    if config.policy.tiny.hidden_size % config.policy.tiny.num_heads:
+        issues.append(
+            ConfigIssue(
+                "policy.tiny.num_heads",
+                policy.tiny.num_heads,
+                f"must divide policy.tiny.hidden_size={policy.tiny.hidden_size}",
+                "pick num_heads among the divisors of hidden_size",
+            )
+        )
+    if policy.source == "pretrained" and not policy.path:
+        issues.append(
+            ConfigIssue(
+                "policy.path",
+                None,
+                "required when policy.source=pretrained",
+                "set policy.path to a checkpoint folder",
+            )
+        )
+    if policy.router_replay.enabled and not policy.is_moe:
+        issues.append(
+            ConfigIssue(
+                "policy.router_replay.enabled",
+                True,
+                "router replay needs an MoE policy",
+                "set policy.router_replay.enabled=false or use an MoE policy (is_moe=true)",
+            )
+        )
+    if config.grpo.async_enabled and not config.loss.importance_sampling_correction:
+        issues.append(
+            ConfigIssue(
+                "loss.importance_sampling_correction",
+                False,
+                "async GRPO trains on episodes sampled by older weights, which needs the "
+                "importance-sampling correction",
+                "set loss.importance_sampling_correction=true or grpo.async_enabled=false",
+            )
+        )
+    max_tokens = config.generation.server.max_tokens_per_turn
+    if max_tokens >= policy.max_total_sequence_length:
+        issues.append(
+            ConfigIssue(
+                "generation.server.max_tokens_per_turn",
+                max_tokens,
+                f"must be below policy.max_total_sequence_length="
+                f"{policy.max_total_sequence_length}",
+                "lower it or raise the context limit",
+            )
+        )
+    issues.extend(_generation_issues(config.generation, cluster.total_gpus))
+    issues.extend(_trainer_issues(config))
+    return issues
+
+
+def _generation_issues(generation: Any, total_gpus: int) -> list[ConfigIssue]:
+    if isinstance(generation, TorchGenerationConfig):
+        return []
+    issues = []
+    if generation.tensor_parallel_size % generation.expert_parallel_size:
+        issues.append(
+            ConfigIssue(
+                "generation.expert_parallel_size",
+                generation.expert_parallel_size,
+                f"must divide generation.tensor_parallel_size={generation.tensor_parallel_size} "
+                "(SGLang runs expert parallelism inside the TP group)",
+                "use a divisor of tensor_parallel_size",
+            )
+        )
+    if generation.num_gpus > total_gpus:
+        issues.append(
+            ConfigIssue(
+                "generation.num_engines",
+                generation.num_engines,
+                f"{generation.num_engines} engines x TP {generation.tensor_parallel_size} = "
+                f"{generation.num_gpus} GPUs, but the cluster has {total_gpus}",
+                "lower generation.num_engines or raise cluster.num_nodes / cluster.gpus_per_node",
+            )
+        )
+    return issues
+
+
+def _trainer_issues(config: RecipeConfig) -> list[ConfigIssue]:
+    trainer, cluster = config.trainer, config.cluster
+    if isinstance(trainer, TorchTrainerConfig):
+        return []
+    assert isinstance(trainer, MegatronTrainerConfig)
+    issues = []
+    if trainer.sequence_parallel and trainer.tensor_model_parallel_size == 1:
+        issues.append(
+            ConfigIssue(
+                "trainer.sequence_parallel",
+                True,
+                "needs tensor_model_parallel_size > 1",
+                "set trainer.sequence_parallel=false or raise the TP degree",
+            )
+        )
+    gpus = trainer_gpus(config)
+    if gpus <= 0:
+        issues.append(
+            ConfigIssue(
+                "cluster.gpus_per_node",
+                cluster.gpus_per_node,
+                f"the Megatron trainer needs GPUs, and {cluster.total_gpus} in all minus "
+                f"{generation_gpus(config)} for generation leaves {gpus}",
+                "raise cluster.num_nodes / cluster.gpus_per_node or lower generation.num_engines",
+            )
+        )
+        return issues
+    if gpus % trainer.model_parallel_size:
+        issues.append(
+            ConfigIssue(
+                "trainer.tensor_model_parallel_size",
+                trainer.tensor_model_parallel_size,
+                f"TP x PP x CP = {trainer.model_parallel_size} must divide the {gpus} trainer GPUs",
+                "choose parallel sizes whose product divides the trainer's GPUs",
+            )
+        )
+    expert_group = (
+        trainer.expert_model_parallel_size
+        * trainer.expert_tensor_parallel_size
+        * trainer.pipeline_model_parallel_size
+    )
+    if gpus % expert_group:
+        issues.append(
+            ConfigIssue(
+                "trainer.expert_model_parallel_size",
+                trainer.expert_model_parallel_size,
+                f"EP x ETP x PP = {expert_group} must divide the {gpus} trainer GPUs",
+                "choose an expert-parallel size that divides the trainer's GPUs per stage",
+            )
+        )
+    if trainer.expert_model_parallel_size > 1 and not config.policy.is_moe:
+        issues.append(
+            ConfigIssue(
+                "trainer.expert_model_parallel_size",
+                trainer.expert_model_parallel_size,
+                "expert parallelism needs an MoE policy",
+                "set trainer.expert_model_parallel_size=1 or policy.is_moe=true",
+            )
+        )
+    return issues

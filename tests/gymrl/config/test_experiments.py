@@ -1,0 +1,100 @@
+"""Every shipped config composes and validates; typos in experiment files are named."""
+
+import shutil
+
+import pytest
+
+from gymrl.config.compose import CONFIG_DIR, compose_raw, experiment_names
+from gymrl.config.validate import gym_actor_configs, validate_config
+from nemo_gym_ext.config import ConfigError
+
+
+def test_the_shipped_experiments_exist():
+    assert {
+        "swe_bench_30b",
+        "math_1p5b",
+        "smoke",
+        "smoke_noncontiguous",
+        "truncation_ablation",
+    } <= set(experiment_names())
+
+
+@pytest.mark.parametrize("experiment", [None, *experiment_names()])
+def test_every_experiment_composes_and_validates(experiment):
+    overrides = [f"+experiment={experiment}"] if experiment else []
+    config = validate_config(compose_raw(overrides))
+    assert gym_actor_configs(config)
+
+
+def _truncation_by_shard(experiment):
+    config = validate_config(compose_raw([f"+experiment={experiment}"]))
+    return {
+        a.shard: a.postprocess.truncate_noncontiguous_episodes for a in gym_actor_configs(config)
+    }
+
+
+def test_swe_bench_30b_is_the_16_node_moe_recipe():
+    config = validate_config(compose_raw(["+experiment=swe_bench_30b"]))
+    assert config.policy.name == "Qwen3-30B-A3B" and config.policy.is_moe
+    assert (config.cluster.num_nodes, config.cluster.gpus_per_node) == (16, 8)
+    assert config.generation.backend == "sglang"
+    assert config.trainer.backend == "megatron"
+    assert config.trainer.tensor_model_parallel_size > 1
+    assert config.trainer.expert_model_parallel_size > 1
+    assert config.grpo.async_enabled
+    assert set(_truncation_by_shard("swe_bench_30b").values()) == {True}
+
+
+def test_math_1p5b_is_the_2_node_recipe_with_truncation():
+    config = validate_config(compose_raw(["+experiment=math_1p5b"]))
+    assert config.policy.name == "Qwen2.5-Math-1.5B"
+    assert config.cluster.total_gpus == 8
+    assert config.generation.backend == "sglang" and config.generation.num_engines == 4
+    assert set(_truncation_by_shard("math_1p5b").values()) == {True}
+
+
+def test_default_and_smoke_keep_truncation_off():
+    config = validate_config(compose_raw([]))
+    assert {a.postprocess.truncate_noncontiguous_episodes for a in gym_actor_configs(config)} == {
+        False
+    }
+    assert set(_truncation_by_shard("smoke").values()) == {False}
+    assert set(_truncation_by_shard("smoke_noncontiguous").values()) == {True}
+
+
+def test_default_is_the_embedded_cpu_run():
+    config = validate_config(compose_raw([]))
+    assert config.policy.source == "smollm2_wheel"
+    assert config.generation.backend == "torch" and config.trainer.backend == "torch"
+    assert config.cluster.total_gpus == 0
+
+
+@pytest.fixture
+def conf_copy(tmp_path):
+    target = tmp_path / "conf"
+    shutil.copytree(CONFIG_DIR, target)
+    return target
+
+
+def test_a_typo_inside_an_experiment_file_is_rejected_by_name(conf_copy):
+    (conf_copy / "experiment" / "typo.yaml").write_text(
+        "# @package _global_\n"
+        "trainer:\n  micro_batchsize: 2\n"
+        "env:\n  nemo_gym:\n    truncate_noncontigous_episodes: true\n"
+        "grpo:\n  num_step: 3\n"
+    )
+    raw = compose_raw(["+experiment=typo"], config_dir=conf_copy)
+    with pytest.raises(ConfigError) as raised:
+        validate_config(raw)
+    by_key = {issue.key: issue for issue in raised.value.issues}
+    assert set(by_key) == {
+        "trainer.micro_batchsize",
+        "env.nemo_gym.truncate_noncontigous_episodes",
+        "grpo.num_step",
+    }, "all errors of a config are reported at once"
+    assert by_key["trainer.micro_batchsize"].fix == "did you mean 'micro_batch_size'?"
+    assert by_key["grpo.num_step"].fix == "did you mean 'num_steps'?"
+    assert (
+        "truncate_noncontiguous_episodes"
+        in by_key["env.nemo_gym.truncate_noncontigous_episodes"].fix
+    )

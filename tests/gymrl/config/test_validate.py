@@ -1,0 +1,132 @@
+"""Cross-field validation: every issue carries the dotted key, the value and a fix."""
+
+import pytest
+
+from gymrl.config.compose import compose_raw
+from gymrl.config.validate import generation_gpus, trainer_gpus, validate_config
+from nemo_gym_ext.config import ConfigError
+
+
+def _issues(overrides):
+    with pytest.raises(ConfigError) as raised:
+        validate_config(compose_raw(overrides))
+    return {issue.key: issue for issue in raised.value.issues}
+
+
+def test_router_replay_with_truncation_is_refused_for_every_shard():
+    issues = _issues(["+experiment=swe_bench_30b", "policy.router_replay.enabled=true"])
+    (issue,) = issues.values()  # same key for both shards: one entry per shard in the list
+    assert issue.key == "policy.router_replay.enabled"
+    with pytest.raises(ConfigError) as raised:
+        validate_config(
+            compose_raw(["+experiment=swe_bench_30b", "policy.router_replay.enabled=true"])
+        )
+    shards = {"openhands", "mini_swe"}
+    assert {s for s in shards for i in raised.value.issues if f"'{s}'" in i.problem} == shards
+
+
+def test_router_replay_without_truncation_is_allowed():
+    config = validate_config(
+        compose_raw(
+            [
+                "+experiment=swe_bench_30b",
+                "policy.router_replay.enabled=true",
+                "env.nemo_gym.truncate_noncontiguous_episodes=false",
+            ]
+        )
+    )
+    assert config.policy.router_replay.enabled
+
+
+def test_receipt_mode_in_one_shard_is_refused_naming_that_shard():
+    issues = _issues(
+        [
+            "+experiment=swe_bench_30b",
+            "+env.nemo_gym.shards.mini_swe.token_capture.receipt_mode=true",
+        ]
+    )
+    assert set(issues) == {"env.nemo_gym[shard mini_swe].token_capture.receipt_mode"}
+
+
+def test_gym_guard_reports_alongside_unrelated_type_errors():
+    issues = _issues(
+        [
+            "+experiment=swe_bench_30b",
+            "policy.router_replay.enabled=true",
+            "grpo.num_steps=many",
+        ]
+    )
+    assert {"policy.router_replay.enabled", "grpo.num_steps"} <= set(issues)
+    assert issues["grpo.num_steps"].value == "many"
+
+
+def test_unknown_backend_names_the_choices():
+    issues = _issues(["generation.backend=vllm"])
+    issue = issues["generation.backend"]
+    assert issue.value == "vllm"
+    assert "torch" in issue.fix and "sglang" in issue.fix
+
+
+def test_gpu_budget_and_parallelism_are_checked():
+    issues = _issues(
+        [
+            "+experiment=swe_bench_30b",
+            "generation.num_engines=40",
+            "trainer.expert_model_parallel_size=6",
+        ]
+    )
+    assert "generation.num_engines" in issues
+    assert "160 GPUs, but the cluster has 128" in issues["generation.num_engines"].problem
+
+
+def test_megatron_needs_gpus():
+    issues = _issues(["trainer=megatron"])
+    assert issues["cluster.gpus_per_node"].value == 0
+
+
+def test_ep_must_divide_trainer_gpus():
+    issues = _issues(["+experiment=swe_bench_30b", "trainer.expert_model_parallel_size=48"])
+    assert (
+        "EP x ETP x PP = 48 must divide the 64 trainer GPUs"
+        in issues["trainer.expert_model_parallel_size"].problem
+    )
+
+
+def test_async_needs_importance_sampling():
+    issues = _issues(["loss.importance_sampling_correction=false"])
+    assert issues["loss.importance_sampling_correction"].fix.startswith(
+        "set loss.importance_sampling_correction=true"
+    )
+    config = validate_config(
+        compose_raw(["loss.importance_sampling_correction=false", "grpo.async_enabled=false"])
+    )
+    assert not config.grpo.async_enabled
+
+
+def test_agents_need_exactly_one_of_environment_or_url():
+    issues = _issues(["+env.nemo_gym.agents.calculator_agent.url=http://x"])
+    assert "env.nemo_gym.agents.calculator_agent" in issues
+
+
+def test_gpu_split_of_the_swe_recipe():
+    config = validate_config(compose_raw(["+experiment=swe_bench_30b"]))
+    assert generation_gpus(config) == 64
+    assert trainer_gpus(config) == 64
+
+
+def test_rendered_message_lists_key_value_and_fix():
+    with pytest.raises(ConfigError) as raised:
+        validate_config(compose_raw(["grpo.num_steps=0", "+trainer.optimizer.lrr=3"]))
+    text = str(raised.value)
+    assert "invalid config (2 problems)" in text
+    assert "grpo.num_steps = 0" in text
+    assert "trainer.optimizer.lrr = 3: unknown key" in text
+    assert "fix: did you mean 'lr'?" in text
+
+
+def test_missing_and_out_of_range_values_quote_the_field_description():
+    issues = _issues(["~grpo.num_steps", "generation.max_batch_size=0"])
+    assert issues["grpo.num_steps"].problem == "required key is missing"
+    assert "Optimizer steps of the run" in issues["grpo.num_steps"].fix
+    assert issues["generation.max_batch_size"].value == 0
+    assert "Rows decoded together" in issues["generation.max_batch_size"].fix

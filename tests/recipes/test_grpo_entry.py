@@ -1,0 +1,61 @@
+"""The entry point as a user runs it: `python recipes/grpo.py ...` in a subprocess."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_recipe(*overrides, tmp_path, check_modules=False):
+    """Run the recipe; with check_modules, also report whether torch or ray got imported."""
+    args = [*overrides, f"hydra.run.dir={tmp_path}"]
+    if check_modules:
+        code = (
+            "import runpy, sys\n"
+            f"sys.argv = ['recipes/grpo.py', *{args!r}]\n"
+            "try:\n    runpy.run_path('recipes/grpo.py', run_name='__main__')\n"
+            "finally:\n    print('HEAVY', sorted({'torch', 'ray'} & set(sys.modules)))\n"
+        )
+        command = [sys.executable, "-c", code]
+    else:
+        command = [sys.executable, "recipes/grpo.py", *args]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("experiment", ["swe_bench_30b", "math_1p5b"])
+def test_dry_run_prints_the_plan_and_starts_nothing(experiment, tmp_path):
+    done = run_recipe(
+        f"+experiment={experiment}", "dry_run=true", tmp_path=tmp_path, check_modules=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert "dry run: config valid, nothing started" in done.stdout
+    assert "truncate_noncontiguous_episodes=true" in done.stdout
+    assert "GPUs" in done.stdout and "gym shards" in done.stdout
+    assert "HEAVY []" in done.stdout, "a dry run must not import torch or ray"
+
+
+def test_swe_plan_names_gpus_per_role_and_shards(tmp_path):
+    done = run_recipe("+experiment=swe_bench_30b", "dry_run=true", tmp_path=tmp_path)
+    out = done.stdout
+    assert "Qwen3-30B-A3B" in out
+    assert "16 engine(s) x TP 4 (EP 4) = 64 GPUs" in out
+    assert "megatron: 64 GPUs, TP 4 x PP 1 x CP 2 -> DP 8, EP 8" in out
+    assert "openhands: truncate_noncontiguous_episodes=true" in out
+    assert "mini_swe: truncate_noncontiguous_episodes=true" in out
+
+
+def test_router_replay_with_truncation_is_refused_with_a_clear_message(tmp_path):
+    done = run_recipe(
+        "+experiment=swe_bench_30b",
+        "policy.router_replay.enabled=true",
+        "dry_run=true",
+        tmp_path=tmp_path,
+    )
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert "policy.router_replay.enabled = True" in done.stderr
+    assert "truncate_noncontiguous_episodes=true (shard 'openhands')" in done.stderr
+    assert "fix: set policy.router_replay.enabled=false" in done.stderr
