@@ -20,8 +20,11 @@ class RunningServer:
     _thread: threading.Thread
 
     def close(self, timeout_s: float = 10.0) -> None:
+        """Stop gracefully; connections still open after half the deadline are cut."""
         self._server.should_exit = True
-        self._thread.join(timeout_s)
+        self._thread.join(timeout_s / 2)
+        self._server.force_exit = True
+        self._thread.join(timeout_s / 2)
         if self._thread.is_alive():
             raise TimeoutError(f"server at {self.url} did not stop within {timeout_s} s")
 

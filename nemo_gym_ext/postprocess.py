@@ -74,8 +74,8 @@ def postprocess_gym_result(
     `vocab_size` enables the id range check; `decode` adds text to the divergence message.
     Neither `row` nor `result` is mutated.
     """
-    agent = _agent_name(row, result)
-    row_id = _row_id(row, result)
+    agent = agent_name_of(row, result)
+    row_id = row_id_of(row, result)
     full_result = dict(result)
     full_result[TRUNCATED_FLAG] = False
     full_result[DROPPED_TURNS_FIELD] = 0
@@ -289,16 +289,18 @@ def _seen_window(prompt: list[int], generation: list[int], start: int, stop: int
     return head + generation[tail_start:tail_stop]
 
 
-def _agent_name(row: Mapping[str, Any], result: Mapping[str, Any]) -> str:
-    for source in (result, row):
+def agent_name_of(row: Mapping[str, Any], result: Mapping[str, Any] | None = None) -> str:
+    """The agent of a result (or of a row): `agent_ref.name`, the result's first."""
+    for source in (result or {}, row):
         ref = source.get("agent_ref")
         if isinstance(ref, Mapping) and isinstance(ref.get("name"), str):
             return ref["name"]
     return "<unknown agent>"
 
 
-def _row_id(row: Mapping[str, Any], result: Mapping[str, Any]) -> str:
-    for source in (row, result):
+def row_id_of(row: Mapping[str, Any], result: Mapping[str, Any] | None = None) -> str:
+    """A row's identifier for messages: its `id`, `task_id` or `instance_id`."""
+    for source in (row, result or {}):
         for field in _ROW_ID_FIELDS:
             if field in source:
                 return str(source[field])

@@ -95,9 +95,18 @@ class ModelServerConfig(Strict):
     api_key: str = Field(default="gym-local", description="Bearer token Gym agents must send.")
 
 
+class SamplingConfig(Strict):
+    temperature: float = Field(
+        default=1.0, gt=0, description="Sampling temperature, stamped on every row so the "
+        "trainer recomputes log-probabilities at the temperature the sampler used.",
+    )
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass.")
+
+
 class TorchGenerationConfig(Strict):
     backend: Literal["torch"] = "torch"
     max_batch_size: int = Field(default=16, gt=0, description="Rows decoded together.")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     server: ModelServerConfig = Field(default_factory=ModelServerConfig)
 
 
@@ -117,6 +126,7 @@ class SGLangGenerationConfig(Strict):
     server_start_timeout_s: float = Field(
         default=900.0, gt=0, description="Deadline for an engine to become healthy."
     )
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     server: ModelServerConfig = Field(default_factory=ModelServerConfig)
 
     @property

@@ -1,0 +1,183 @@
+"""The Ray actors of async GRPO, each with one narrow job.
+
+* :class:`GenerationServer`: a generation engine behind the OpenAI-compatible policy model server
+  (the URL Gym agents call); refit in place with a weight version.
+* :class:`GymShard`: one Gym shard: starts its built-in environments (or points at remote agents)
+  and runs GRPO groups through :class:`nemo_gym_ext.rollout.RolloutCollector`, postprocessing each
+  result with the shard's own postprocess config.
+* :class:`PolicyTrainerActor`: the trainer (optimizer steps, weight export, checkpoints).
+* the replay buffer: `gymrl.replay_buffer.ReplayBuffer` as a threaded actor.
+
+Actors reserve no CPUs in Ray's scheduler (`num_cpus=0`): on a 2-core machine four actors could
+never be placed otherwise; each one bounds its own torch threads instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+from gymrl.algo.trajectory import Trajectory
+from gymrl.config.schema import (
+    LossConfig,
+    PolicyConfig,
+    RolloutConfig,
+    TorchGenerationConfig,
+    TorchTrainerConfig,
+)
+from gymrl.generation.torch_engine import TorchGenerationEngine
+from gymrl.model.loading import load_tokenizer
+from gymrl.policy import build_policy
+from gymrl.replay_buffer import ReplayBuffer
+from gymrl.trainer.torch_trainer import TorchPolicyTrainer
+from nemo_gym_ext.config import GymActorConfig
+from nemo_gym_ext.envs.registry import start_builtin_environment
+from nemo_gym_ext.http_server import serve_in_thread
+from nemo_gym_ext.model_server import create_model_server_app
+from nemo_gym_ext.rollout import GroupOutcome, RolloutCollector, RolloutSettings
+
+
+@ray.remote(num_cpus=0)
+class GenerationServer:
+    def __init__(
+        self,
+        policy: PolicyConfig,
+        generation: TorchGenerationConfig,
+        *,
+        seed: int,
+        torch_threads: int,
+    ):
+        torch.set_num_threads(torch_threads)
+        model, tokenizer = build_policy(policy, seed)
+        self._engine = TorchGenerationEngine(
+            model,
+            max_batch_size=generation.max_batch_size,
+            eos_token_ids=[tokenizer.eos_token_id],
+            seed=seed,
+        )
+        server = generation.server
+        app = create_model_server_app(
+            self._engine,
+            tokenizer,
+            model_name=policy.name,
+            api_key=server.api_key,
+            honor_prompt_token_ids=server.honor_prompt_token_ids,
+            default_max_tokens=server.max_tokens_per_turn,
+            max_context_tokens=policy.max_total_sequence_length,
+            request_timeout_s=server.request_timeout_s,
+            max_batch_size=generation.max_batch_size,
+        )
+        self._server = serve_in_thread(app)
+
+    def base_url(self) -> str:
+        """The OpenAI base URL agents use (`.../v1`)."""
+        return f"{self._server.url}/v1"
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> int:
+        self._engine.update_weights(state_dict, version)
+        return self._engine.weight_version
+
+    def close(self) -> None:
+        self._server.close()
+
+
+@ray.remote(num_cpus=0)
+class GymShard:
+    def __init__(
+        self,
+        actor_config: GymActorConfig,
+        rollout: RolloutConfig,
+        *,
+        policy_base_url: str,
+        policy_api_key: str,
+        policy_model: str,
+        tokenizer_folder: str,
+    ):
+        tokenizer = load_tokenizer(tokenizer_folder)
+        self._environments = []
+        agent_urls: dict[str, str] = {}
+        for name, spec in actor_config.gym_config["agents"].items():
+            if "url" in spec:
+                agent_urls[name] = str(spec["url"]).rstrip("/")
+                continue
+            environment = start_builtin_environment(
+                spec["environment"],
+                agent_name=name,
+                policy_base_url=policy_base_url,
+                policy_api_key=policy_api_key,
+                options={"policy_model": policy_model, **(spec.get("options") or {})},
+            )
+            self._environments.append(environment)
+            agent_urls[name] = environment.agent_url
+        self._collector = RolloutCollector(
+            agent_urls,
+            actor_config.postprocess,
+            RolloutSettings(
+                max_concurrent_rollouts=rollout.max_concurrent_rollouts,
+                run_timeout_s=rollout.run_timeout_s,
+                max_retries=rollout.max_retries,
+            ),
+            vocab_size=len(tokenizer),
+            decode=tokenizer.decode,
+        )
+
+    def agents(self) -> list[str]:
+        return self._collector.agents
+
+    async def run_group(self, row: dict[str, Any], num_episodes: int) -> GroupOutcome:
+        return await self._collector.run_group(row, num_episodes)
+
+    async def close(self) -> None:
+        await self._collector.aclose()
+        for environment in self._environments:
+            environment.close()
+
+
+@ray.remote(num_cpus=0)
+class PolicyTrainerActor:
+    def __init__(
+        self,
+        policy: PolicyConfig,
+        trainer: TorchTrainerConfig,
+        loss: LossConfig,
+        *,
+        seed: int,
+        temperature: float,
+        keep_last_checkpoints: int,
+        torch_threads: int,
+    ):
+        torch.set_num_threads(torch_threads)
+        torch.manual_seed(seed)
+        model, tokenizer = build_policy(policy, seed)
+        self._trainer = TorchPolicyTrainer(
+            model,
+            trainer,
+            loss,
+            temperature=temperature,
+            pad_token_id=tokenizer.pad_token_id
+            if tokenizer.pad_token_id is not None
+            else tokenizer.eos_token_id,
+            keep_last_checkpoints=keep_last_checkpoints,
+        )
+
+    def train_step(self, trajectories: list[Trajectory], advantages: torch.Tensor) -> dict:
+        return self._trainer.train_step(trajectories, advantages)
+
+    def export_weights(self) -> Mapping[str, torch.Tensor]:
+        return self._trainer.export_weights()
+
+    def weight_version(self) -> int:
+        return self._trainer.weight_version
+
+    def save_checkpoint(self, directory: str, step: int, data_state: dict) -> str:
+        return str(self._trainer.save_checkpoint(Path(directory), step, data_state))
+
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        return self._trainer.load_checkpoint(Path(path))
+
+
+ReplayBufferActor = ray.remote(num_cpus=0, max_concurrency=4)(ReplayBuffer)

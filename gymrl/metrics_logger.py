@@ -1,0 +1,127 @@
+"""One place every step's metrics go: W&B, `<output_dir>/metrics.jsonl` and the console.
+
+Sinks share one interface so the training loop never branches on "is W&B on": a disabled sink is
+simply absent. W&B runs offline by default (no account needed; `wandb sync <dir>` uploads later).
+Metric keys are API and documented in docs/metrics.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Protocol
+
+from tqdm import tqdm
+
+from gymrl.config.schema import LoggerConfig
+
+METRICS_FILENAME = "metrics.jsonl"
+
+
+class MetricsSink(Protocol):
+    def log(self, step: int, metrics: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonlSink:
+    """One JSON object per step with every logged key, appended and flushed at once."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = path.open("a", encoding="utf-8")
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        record = {"step": step, **{key: _jsonable(value) for key, value in metrics.items()}}
+        self._file.write(json.dumps(record, sort_keys=True) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class WandbSink:
+    def __init__(self, config: LoggerConfig, run_name: str, output_dir: Path, hparams: dict):
+        import wandb
+
+        os.environ.setdefault("WANDB_SILENT", "true")
+        self._run = wandb.init(
+            project=config.wandb.project,
+            entity=config.wandb.entity,
+            name=run_name,
+            mode=config.wandb.mode,
+            dir=str(output_dir),
+            config=hparams,
+            resume="allow",
+            id=_stable_run_id(output_dir),
+        )
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self._run.log(metrics, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class ProgressSink:
+    """A console progress bar over steps, showing the numbers a person watches."""
+
+    SHOWN = ("train/reward/mean", "train/loss", "timing/step_s")
+
+    def __init__(self, total_steps: int, first_step: int):
+        self._bar = tqdm(total=total_steps, initial=first_step, desc="grpo", unit="step")
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        shown = {
+            key.split("/", 1)[1]: f"{metrics[key]:.3g}" for key in self.SHOWN if key in metrics
+        }
+        self._bar.set_postfix(shown, refresh=False)
+        self._bar.update(1)
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+class MetricsLogger:
+    def __init__(self, sinks: list[MetricsSink]):
+        self._sinks = sinks
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        for sink in self._sinks:
+            sink.log(step, metrics)
+
+    def close(self) -> None:
+        for sink in self._sinks:
+            sink.close()
+
+
+def build_logger(
+    config: LoggerConfig,
+    *,
+    run_name: str,
+    output_dir: Path,
+    hparams: dict[str, Any],
+    total_steps: int,
+    first_step: int,
+) -> MetricsLogger:
+    sinks: list[MetricsSink] = []
+    if config.jsonl:
+        sinks.append(JsonlSink(output_dir / METRICS_FILENAME))
+    if config.wandb.mode != "disabled":
+        sinks.append(WandbSink(config, run_name, output_dir, hparams))
+    if config.progress_bar:
+        sinks.append(ProgressSink(total_steps, first_step))
+    return MetricsLogger(sinks)
+
+
+def _stable_run_id(output_dir: Path) -> str:
+    """The same output folder resumes the same W&B run."""
+    return hashlib.sha1(str(output_dir.resolve()).encode()).hexdigest()[:16]
+
+
+def _jsonable(value: float) -> float | None:
+    number = float(value)
+    return number if math.isfinite(number) else None

@@ -1,0 +1,52 @@
+"""Build the policy model and tokenizer a config names, the same way in every process.
+
+The trainer and the generation engine each build their own copy; the loop then refits the engine
+from the trainer (so a resumed run generates with the checkpoint's weights, not the initial ones).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from gymrl.config.schema import PolicyConfig
+from gymrl.model.loading import (
+    build_tiny_llama,
+    ensure_smollm2_checkpoint,
+    load_pretrained,
+    load_tokenizer,
+)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def tokenizer_folder(policy: PolicyConfig) -> str:
+    """The folder (or hub id) holding the tokenizer; converts the embedded model on first use."""
+    if policy.source == "pretrained":
+        assert policy.path is not None  # enforced by validation
+        return policy.path
+    return str(ensure_smollm2_checkpoint(Path(policy.model_cache_dir)))
+
+
+def build_policy(
+    policy: PolicyConfig, seed: int
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    folder = tokenizer_folder(policy)
+    tokenizer = load_tokenizer(folder)
+    dtype = DTYPES[policy.dtype]
+    if policy.source == "tiny_random":
+        tiny = policy.tiny
+        model = build_tiny_llama(
+            tokenizer,
+            hidden_size=tiny.hidden_size,
+            num_layers=tiny.num_layers,
+            num_heads=tiny.num_heads,
+            intermediate_size=tiny.intermediate_size,
+            seed=seed,
+            dtype=dtype,
+        )
+    else:
+        model = load_pretrained(folder, dtype)
+    return model, tokenizer

@@ -1,0 +1,127 @@
+"""Rollout collection: post rows to Gym agents, postprocess each result, group them for GRPO.
+
+One GRPO group is `n` episodes of the same row (same agent, same task). Each episode is one
+`POST {agent_url}/run` with a deadline. Transport failures (connection errors, timeouts, 5xx) are
+retried a bounded number of times; what still fails is reported with its cause so the caller can
+count it against the run's failure budget. A result that cannot be trained on (a contiguity
+error with truncation off, a malformed result with `on_malformed_result=raise`) is not retried:
+it is a property of the pipeline, not a transient fault, and the run should stop on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from nemo_gym_ext.config import NemoGymPostprocessConfig
+from nemo_gym_ext.postprocess import Decode, agent_name_of, postprocess_gym_result, row_id_of
+
+
+class UnknownAgentError(ValueError):
+    """A row names an agent that no shard serves."""
+
+
+@dataclass
+class GroupOutcome:
+    """What came back for one row: postprocessed episodes, and the causes of those that failed."""
+
+    row_id: str
+    agent: str
+    episodes: list[dict[str, Any]] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    retries: int = 0
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    max_concurrent_rollouts: int
+    run_timeout_s: float
+    max_retries: int
+
+
+class RolloutCollector:
+    """Runs GRPO groups against the agents of one Gym shard."""
+
+    def __init__(
+        self,
+        agent_urls: Mapping[str, str],
+        postprocess: NemoGymPostprocessConfig,
+        settings: RolloutSettings,
+        *,
+        vocab_size: int | None = None,
+        decode: Decode | None = None,
+    ):
+        self._agent_urls = dict(agent_urls)
+        self._postprocess = postprocess
+        self._settings = settings
+        self._vocab_size = vocab_size
+        self._decode = decode
+        self._slots = asyncio.Semaphore(settings.max_concurrent_rollouts)
+        self._client = httpx.AsyncClient(
+            timeout=httpx.Timeout(settings.run_timeout_s, connect=10.0),
+            limits=httpx.Limits(max_connections=settings.max_concurrent_rollouts),
+        )
+
+    @property
+    def agents(self) -> list[str]:
+        return sorted(self._agent_urls)
+
+    async def run_group(self, row: Mapping[str, Any], num_episodes: int) -> GroupOutcome:
+        agent = agent_name_of(row)
+        if agent not in self._agent_urls:
+            raise UnknownAgentError(
+                f"row {row_id_of(row)!r} names agent {agent!r}, which this shard does not serve; "
+                f"served: {self.agents}. Fix the row's agent_ref.name or env.nemo_gym.agents."
+            )
+        outcome = GroupOutcome(row_id=row_id_of(row), agent=agent)
+        results = await asyncio.gather(
+            *(self._run_episode(row, agent, outcome) for _ in range(num_episodes))
+        )
+        outcome.episodes = [result for result in results if result is not None]
+        return outcome
+
+    async def _run_episode(
+        self, row: Mapping[str, Any], agent: str, outcome: GroupOutcome
+    ) -> dict[str, Any] | None:
+        url = f"{self._agent_urls[agent]}/run"
+        cause = ""
+        for attempt in range(self._settings.max_retries + 1):
+            if attempt:
+                outcome.retries += 1
+            try:
+                async with self._slots:
+                    result = await self._post(url, row)
+            except (httpx.TransportError, httpx.HTTPStatusError, TimeoutError, ValueError) as error:
+                cause = f"{type(error).__name__}: {error}"
+                continue
+            # Contiguity and malformed-result errors propagate: retrying would hide them.
+            return postprocess_gym_result(
+                row, result, self._postprocess, vocab_size=self._vocab_size, decode=self._decode
+            )
+        outcome.failures.append(
+            f"agent {agent!r} row {outcome.row_id!r} failed after "
+            f"{self._settings.max_retries + 1} attempts: {cause}"
+        )
+        return None
+
+    async def _post(self, url: str, row: Mapping[str, Any]) -> dict[str, Any]:
+        async with asyncio.timeout(self._settings.run_timeout_s):
+            response = await self._client.post(url, json=dict(row))
+        if response.status_code >= 400:
+            detail = response.text[:500]
+            if response.status_code < 500:
+                raise RuntimeError(
+                    f"agent at {url} rejected the row ({response.status_code}): {detail}"
+                )
+            response.raise_for_status()
+        result = response.json()
+        if not isinstance(result, dict):
+            raise ValueError(f"agent at {url} returned {type(result).__name__}, not an object")
+        return result
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
