@@ -1,0 +1,118 @@
+"""Checkpoint round trip with a tiny tied-weight model and AdamW, pruning, and partial saves."""
+
+import json
+import random
+
+import pytest
+import torch
+
+from gymrl.checkpoint import COMPLETE_MARKER, latest_checkpoint, load_checkpoint, save_checkpoint
+
+
+class TinyLM(torch.nn.Module):
+    """Embedding tied to the output head, like SmolLM2: safetensors must handle shared storage."""
+
+    def __init__(self, seed):
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.embed = torch.nn.Embedding(10, 4)
+        self.mix = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight
+        with torch.no_grad():
+            for parameter in self.parameters():
+                parameter.copy_(torch.randn(parameter.shape, generator=generator))
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.mix(self.embed(ids))))
+
+
+def _trained(seed):
+    model = TinyLM(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.tensor([[1, 2, 3]])).logsumexp(-1).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def _save(directory, step, model, optimizer, keep_last=3, data_state=None):
+    return save_checkpoint(
+        directory,
+        step,
+        model,
+        optimizer,
+        data_state=data_state if data_state is not None else {"epoch": 1, "index": step},
+        extra={"seed": 7},
+        weight_version=step,
+        keep_last=keep_last,
+    )
+
+
+def test_round_trip_restores_weights_optimizer_counters_and_rng(tmp_path):
+    model, optimizer = _trained(seed=0)
+    path = _save(tmp_path, 5, model, optimizer, data_state={"epoch": 2, "order": [3, 1, 2]})
+    assert path == tmp_path / "step_5"
+    expected_python, expected_torch = random.random(), torch.rand(3)
+
+    fresh_model, fresh_optimizer = _trained(seed=1)
+    state = load_checkpoint(path, fresh_model, fresh_optimizer)
+
+    assert state == {
+        "step": 5,
+        "weight_version": 5,
+        "data_state": {"epoch": 2, "order": [3, 1, 2]},
+        "extra": {"seed": 7},
+    }
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(fresh_model.state_dict()[name], tensor, rtol=0, atol=0)
+    assert fresh_model.head.weight is fresh_model.embed.weight
+    saved, loaded = optimizer.state_dict(), fresh_optimizer.state_dict()
+    assert saved["param_groups"] == loaded["param_groups"]
+    for index, slots in saved["state"].items():
+        for key, value in slots.items():
+            torch.testing.assert_close(loaded["state"][index][key], value, rtol=0, atol=0)
+    # RNG states are those at save time: the same draws come again.
+    assert random.random() == expected_python
+    torch.testing.assert_close(torch.rand(3), expected_torch, rtol=0, atol=0)
+
+
+def test_keep_last_prunes_older_checkpoints(tmp_path):
+    model, optimizer = _trained(seed=0)
+    for step in (1, 2, 3, 4):
+        _save(tmp_path, step, model, optimizer, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_3", "step_4"]
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_4"
+
+
+def test_partial_checkpoints_are_ignored_and_leftovers_cleaned(tmp_path):
+    model, optimizer = _trained(seed=0)
+    _save(tmp_path, 4, model, optimizer)
+    partial = tmp_path / "step_9"
+    partial.mkdir()
+    (partial / "trainer_state.json").write_text("{}")
+    leftover = tmp_path / ".tmp-step_10-abc"
+    leftover.mkdir()
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_4"
+    with pytest.raises(FileNotFoundError, match=f"no {COMPLETE_MARKER} marker"):
+        load_checkpoint(partial, model, optimizer)
+    _save(tmp_path, 5, model, optimizer)
+    assert not leftover.exists()
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_5"
+
+
+def test_saving_an_existing_step_replaces_it(tmp_path):
+    model, optimizer = _trained(seed=0)
+    _save(tmp_path, 3, model, optimizer, data_state={"index": 1})
+    _save(tmp_path, 3, model, optimizer, data_state={"index": 2})
+    state = json.loads((tmp_path / "step_3" / "trainer_state.json").read_text())
+    assert state["data_state"] == {"index": 2}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_3"]
+
+
+def test_no_checkpoint_and_unserialisable_state(tmp_path):
+    assert latest_checkpoint(tmp_path / "missing") is None
+    assert latest_checkpoint(tmp_path) is None
+    model, optimizer = _trained(seed=0)
+    with pytest.raises(ValueError, match="data_state must be JSON-serialisable"):
+        _save(tmp_path, 1, model, optimizer, data_state={"position": torch.tensor(3)})
+    assert list(tmp_path.iterdir()) == []
