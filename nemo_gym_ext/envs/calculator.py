@@ -1,0 +1,127 @@
+"""Calculator: small arithmetic word problems, with a `calculator(expression)` tool.
+
+The problems are one- or two-step sums, differences and products of small integers with
+non-negative answers, easy enough that an untrained 135M instruct model sometimes gets them right,
+so GRPO sees reward variance from the first step. The model may call the calculator (evaluated by
+the safe parser in :mod:`nemo_gym_ext.envs.tools`) any number of times; the episode ends when it
+replies without a tool call.
+
+Reward: 1.0 when the final assistant text (the text after the last tool output) contains the
+expected answer as a number (`42`, `42.0`; signs are ignored, answers are never negative),
+otherwise 0.0.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from nemo_gym_ext.envs.resources import (
+    EnvironmentSpec,
+    SampledTask,
+    Tool,
+    ToolReply,
+    UserReply,
+    VerifierFields,
+)
+from nemo_gym_ext.envs.tools import ExpressionError, evaluate_expression, format_number
+from nemo_gym_ext.wire import final_assistant_text
+
+SYSTEM_PROMPT = (
+    "You are a careful math assistant. You may call the calculator tool with an arithmetic "
+    "expression to compute exactly. When you know the result, reply with the final answer as a "
+    "number."
+)
+_NAMES = ("Ana", "Ben", "Chen", "Dara", "Eli", "Fay")
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
+
+
+class CalculatorTask(BaseModel):
+    """Task fields of a calculator row."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    question: str
+    expected_answer: str = Field(pattern=r"^\d+$", description="A non-negative integer.")
+
+
+@dataclass
+class CalculatorState:
+    expected_answer: int
+
+
+class CalculatorArguments(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    expression: str = Field(
+        description="Arithmetic expression with numbers, + - * / // % ** and parentheses, "
+        "e.g. (12 + 7) * 3"
+    )
+
+
+def _calculate(state: CalculatorState, arguments: CalculatorArguments) -> ToolReply:
+    try:
+        return ToolReply(format_number(evaluate_expression(arguments.expression)))
+    except ExpressionError as error:
+        return ToolReply(f"Error: {error}")
+
+
+def _reply_to_text(state: CalculatorState, text: str) -> UserReply:
+    """An answer without a tool call is the final answer."""
+    return UserReply(content=None, done=True)
+
+
+def _verify(state: CalculatorState, output: list[dict]) -> VerifierFields:
+    numbers = _NUMBER.findall(final_assistant_text(output))
+    correct = any(float(number) == state.expected_answer for number in numbers)
+    return {"reward": 1.0 if correct else 0.0}
+
+
+def _sample_task(rng: random.Random) -> SampledTask:
+    name = rng.choice(_NAMES)
+    a, b, c = rng.randint(2, 30), rng.randint(2, 30), rng.randint(2, 9)
+    small_a, small_b = rng.randint(2, 12), rng.randint(2, 12)
+    high, low = max(a, b), min(a, b)
+    lost = min(c, small_a * small_b - 1)
+    problems = [
+        (f"What is {a} + {b}?", a + b),
+        (f"What is {high} - {low}?", high - low),
+        (f"What is {small_a} * {small_b}?", small_a * small_b),
+        (f"{name} has {a} apples and buys {b} more. How many apples does {name} have now?", a + b),
+        (f"{name} has {high} marbles and gives away {low}. How many marbles are left?", high - low),
+        (f"What is ({a} + {b}) * {c}?", (a + b) * c),
+        (
+            f"{name} buys {small_a} boxes with {small_b} pencils in each box, then loses {lost} "
+            "pencils. How many pencils are left?",
+            small_a * small_b - lost,
+        ),
+        (
+            f"{name} has {a} coins, finds {b} more, then spends {low}. How many coins are left?",
+            a + b - low,
+        ),
+    ]
+    question, answer = rng.choice(problems)
+    fields = {"question": question, "expected_answer": str(answer)}
+    return SampledTask(prompt=question, fields=fields)
+
+
+CALCULATOR = EnvironmentSpec[CalculatorState](
+    name="calculator",
+    system_prompt=SYSTEM_PROMPT,
+    task=CalculatorTask,
+    start=lambda task: CalculatorState(expected_answer=int(task.expected_answer)),
+    tools=(
+        Tool(
+            name="calculator",
+            description="Evaluate an arithmetic expression and return its value.",
+            arguments=CalculatorArguments,
+            call=_calculate,
+        ),
+    ),
+    reply_to_text=_reply_to_text,
+    verify=_verify,
+    sample_task=_sample_task,
+)

@@ -1,0 +1,593 @@
+"""The policy model server: OpenAI chat completions in front of a token-in/token-out engine.
+
+NeMo-Gym agents call the policy through its `vllm_model` adapter, which posts non-streaming
+`{base_url}/chat/completions` requests (users set `base_url` to `http://host:port/v1`, so only the
+`/v1` routes exist) and reads the token bundle (`prompt_token_ids`, `generation_token_ids`,
+`generation_log_probs`) from `choices[0].message`. This server:
+
+* renders messages and tools to ChatML token ids (:mod:`nemo_gym_ext.chat_format`), keeping the
+  exact ids clients send back on earlier assistant turns (the on-policy prefix fix) when
+  `honor_prompt_token_ids` is set;
+* batches requests from many concurrent clients into single `engine.generate` calls on a
+  background thread (:class:`RequestBatcher`), since an engine decodes a batch for about the cost
+  of one request;
+* parses `<tool_call>` blocks into `message.tool_calls` and answers a full OpenAI
+  `ChatCompletion`, plus two extras on the message: the token bundle and `weight_version` (the
+  engine's weight version that produced the answer, so rollouts can be aged in the replay buffer).
+
+Errors use OpenAI's `{"error": {"message", "type", "param", "code"}}` shape. A prompt that leaves
+no room in the context is a 400 whose message contains "maximum context length", which the
+`vllm_model` adapter turns into an empty `finish_reason: "length"` answer (the episode ends).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from fastapi import Depends, FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from transformers import PreTrainedTokenizerBase
+
+from gymrl.generation.types import (
+    GenerationEngine,
+    GenerationOutput,
+    GenerationRequest,
+    SamplingParams,
+)
+from nemo_gym_ext.chat_format import (
+    ChatFormatError,
+    ChatMessage,
+    ChatMLFormat,
+    PromptTokens,
+    ToolCall,
+    ToolSpec,
+    build_prompt_token_ids,
+    parse_generation,
+)
+
+_OWNER = "gym-grpo-recipes"
+_MAX_REPORTED_ERRORS = 5
+_MAX_REPORTED_VALUE_CHARS = 80
+
+
+# ---------------------------------------------------------------------------------------------
+# Wire models
+# ---------------------------------------------------------------------------------------------
+
+
+class ChatCompletionRequest(BaseModel):
+    """A non-streaming chat completion request.
+
+    Fields OpenAI clients commonly send are declared (and checked where this server cannot honour
+    them: `stream`, `n`, `top_logprobs`, `stop`, `tool_choice`); any other field is ignored.
+    `parallel_tool_calls` is accepted and not enforced: every parsed tool call is returned.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolSpec] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    seed: int | None = None
+    n: int = 1
+    stream: bool = False
+    stop: str | list[str] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    return_tokens_as_token_ids: bool = False
+
+    @field_validator("temperature", "top_p", "n", "stream", "logprobs", mode="before")
+    @classmethod
+    def _null_means_default(cls, value: Any, info: ValidationInfo) -> Any:
+        return cls.model_fields[info.field_name].default if value is None else value
+
+    @field_validator("stream")
+    @classmethod
+    def _no_streaming(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("stream=true is not supported; send stream=false (or leave it out)")
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError(f"n={value} is not supported; send n=1 and one request per sample")
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_alternatives(cls, value: int | None) -> int | None:
+        if value:
+            raise ValueError(
+                f"top_logprobs={value} is not supported; only the sampled token's log-probability "
+                "is returned, so send top_logprobs=0"
+            )
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _no_stop_strings(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if value:
+            raise ValueError(
+                f"stop={value!r} is not supported; generation stops at <|im_end|> (the end of the "
+                "assistant turn); leave `stop` out"
+            )
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _auto_tool_choice(cls, value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        if value not in (None, "auto"):
+            raise ValueError(
+                f"tool_choice={value!r} is not supported; the model decides whether to call a "
+                "tool, so send tool_choice='auto' or leave it out"
+            )
+        return value
+
+
+class AssistantMessage(BaseModel):
+    """`choices[0].message`: OpenAI's assistant message plus the token bundle and weight version.
+
+    `weight_version` is the engine's weight version that generated the answer (a project extra;
+    OpenAI clients ignore it).
+    """
+
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    tool_calls: list[ToolCall] | None
+    prompt_token_ids: list[int]
+    generation_token_ids: list[int]
+    generation_log_probs: list[float]
+    weight_version: int
+
+
+class TokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[Any] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class Choice(BaseModel):
+    index: int
+    finish_reason: Literal["stop", "length", "tool_calls"]
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ---------------------------------------------------------------------------------------------
+# Batching
+# ---------------------------------------------------------------------------------------------
+
+
+class GenerationTimeoutError(TimeoutError):
+    """A request's generation did not finish within the server's request timeout."""
+
+
+class ServerNotRunningError(RuntimeError):
+    """A request reached the batcher before its start or after its shutdown."""
+
+
+@dataclass
+class _Pending:
+    request: GenerationRequest
+    future: Future[GenerationOutput]
+
+
+_STOP = object()
+
+
+class RequestBatcher:
+    """Gathers generation requests from many callers into batched `engine.generate` calls.
+
+    One background thread takes the first waiting request, keeps collecting for up to
+    `max_wait_s` or until `max_batch_size`, then calls the (blocking) engine once and resolves
+    each caller's future. Requests that arrive while the engine runs queue up and form the next
+    batch. A caller that gave up (its future cancelled before the batch started) is skipped.
+    """
+
+    def __init__(self, engine: GenerationEngine, *, max_batch_size: int, max_wait_s: float):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
+        if max_wait_s < 0:
+            raise ValueError(f"max_wait_s={max_wait_s} must be >= 0")
+        self._engine = engine
+        self._max_batch_size = max_batch_size
+        self._max_wait_s = max_wait_s
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._lock = threading.Lock()
+        self._accepting = False
+        self._thread = threading.Thread(target=self._run, name="model-server-batcher", daemon=True)
+
+    def start(self) -> None:
+        with self._lock:
+            if self._thread.is_alive() or self._thread.ident is not None:
+                raise RuntimeError("RequestBatcher.start() called twice; create a new batcher")
+            self._accepting = True
+            self._thread.start()
+
+    def submit(self, request: GenerationRequest) -> Future[GenerationOutput]:
+        future: Future[GenerationOutput] = Future()
+        with self._lock:
+            if not self._accepting:
+                raise ServerNotRunningError(
+                    "the model server is not running (its lifespan has not started or has ended)"
+                )
+            self._queue.put(_Pending(request, future))
+        return future
+
+    async def generate(self, request: GenerationRequest, *, timeout_s: float) -> GenerationOutput:
+        """Submit `request` and await its output; :class:`GenerationTimeoutError` after timeout."""
+        future = self.submit(request)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
+        except TimeoutError as error:
+            raise GenerationTimeoutError(
+                f"generation did not finish within request_timeout_s={timeout_s} s (the engine is "
+                "overloaded or stalled); retry later, lower max_tokens, or raise the server's "
+                "request_timeout_s"
+            ) from error
+
+    def close(self, timeout_s: float) -> None:
+        """Stop accepting, let the running batch finish, fail whatever is still queued."""
+        with self._lock:
+            was_accepting, self._accepting = self._accepting, False
+            if was_accepting:
+                self._queue.put(_STOP)
+        if self._thread.ident is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                raise TimeoutError(
+                    f"the batching thread did not stop within {timeout_s} s (engine.generate is "
+                    "still running)"
+                )
+        self._fail_queued()
+
+    def _run(self) -> None:
+        while True:
+            # No timeout needed: close() always enqueues _STOP, which ends this wait.
+            first = self._queue.get()
+            if first is _STOP:
+                return
+            batch, stop = self._collect(first)
+            self._run_batch(batch)
+            if stop:
+                return
+
+    def _collect(self, first: _Pending) -> tuple[list[_Pending], bool]:
+        batch = [first]
+        deadline = time.monotonic() + self._max_wait_s
+        while len(batch) < self._max_batch_size:
+            remaining = deadline - time.monotonic()
+            try:
+                item = (
+                    self._queue.get(timeout=remaining)
+                    if remaining > 0
+                    else self._queue.get_nowait()
+                )
+            except queue.Empty:
+                break
+            if item is _STOP:
+                return batch, True
+            batch.append(item)
+        return batch, False
+
+    def _run_batch(self, batch: list[_Pending]) -> None:
+        live = [pending for pending in batch if pending.future.set_running_or_notify_cancel()]
+        if not live:
+            return
+        try:
+            outputs = self._engine.generate([pending.request for pending in live])
+            if len(outputs) != len(live):
+                raise RuntimeError(
+                    f"engine.generate returned {len(outputs)} outputs for {len(live)} requests"
+                )
+        except Exception as error:
+            for pending in live:
+                pending.future.set_exception(error)
+            return
+        for pending, output in zip(live, outputs, strict=True):
+            pending.future.set_result(output)
+
+    def _fail_queued(self) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not _STOP and item.future.set_running_or_notify_cancel():
+                item.future.set_exception(ServerNotRunningError("the model server shut down"))
+
+
+# ---------------------------------------------------------------------------------------------
+# The app
+# ---------------------------------------------------------------------------------------------
+
+
+class _ApiError(Exception):
+    def __init__(self, status: int, message: str, *, error_type: str, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.error_type = error_type
+        self.param = param
+
+
+def _error_response(status: int, message: str, error_type: str, param: str | None) -> JSONResponse:
+    body = {"error": {"message": message, "type": error_type, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+def _describe_validation_error(error: RequestValidationError) -> str:
+    problems = []
+    for detail in error.errors()[:_MAX_REPORTED_ERRORS]:
+        location = ".".join(str(part) for part in detail["loc"] if part != "body") or "body"
+        value = detail.get("input")
+        shown = ""
+        if (
+            isinstance(value, str | int | float | bool)
+            and len(repr(value)) <= _MAX_REPORTED_VALUE_CHARS
+        ):
+            shown = f" (got {value!r})"
+        problems.append(f"{location}: {detail['msg']}{shown}")
+    more = len(error.errors()) - _MAX_REPORTED_ERRORS
+    suffix = f"; and {more} more" if more > 0 else ""
+    return "invalid request: " + "; ".join(problems) + suffix
+
+
+def create_model_server_app(
+    engine: GenerationEngine,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    model_name: str,
+    api_key: str | None,
+    honor_prompt_token_ids: bool,
+    default_max_tokens: int,
+    max_context_tokens: int,
+    request_timeout_s: float,
+    max_batch_size: int = 64,
+    batch_wait_s: float = 0.005,
+    shutdown_timeout_s: float = 30.0,
+) -> FastAPI:
+    """An OpenAI-compatible policy server over `engine` (see the module docstring).
+
+    The batching thread starts and stops with the app's lifespan, so serve it with lifespan on
+    (`nemo_gym_ext.http_server.serve_in_thread` does). `max_batch_size` and `batch_wait_s` bound
+    one engine batch; `shutdown_timeout_s` bounds the wait for a running batch at shutdown.
+    """
+    for name, value, minimum in (
+        ("default_max_tokens", default_max_tokens, 1),
+        ("max_context_tokens", max_context_tokens, 2),
+    ):
+        if value < minimum:
+            raise ValueError(f"{name}={value} must be >= {minimum}")
+    if request_timeout_s <= 0:
+        raise ValueError(f"request_timeout_s={request_timeout_s} must be > 0 seconds")
+
+    chat_format = ChatMLFormat(tokenizer)
+    batcher = RequestBatcher(engine, max_batch_size=max_batch_size, max_wait_s=batch_wait_s)
+    # One worker: rendering and tokenising stay off the event loop, and the tokenizer is only ever
+    # used from one thread.
+    render_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-server-render")
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        batcher.start()
+        try:
+            yield
+        finally:
+            batcher.close(shutdown_timeout_s)
+            render_pool.shutdown(wait=True, cancel_futures=True)
+
+    dependencies = [] if api_key is None else [Depends(_bearer_check(api_key))]
+    app = FastAPI(title=f"policy model server ({model_name})", lifespan=lifespan)
+
+    @app.exception_handler(_ApiError)
+    async def _on_api_error(_request: Request, error: _ApiError) -> JSONResponse:
+        return _error_response(error.status, error.message, error.error_type, error.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _on_invalid_request(_request: Request, error: RequestValidationError) -> JSONResponse:
+        return _error_response(
+            400, _describe_validation_error(error), "invalid_request_error", None
+        )
+
+    @app.get("/v1/models", response_model=ModelList, dependencies=dependencies)
+    async def list_models() -> ModelList:
+        card = ModelCard(
+            id=model_name, created=created, owned_by=_OWNER, max_model_len=max_context_tokens
+        )
+        return ModelList(data=[card])
+
+    @app.post(
+        "/v1/chat/completions", response_model=ChatCompletionResponse, dependencies=dependencies
+    )
+    async def chat_completions(body: ChatCompletionRequest) -> Response:
+        if body.model is not None and body.model != model_name:
+            raise _ApiError(
+                404,
+                f"model {body.model!r} is not served here; this server serves {model_name!r} "
+                "(set the client's `model` to it)",
+                error_type="not_found_error",
+                param="model",
+            )
+        loop = asyncio.get_running_loop()
+        try:
+            prompt = await loop.run_in_executor(
+                render_pool,
+                lambda: build_prompt_token_ids(
+                    body.messages,
+                    body.tools,
+                    chat_format,
+                    honor_prompt_token_ids=honor_prompt_token_ids,
+                ),
+            )
+        except ChatFormatError as error:
+            raise _ApiError(
+                400, str(error), error_type="invalid_request_error", param=error.param
+            ) from error
+        request = GenerationRequest(
+            prompt_token_ids=prompt.token_ids,
+            params=SamplingParams(
+                max_new_tokens=_max_new_tokens(
+                    body, len(prompt.token_ids), default_max_tokens, max_context_tokens
+                ),
+                temperature=body.temperature,
+                top_p=body.top_p,
+                stop_token_ids=(chat_format.end_of_turn_id,),
+                seed=body.seed,
+            ),
+        )
+        try:
+            output = await batcher.generate(request, timeout_s=request_timeout_s)
+        except GenerationTimeoutError as error:
+            raise _ApiError(504, str(error), error_type="timeout_error") from error
+        except ServerNotRunningError as error:
+            raise _ApiError(503, str(error), error_type="service_unavailable_error") from error
+        except Exception as error:
+            raise _ApiError(
+                500,
+                f"engine.generate failed: {type(error).__name__}: {error}",
+                error_type="server_error",
+            ) from error
+        answer = await loop.run_in_executor(
+            render_pool, lambda: _build_response(body, prompt, output, chat_format, model_name)
+        )
+        return Response(content=answer.model_dump_json(), media_type="application/json")
+
+    return app
+
+
+def _bearer_check(api_key: str):
+    expected = f"Bearer {api_key}".encode()
+
+    async def check(authorization: str | None = Header(default=None)) -> None:
+        if authorization is None or not secrets.compare_digest(authorization.encode(), expected):
+            raise _ApiError(
+                401,
+                "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the "
+                "key this server was started with",
+                error_type="authentication_error",
+            )
+
+    return check
+
+
+def _max_new_tokens(
+    body: ChatCompletionRequest, prompt_len: int, default_max_tokens: int, max_context_tokens: int
+) -> int:
+    room = max_context_tokens - prompt_len
+    if room < 1:
+        raise _ApiError(
+            400,
+            f"This model's maximum context length is {max_context_tokens} tokens, but the prompt "
+            f"is {prompt_len} tokens long, which leaves no room to generate; shorten the "
+            "conversation or raise the server's max_context_tokens",
+            error_type="invalid_request_error",
+            param="messages",
+        )
+    requested = body.max_tokens or body.max_completion_tokens or default_max_tokens
+    return min(requested, room)
+
+
+def _build_response(
+    body: ChatCompletionRequest,
+    prompt: PromptTokens,
+    output: GenerationOutput,
+    chat_format: ChatMLFormat,
+    model_name: str,
+) -> ChatCompletionResponse:
+    parsed = parse_generation(chat_format.decode(output.token_ids))
+    finish_reason = "tool_calls" if parsed.tool_calls else output.finish_reason
+    message = AssistantMessage(
+        content=parsed.content,
+        tool_calls=parsed.tool_calls or None,
+        prompt_token_ids=prompt.token_ids,
+        generation_token_ids=output.token_ids,
+        generation_log_probs=output.logprobs,
+        weight_version=output.weight_version,
+    )
+    logprobs = (
+        ChoiceLogprobs(content=_token_logprobs(body, output, chat_format))
+        if body.logprobs
+        else None
+    )
+    completion_tokens = len(output.token_ids)
+    return ChatCompletionResponse(
+        id=f"chatcmpl-{uuid.uuid4().hex}",
+        created=int(time.time()),
+        model=model_name,
+        choices=[Choice(index=0, finish_reason=finish_reason, message=message, logprobs=logprobs)],
+        usage=Usage(
+            prompt_tokens=len(prompt.token_ids),
+            completion_tokens=completion_tokens,
+            total_tokens=len(prompt.token_ids) + completion_tokens,
+        ),
+    )
+
+
+def _token_logprobs(
+    body: ChatCompletionRequest, output: GenerationOutput, chat_format: ChatMLFormat
+) -> list[TokenLogprob]:
+    """OpenAI's per-token entries; `token_id:<id>` strings under `return_tokens_as_token_ids`."""
+    tokens: Sequence[str]
+    if body.return_tokens_as_token_ids:
+        tokens = [f"token_id:{token_id}" for token_id in output.token_ids]
+    else:
+        tokens = chat_format.tokenizer.batch_decode([[token_id] for token_id in output.token_ids])
+    return [
+        TokenLogprob(token=token, logprob=logprob)
+        for token, logprob in zip(tokens, output.logprobs, strict=True)
+    ]

@@ -1,0 +1,102 @@
+"""The guess_number environment: multi-turn episodes over HTTP."""
+
+import json
+import random
+
+from scripted_policy_server import Reply, call, scripted, text
+
+from nemo_gym_ext.envs.registry import make_rows
+from nemo_gym_ext.wire import Row
+
+
+def guess_row(secret: int) -> dict:
+    return make_rows("guess_number", 1, seed=0)[0] | {"secret": secret}
+
+
+def binary_search(body: dict) -> Reply:
+    """A policy that follows the hints: it reads its earlier guesses and their answers."""
+    low, high = 1, 8
+    pending = {}
+    for message in body["messages"]:
+        for tool_call in message.get("tool_calls") or []:
+            pending[tool_call["id"]] = json.loads(tool_call["function"]["arguments"])["number"]
+        if message["role"] == "tool":
+            guessed = pending[message["tool_call_id"]]
+            if message["content"] == "higher":
+                low = guessed + 1
+            elif message["content"] == "lower":
+                high = guessed - 1
+    return call("guess", {"number": (low + high) // 2})
+
+
+def test_a_model_that_never_guesses_is_prompted_every_turn_until_max_turns(start_env, run):
+    environment, policy = start_env(
+        "guess_number", lambda body: text("I like turtles."), max_turns=5
+    )
+    result = run(environment, guess_row(secret=3))
+
+    assert result["num_turns"] == 5
+    assert len(policy.requests) == 5
+    assert result["reward"] == 0.0
+    assert result["num_guesses"] == 0
+    for body in policy.requests[1:]:
+        assert body["messages"][-1]["role"] == "user"
+        assert body["messages"][-1]["content"].startswith("Please guess a number between 1 and 8")
+    follow_ups = [item for item in result["response"]["output"] if item.get("role") == "user"]
+    assert len(follow_ups) == 5
+
+
+def test_binary_search_with_the_tool_finds_the_number(start_env, run):
+    environment, _ = start_env("guess_number", binary_search, max_turns=8)
+    for secret in (1, 6, 8):
+        result = run(environment, guess_row(secret))
+        outputs = [
+            item["output"] for item in result["response"]["output"]
+            if item["type"] == "function_call_output"
+        ]  # fmt: skip
+        assert result["reward"] == 1.0
+        assert outputs[-1] == "correct"
+        assert set(outputs[:-1]) <= {"higher", "lower"}
+        assert result["num_guesses"] == result["num_tool_calls"] <= 4
+        assert result["num_turns"] == result["num_tool_calls"], "the episode ends at 'correct'"
+
+
+def test_integers_in_plain_text_count_as_guesses(start_env, run):
+    environment, policy = start_env(
+        "guess_number",
+        scripted(text("My guess is 4."), text("Maybe 12?"), text("Then 6"), text("5!")),
+    )
+    result = run(environment, guess_row(secret=5))
+
+    assert result["reward"] == 1.0
+    assert result["num_guesses"] == 4
+    assert result["num_turns"] == 4
+    feedback = [body["messages"][-1]["content"] for body in policy.requests[1:]]
+    assert feedback == [
+        "4: higher. Guess again.",
+        "12: 12 is out of range: the number is between 1 and 8. Guess again.",
+        "6: lower. Guess again.",
+    ]
+    assert result["response"]["output"][-1]["role"] == "assistant", "no follow-up after a win"
+
+
+def test_random_guessing_sometimes_wins_so_grpo_has_signal(start_env, run):
+    rng = random.Random(0)
+    environment, _ = start_env(
+        "guess_number", lambda body: text(f"{rng.randint(1, 8)}"), max_turns=8
+    )
+    rewards = [run(environment, row)["reward"] for row in make_rows("guess_number", 8, seed=1)]
+    assert 0.0 < sum(rewards) / len(rewards) < 1.0
+
+
+def test_rows_are_deterministic_and_valid():
+    rows = make_rows("guess_number", 20, seed=3, agent_name="guesser")
+    assert rows == make_rows("guess_number", 20, seed=3, agent_name="guesser")
+    for row in rows:
+        Row.model_validate(row)
+        assert row["agent_ref"]["name"] == "guesser"
+        assert 1 <= row["secret"] <= row["max_number"] == 8
+        (tool,) = row["responses_create_params"]["tools"]
+        assert tool["name"] == "guess"
+        assert tool["parameters"]["properties"]["number"]["type"] == "integer"
+    assert len({row["secret"] for row in rows}) > 3

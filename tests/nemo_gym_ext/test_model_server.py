@@ -1,0 +1,437 @@
+"""The policy model server over real HTTP on loopback, with SmolLM2's tokenizer.
+
+Most tests drive a scripted engine (a real `GenerationEngine` that answers every request with a
+fixed token sequence) because the server's job is rendering, parsing and batching, and a script
+lets a test choose the exact generated tokens: tool calls, non-canonical tokenisations, length
+cut-offs. One test runs the real `TorchGenerationEngine` on a tiny random Llama.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import httpx
+import pytest
+import torch
+
+from gymrl.generation.torch_engine import TorchGenerationEngine
+from gymrl.generation.types import GenerationOutput, GenerationRequest
+from gymrl.model.loading import build_tiny_llama, ensure_smollm2_checkpoint, load_tokenizer
+from nemo_gym_ext.chat_format import ChatMLFormat
+from nemo_gym_ext.http_server import serve_in_thread
+from nemo_gym_ext.model_server import create_model_server_app
+
+MODEL = "smollm2-policy"
+KEY = "test-key"
+USER_ONLY = [{"role": "user", "content": "What is 2 + 3?"}]
+
+
+class ScriptedEngine:
+    """Answers every request with `reply` (cut at `max_new_tokens`), after `delay_s` per batch.
+
+    Records each batch's size and each request, so tests can check what the server sent.
+    Log-probabilities are deterministic negative numbers, one per token.
+    """
+
+    def __init__(self, reply: Sequence[int], *, delay_s: float = 0.0, fail_with: str | None = None):
+        self.reply = list(reply)
+        self.delay_s = delay_s
+        self.fail_with = fail_with
+        self.batch_sizes: list[int] = []
+        self.requests: list[GenerationRequest] = []
+        self._version = 7
+        self._lock = threading.Lock()
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        with self._lock:
+            self._version = version
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
+        with self._lock:
+            self.batch_sizes.append(len(requests))
+            self.requests.extend(requests)
+            time.sleep(self.delay_s)
+            if self.fail_with is not None:
+                raise ValueError(self.fail_with)
+            return [self._answer(request) for request in requests]
+
+    def _answer(self, request: GenerationRequest) -> GenerationOutput:
+        params = request.params
+        ids = self.reply[: params.max_new_tokens]
+        stopped = any(token in params.stop_token_ids for token in ids)
+        return GenerationOutput(
+            token_ids=ids,
+            logprobs=[-0.25 * (1 + i % 4) for i in range(len(ids))],
+            finish_reason="stop" if stopped else "length",
+            weight_version=self._version,
+            prompt_token_ids=list(request.prompt_token_ids),
+        )
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(ensure_smollm2_checkpoint("~/.cache/gym-grpo-recipes/models"))
+
+
+@pytest.fixture(scope="module")
+def chat_format(tokenizer):
+    return ChatMLFormat(tokenizer)
+
+
+def scripted(chat_format: ChatMLFormat, text: str, **kwargs) -> ScriptedEngine:
+    return ScriptedEngine([*chat_format.encode(text), chat_format.end_of_turn_id], **kwargs)
+
+
+@contextmanager
+def served(engine, tokenizer, **overrides) -> Iterator[httpx.Client]:
+    settings = {
+        "model_name": MODEL,
+        "api_key": KEY,
+        "honor_prompt_token_ids": True,
+        "default_max_tokens": 64,
+        "max_context_tokens": 4096,
+        "request_timeout_s": 10.0,
+    }
+    settings.update(overrides)
+    app = create_model_server_app(engine, tokenizer, **settings)
+    with (
+        serve_in_thread(app) as server,
+        httpx.Client(
+            base_url=f"{server.url}/v1",
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=20.0,
+        ) as client,
+    ):
+        yield client
+
+
+def completion(client: httpx.Client, messages, **fields) -> httpx.Response:
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "logprobs": True,
+        "top_logprobs": 0,
+        "return_tokens_as_token_ids": True,
+        **fields,
+    }
+    return client.post("/chat/completions", json=body)
+
+
+def error_message(response: httpx.Response) -> str:
+    return response.json()["error"]["message"]
+
+
+def test_answer_is_a_full_chat_completion_with_the_token_bundle(tokenizer, chat_format):
+    engine = scripted(chat_format, "2 + 3 = 5.")
+    with served(engine, tokenizer) as client:
+        response = completion(client, USER_ONLY, temperature=0.7, top_p=0.9, seed=3)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    assert answer["id"].startswith("chatcmpl-")
+    assert answer["object"] == "chat.completion"
+    assert isinstance(answer["created"], int)
+    assert answer["model"] == MODEL
+    choice = answer["choices"][0]
+    assert choice["index"] == 0 and choice["finish_reason"] == "stop"
+    message = choice["message"]
+    assert message["role"] == "assistant"
+    assert message["content"] == "2 + 3 = 5."
+    assert message["tool_calls"] is None
+    assert message["weight_version"] == 7
+
+    expected_prompt = tokenizer.apply_chat_template(USER_ONLY, add_generation_prompt=True)
+    assert message["prompt_token_ids"] == expected_prompt["input_ids"]
+    assert list(engine.requests[0].prompt_token_ids) == message["prompt_token_ids"]
+    assert message["generation_token_ids"] == engine.reply
+    assert len(message["generation_log_probs"]) == len(message["generation_token_ids"])
+
+    params = engine.requests[0].params
+    assert (params.temperature, params.top_p, params.seed) == (0.7, 0.9, 3)
+    assert params.stop_token_ids == (chat_format.end_of_turn_id,)
+    assert params.max_new_tokens == 64
+
+    entries = choice["logprobs"]["content"]
+    assert [e["token"] for e in entries] == [f"token_id:{t}" for t in engine.reply]
+    assert [e["logprob"] for e in entries] == message["generation_log_probs"]
+    assert answer["usage"] == {
+        "prompt_tokens": len(expected_prompt["input_ids"]),
+        "completion_tokens": len(engine.reply),
+        "total_tokens": len(expected_prompt["input_ids"]) + len(engine.reply),
+    }
+
+
+def test_tool_calls_are_parsed_into_message_tool_calls(tokenizer, chat_format):
+    engine = scripted(
+        chat_format,
+        '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "add", "arguments": {"a": 5, "b": 1}}\n</tool_call>',
+    )
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "add",
+                "description": "Add two integers.",
+                "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}},
+            },
+        }
+    ]
+    with served(engine, tokenizer) as client:
+        response = completion(
+            client, USER_ONLY, tools=tools, parallel_tool_calls=True, max_tokens=200
+        )
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    message = choice["message"]
+    assert message["content"] is None
+    calls = message["tool_calls"]
+    assert [call["type"] for call in calls] == ["function", "function"]
+    assert all(call["id"].startswith("call_") for call in calls)
+    assert calls[0]["id"] != calls[1]["id"]
+    assert [json.loads(call["function"]["arguments"]) for call in calls] == [
+        {"a": 2, "b": 3},
+        {"a": 5, "b": 1},
+    ]
+    prompt_text = tokenizer.decode(message["prompt_token_ids"])
+    assert json.dumps(tools[0]) in prompt_text and "<tool_call>" in prompt_text
+
+
+def test_malformed_tool_call_comes_back_as_content(tokenizer, chat_format):
+    engine = scripted(
+        chat_format, 'Calling.<tool_call>{"name": "add", "arguments": {a: 1}}</tool_call>'
+    )
+    with served(engine, tokenizer) as client:
+        response = completion(client, USER_ONLY)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert choice["message"]["tool_calls"] is None
+    assert (
+        choice["message"]["content"]
+        == 'Calling.<tool_call>{"name": "add", "arguments": {a: 1}}</tool_call>'
+    )
+
+
+def test_developer_assistant_tool_call_and_tool_turns_are_rendered(tokenizer, chat_format):
+    conversation = [
+        {"role": "system", "content": "You add numbers."},
+        {"role": "developer", "content": "Always use the tool."},
+        {"role": "user", "content": [{"type": "text", "text": "2+3?"}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_a",
+                    "type": "function",
+                    "function": {"name": "add", "arguments": '{"a": 2}'},
+                }
+            ],
+        },
+        {"role": "tool", "content": "5", "tool_call_id": "call_a"},
+    ]
+    engine = scripted(chat_format, "5")
+    with served(engine, tokenizer) as client:
+        response = completion(client, conversation)
+    assert response.status_code == 200, response.text
+    expected = (
+        "<|im_start|>system\nYou add numbers.<|im_end|>\n"
+        "<|im_start|>developer\nAlways use the tool.<|im_end|>\n"
+        "<|im_start|>user\n2+3?<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call>'
+        "<|im_end|>\n"
+        "<|im_start|>tool\n5<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    prompt = response.json()["choices"][0]["message"]["prompt_token_ids"]
+    assert prompt == tokenizer.encode(expected, add_special_tokens=False)
+
+
+def char_level_reply(tokenizer, chat_format, text: str) -> list[int]:
+    """`text` one byte-level token per character (not how the tokenizer would encode it)."""
+    ids = tokenizer.convert_tokens_to_ids([("Ġ" if c == " " else c) for c in text])
+    assert ids != chat_format.encode(text)
+    return [*ids, chat_format.end_of_turn_id]
+
+
+def second_turn(first_answer: dict) -> list[dict]:
+    message = first_answer["choices"][0]["message"]
+    return [
+        *USER_ONLY,
+        {
+            "role": "assistant",
+            "content": message["content"],
+            "prompt_token_ids": message["prompt_token_ids"],
+            "generation_token_ids": message["generation_token_ids"],
+            "generation_log_probs": message["generation_log_probs"],
+        },
+        {"role": "user", "content": "And 3 + 4?"},
+    ]
+
+
+@pytest.mark.parametrize("honor", [True, False])
+def test_earlier_token_ids_are_kept_only_when_honoured(tokenizer, chat_format, honor):
+    engine = ScriptedEngine(char_level_reply(tokenizer, chat_format, "five is the sum"))
+    with served(engine, tokenizer, honor_prompt_token_ids=honor) as client:
+        first = completion(client, USER_ONLY).json()
+        second = completion(client, second_turn(first))
+    assert second.status_code == 200, second.text
+    earlier = [
+        *first["choices"][0]["message"]["prompt_token_ids"],
+        *first["choices"][0]["message"]["generation_token_ids"],
+    ]
+    prompt = second.json()["choices"][0]["message"]["prompt_token_ids"]
+    assert list(engine.requests[1].prompt_token_ids) == prompt
+    rendered = tokenizer.apply_chat_template(
+        [{"role": m["role"], "content": m["content"]} for m in second_turn(first)],
+        add_generation_prompt=True,
+    )["input_ids"]
+    if honor:
+        tail = "\n<|im_start|>user\nAnd 3 + 4?<|im_end|>\n<|im_start|>assistant\n"
+        assert prompt == earlier + tokenizer.encode(tail, add_special_tokens=False)
+    else:
+        assert prompt == rendered
+        assert prompt[: len(earlier)] != earlier
+
+
+def test_concurrent_requests_are_batched(tokenizer, chat_format):
+    engine = scripted(chat_format, "ok", delay_s=0.2)
+    with served(engine, tokenizer) as client, ThreadPoolExecutor(8) as pool:
+        questions = [[{"role": "user", "content": f"question {i}"}] for i in range(8)]
+        responses = list(pool.map(lambda messages: completion(client, messages), questions))
+    assert [r.status_code for r in responses] == [200] * 8
+    assert sum(engine.batch_sizes) == 8
+    assert max(engine.batch_sizes) > 1
+    # Each caller got the answer to its own prompt.
+    for question, response in zip(questions, responses, strict=True):
+        prompt = response.json()["choices"][0]["message"]["prompt_token_ids"]
+        assert question[0]["content"] in tokenizer.decode(prompt)
+
+
+def test_api_key_is_required(tokenizer, chat_format):
+    with served(scripted(chat_format, "ok"), tokenizer) as client:
+        body = {"model": MODEL, "messages": USER_ONLY}
+        missing = client.post("/chat/completions", json=body, headers={"Authorization": ""})
+        wrong = client.post("/chat/completions", json=body, headers={"Authorization": "Bearer no"})
+        models = client.get("/models", headers={"Authorization": "Bearer no"})
+        allowed = client.post("/chat/completions", json=body)
+    assert (missing.status_code, wrong.status_code, models.status_code) == (401, 401, 401)
+    assert "Authorization: Bearer" in error_message(wrong)
+    assert allowed.status_code == 200
+    assert allowed.json()["choices"][0]["logprobs"] is None
+
+
+def test_models_route_lists_the_served_model(tokenizer, chat_format):
+    with served(scripted(chat_format, "ok"), tokenizer, api_key=None) as client:
+        response = client.get("/models", headers={"Authorization": ""})
+    assert response.status_code == 200
+    listing = response.json()
+    assert listing["object"] == "list"
+    assert [(m["id"], m["object"], m["max_model_len"]) for m in listing["data"]] == [
+        (MODEL, "model", 4096)
+    ]
+
+
+def assistant_with_ids(prompt_ids, generation_ids) -> dict:
+    return {
+        "role": "assistant",
+        "content": "x",
+        "prompt_token_ids": prompt_ids,
+        "generation_token_ids": generation_ids,
+        "generation_log_probs": [-0.1] * len(generation_ids),
+    }
+
+
+def test_bad_requests_are_400_naming_the_field(tokenizer, chat_format):
+    follow_up = {"role": "user", "content": "more"}
+    engine = scripted(chat_format, "ok")
+    with served(engine, tokenizer) as client:
+        out_of_vocab = completion(
+            client, [*USER_ONLY, assistant_with_ids([1, 2], [3, 10**6]), follow_up]
+        )
+        not_int = completion(client, [*USER_ONLY, assistant_with_ids([1, "2"], [3]), follow_up])
+        stream = completion(client, USER_ONLY, stream=True)
+        several = completion(client, USER_ONLY, n=2)
+        stop = completion(client, USER_ONLY, stop=["\n"])
+        tool_without_id = completion(client, [*USER_ONLY, {"role": "tool", "content": "5"}])
+        other_model = completion(client, USER_ONLY, model="gpt-4o")
+        ignored_extras = completion(
+            client, USER_ONLY, n=1, stream=False, metadata={"k": "v"}, user="u", temperature=None
+        )
+    assert out_of_vocab.status_code == 400
+    assert out_of_vocab.json()["error"]["param"] == "messages[1].generation_token_ids"
+    assert "messages[1].generation_token_ids[1] = 1000000" in error_message(out_of_vocab)
+    assert not_int.status_code == 400
+    assert "messages.1.prompt_token_ids.1" in error_message(not_int)
+    assert stream.status_code == 400 and "stream=true is not supported" in error_message(stream)
+    assert several.status_code == 400 and "n=2 is not supported" in error_message(several)
+    assert stop.status_code == 400 and "stop" in error_message(stop)
+    assert tool_without_id.status_code == 400 and "tool_call_id" in error_message(tool_without_id)
+    assert other_model.status_code == 404 and MODEL in error_message(other_model)
+    assert ignored_extras.status_code == 200
+    assert engine.requests[-1].params.temperature == 1.0  # null means OpenAI's default
+    assert len(engine.requests) == 1  # nothing rejected reached the engine
+
+
+def test_context_limit_clamps_max_tokens_and_rejects_full_prompts(tokenizer, chat_format):
+    engine = scripted(chat_format, "a fairly long answer that will be cut short by the limit")
+    prompt_len = len(
+        tokenizer.apply_chat_template(USER_ONLY, add_generation_prompt=True)["input_ids"]
+    )
+    with served(engine, tokenizer, max_context_tokens=prompt_len + 4) as client:
+        clamped = completion(client, USER_ONLY, max_tokens=50)
+        too_long = completion(client, [{"role": "user", "content": "word " * 40}])
+    assert clamped.status_code == 200, clamped.text
+    assert engine.requests[0].params.max_new_tokens == 4
+    choice = clamped.json()["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert len(choice["message"]["generation_token_ids"]) == 4
+    assert too_long.status_code == 400
+    # NeMo-Gym's vllm_model adapter turns a 400 mentioning "context length" into finish "length".
+    assert f"maximum context length is {prompt_len + 4} tokens" in error_message(too_long)
+
+
+def test_slow_engine_times_out_with_504(tokenizer, chat_format):
+    engine = scripted(chat_format, "late", delay_s=0.6)
+    with served(engine, tokenizer, request_timeout_s=0.2) as client:
+        response = completion(client, USER_ONLY)
+    assert response.status_code == 504
+    assert "request_timeout_s=0.2" in error_message(response)
+
+
+def test_engine_failure_is_a_500_with_the_cause(tokenizer, chat_format):
+    engine = scripted(chat_format, "x", fail_with="the device fell over")
+    with served(engine, tokenizer) as client:
+        response = completion(client, USER_ONLY)
+    assert response.status_code == 500
+    assert "ValueError: the device fell over" in error_message(response)
+
+
+def test_real_torch_engine_two_turns_stay_contiguous(tokenizer):
+    model = build_tiny_llama(
+        tokenizer, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, seed=0
+    )
+    engine = TorchGenerationEngine(model, max_batch_size=4, seed=0)
+    with served(engine, tokenizer, default_max_tokens=6) as client:
+        first = completion(client, USER_ONLY, seed=1)
+        assert first.status_code == 200, first.text
+        second = completion(client, second_turn(first.json()), seed=2)
+    assert second.status_code == 200, second.text
+    message_1 = first.json()["choices"][0]["message"]
+    message_2 = second.json()["choices"][0]["message"]
+    for message in (message_1, message_2):
+        assert len(message["generation_token_ids"]) == len(message["generation_log_probs"]) > 0
+        assert all(logprob <= 0 for logprob in message["generation_log_probs"])
+        assert message["weight_version"] == 0
+    earlier = message_1["prompt_token_ids"] + message_1["generation_token_ids"]
+    assert message_2["prompt_token_ids"][: len(earlier)] == earlier
