@@ -82,7 +82,7 @@ class RolloutProducer(threading.Thread):
         self._weight_version = first_step
         self._allowed = self._credit(first_step)
         self._accepted = 0
-        self._stop = threading.Event()
+        self._stopping = threading.Event()
         self.fatal: BaseException | None = None
         self.stats = _ProducerStats()
         self.summaries: dict[str, list[dict[str, Any]]] = {}
@@ -101,10 +101,12 @@ class RolloutProducer(threading.Thread):
             self._allowed = self._credit(step) + evicted_total
             self._condition.notify_all()
 
-    def stop(self) -> None:
-        self._stop.set()
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop submitting, cancel the groups in flight, and wait for the thread to end."""
+        self._stopping.set()
         with self._condition:
             self._condition.notify_all()
+        self.join(timeout_s)
 
     def run(self) -> None:
         try:
@@ -114,8 +116,15 @@ class RolloutProducer(threading.Thread):
 
     def _produce(self) -> None:
         in_flight: dict[Any, tuple[str, int, float]] = {}
+        try:
+            self._submit_and_collect(in_flight)
+        finally:
+            for future in in_flight:
+                ray.cancel(future)
+
+    def _submit_and_collect(self, in_flight: dict[Any, tuple[str, int, float]]) -> None:
         size = self._config.grpo.num_generations_per_prompt
-        while not self._stop.is_set():
+        while not self._stopping.is_set():
             with self._condition:
                 room = self._allowed - self._accepted - len(in_flight)
                 version = self._weight_version

@@ -66,8 +66,8 @@ def postprocess_gym_result(
 
     `message_log` alternates user-delta entries (`{"role": "user", "token_ids"}`) and assistant
     entries (`{"role": "assistant", "token_ids", "generation_logprobs"}`). `full_result` is a
-    shallow copy of `result` with `noncontiguous_truncated` (set on every call),
-    `noncontiguous_dropped_turns` and, for a masked malformed sample, `malformed_sample`.
+    shallow copy of `result` with `noncontiguous_truncated`, `noncontiguous_dropped_turns` and
+    `malformed_sample` (all set afresh on every call, so they are rates across a batch).
     `overlong` is the result's own overlong flag, kept even when the turn that hit the limit
     was dropped, so overlong filtering still sees the episode.
 
@@ -79,10 +79,11 @@ def postprocess_gym_result(
     full_result = dict(result)
     full_result[TRUNCATED_FLAG] = False
     full_result[DROPPED_TURNS_FIELD] = 0
-    full_result.pop(MALFORMED_FLAG, None)
+    full_result[MALFORMED_FLAG] = False
     overlong = bool(result.get(OVERLONG_FLAG, False))
+    # A result without a usable reward cannot join a GRPO group even as a masked sample.
+    _check_reward(result, agent, row_id)
     try:
-        _check_reward(result, agent, row_id)
         turns = _trainable_turns(result, agent, row_id)
         message_log, dropped = _walk(turns, config, agent, row_id, vocab_size, decode)
     except MalformedGymResultError:
@@ -207,24 +208,30 @@ def _check_reward(result: Mapping[str, Any], agent: str, row_id: str) -> None:
 
 
 def _check_ids(ids: list[int], vocab_size: int | None, where: str) -> None:
+    """Only ever called on a turn's new delta and generation, so the per-id type check is cheap."""
     if not ids:
         return
-    try:
-        low, high = min(ids), max(ids)
-    except TypeError as error:
-        raise MalformedGymResultError(f"{where} holds a non-integer id") from error
-    if low < 0 or (vocab_size is not None and high >= vocab_size):
-        bad = low if low < 0 else high
+    for position, token in enumerate(ids):
+        if type(token) is not int:
+            raise MalformedGymResultError(
+                f"{where}[{position}] = {token!r}: token ids must be integers"
+            )
+    low, high = min(ids), max(ids)
+    if low < 0:
+        raise MalformedGymResultError(f"{where} holds id {low}; token ids are never negative")
+    if vocab_size is not None and high >= vocab_size:
         raise MalformedGymResultError(
-            f"{where} holds id {bad}, outside the vocabulary [0, {vocab_size})"
+            f"{where} holds id {high}, outside the vocabulary [0, {vocab_size})"
         )
 
 
 def _check_logprobs(logprobs: list[float], where: str) -> None:
+    # Builtin sum: overflow becomes -inf and inf + -inf becomes nan, so one finite total means
+    # every entry is finite; only then is the per-entry loop skipped.
     try:
-        total = math.fsum(logprobs)
+        total = sum(logprobs)
         highest = max(logprobs)
-    except (TypeError, ValueError) as error:
+    except TypeError as error:
         raise MalformedGymResultError(f"{where} holds a non-numeric value") from error
     if math.isfinite(total) and highest <= 1e-4:
         return
