@@ -92,7 +92,7 @@ def save_checkpoint(
         _fsync(root)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    for old in _complete_checkpoints(root)[:-keep_last]:
+    for old in complete_checkpoints(root)[:-keep_last]:
         shutil.rmtree(old)
     return target
 
@@ -102,7 +102,7 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
     root = Path(directory)
     if not root.is_dir():
         return None
-    complete = _complete_checkpoints(root)
+    complete = complete_checkpoints(root)
     return complete[-1] if complete else None
 
 
@@ -132,7 +132,7 @@ def load_checkpoint(
     return {key: state[key] for key in ("step", "weight_version", "data_state", "extra")}
 
 
-def _complete_checkpoints(root: Path) -> list[Path]:
+def complete_checkpoints(root: Path) -> list[Path]:
     """Marked `step_<n>` folders under `root`, oldest step first."""
     found = []
     for child in root.iterdir():

@@ -1,0 +1,705 @@
+"""SGLang generation on GPUs: server processes, and a token-in/token-out client of them.
+
+SGLang needs CUDA, so nothing here imports it: a server is a subprocess
+(`python -m sglang.launch_server`) and the engine speaks its native HTTP API, which is what makes
+the client testable on a CPU against a stand-in server with the same field names.
+
+The HTTP API used (SGLang >= 0.5, `sglang/srt/entrypoints/http_server.py` and
+`managers/io_struct.py`):
+
+* `POST /generate` with `input_ids`, `sampling_params` (`max_new_tokens`, `temperature`, `top_p`,
+  `stop_token_ids`, `sampling_seed`), `return_logprob: true`, `logprob_start_len: -1` (log-probs of
+  output tokens only; no prompt log-probs are computed). The answer carries
+  `meta_info.output_token_logprobs` as `[logprob, token_id, text|null]` triples, one per sampled
+  token (the stop token included), `meta_info.completion_tokens` and `meta_info.finish_reason`
+  (`{"type": "stop"|"length"|"abort", ...}`).
+* `POST /pause_generation {"mode": "abort"}`, `POST /update_weights_from_disk {"model_path",
+  "weight_version"}`, `POST /flush_cache`, `POST /continue_generation {}`: the refit sequence.
+* `GET /health_generate`: 200 once the server generates.
+
+**Log-probability semantics.** The project defines generation log-probabilities as those of the
+sampled token under `softmax(logits / temperature)`, before top-p truncation. SGLang's sampler
+returns exactly that by default (`log(probs)` after the temperature division and before top-k/top-p
+filtering; a temperature of 0 is greedy and reports the untempered softmax, as the torch engine
+does). The environment variable `SGLANG_RETURN_ORIGINAL_LOGPROB` switches SGLang to the
+pre-temperature distribution, so the server is always started with it removed.
+
+**Refit.** Generation and training run on different GPUs, so `/update_weights_from_tensor`
+(CUDA IPC handles, colocated only) does not apply. Weights travel as a Hugging Face safetensors
+checkpoint on a shared filesystem and each server loads it with `/update_weights_from_disk`:
+no process group spans trainer and engines (it would have to be rebuilt whenever an engine
+restarts), the same files serve as an evaluation checkpoint, and the cost is one write plus
+parallel reads of the checkpoint per step. NCCL broadcast (`/update_weights_from_distributed`)
+is the faster alternative for very large models; it is not used here.
+
+SGLang takes the weight-update lock only once no request holds it, and paused requests still
+hold it (a "retract" or "in_place" pause deadlocks the update), so generation is paused with
+`mode: "abort"`: in-flight requests come back with the tokens sampled so far and finish reason
+`abort`. The engine resubmits each such request, prompt plus partial generation, and the server
+holds it until generation continues under the new weights. Every token's log-probability is the
+one its sampler reported, which is what the importance-sampling correction needs; an output's
+`weight_version` is the oldest version that contributed tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+from safetensors.torch import save_file
+
+from gymrl.config.schema import PolicyConfig, SGLangGenerationConfig
+from gymrl.generation.types import FinishReason, GenerationOutput, GenerationRequest
+
+ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
+HEALTH_POLL_INTERVAL_S = 2.0  # the longest pause between health checks (they start at 50 ms)
+STOP_GRACE_S = 30.0
+MAX_RESUMES = 8
+_LOG_TAIL_CHARS = 3000
+_WEIGHTS_FILE = "model.safetensors"
+
+
+class SGLangError(RuntimeError):
+    """A server answered with an error, an unusable response, or not at all."""
+
+
+class SGLangTimeoutError(SGLangError, TimeoutError):
+    """A server did not answer within its deadline."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Server processes
+# ---------------------------------------------------------------------------------------------
+
+
+def server_command(
+    generation: SGLangGenerationConfig,
+    policy: PolicyConfig,
+    *,
+    model_path: str,
+    port: int,
+    seed: int,
+    host: str = "0.0.0.0",
+    python: str = sys.executable,
+) -> list[str]:
+    """The `sglang.launch_server` command line of one engine.
+
+    `--skip-tokenizer-init`: the engine is token-in/token-out (the model server renders chat),
+    so SGLang never loads a tokenizer and answers with token ids only. The context length is the
+    episode's context limit, so a prompt the trainer can take is one SGLang accepts.
+    """
+    command = [
+        python,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        model_path,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--tp-size",
+        str(generation.tensor_parallel_size),
+        "--mem-fraction-static",
+        str(generation.mem_fraction_static),
+        "--max-running-requests",
+        str(generation.max_running_requests),
+        "--dtype",
+        policy.dtype,
+        "--context-length",
+        str(policy.max_total_sequence_length),
+        "--random-seed",
+        str(seed),
+        "--skip-tokenizer-init",
+    ]
+    if generation.expert_parallel_size > 1:
+        command += ["--ep-size", str(generation.expert_parallel_size)]
+    return command
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (the server binds it shortly after)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]
+
+
+class SGLangServerProcess:
+    """One SGLang server subprocess: started on given GPUs, awaited until healthy, stopped.
+
+    The server runs in its own process group (SGLang forks scheduler and detokenizer processes),
+    so :meth:`stop` can end all of them. Output goes to `log_path`; its tail is part of every
+    start-up error.
+    """
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        *,
+        base_url: str,
+        log_path: str | os.PathLike[str],
+        gpu_ids: Sequence[int] | None = None,
+    ) -> None:
+        self.command = list(command)
+        self.base_url = base_url.rstrip("/")
+        self.log_path = Path(log_path)
+        self._gpu_ids = None if gpu_ids is None else list(gpu_ids)
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    def start(self) -> None:
+        if self._process is not None:
+            raise RuntimeError(f"server {self.base_url} was already started")
+        env = dict(os.environ)
+        env.pop(ORIGINAL_LOGPROB_ENV, None)
+        if self._gpu_ids is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu) for gpu in self._gpu_ids)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self._process = subprocess.Popen(
+                self.command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        """Poll `GET /health_generate` until it answers 200; fail fast if the process exits."""
+        if self._process is None:
+            raise RuntimeError(f"server {self.base_url} was not started")
+        deadline = time.monotonic() + timeout_s
+        pause = 0.05
+        with httpx.Client(timeout=HEALTH_POLL_INTERVAL_S * 5) as client:
+            while True:
+                code = self._process.poll()
+                if code is not None:
+                    raise SGLangError(
+                        f"SGLang server {self.base_url} exited with code {code} during start-up; "
+                        f"last lines of {self.log_path}:\n{self.log_tail()}"
+                    )
+                try:
+                    if client.get(f"{self.base_url}/health_generate").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass  # not listening yet
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise SGLangTimeoutError(
+                        f"SGLang server {self.base_url} was not healthy within "
+                        f"generation.server_start_timeout_s={timeout_s} s (loading a large model "
+                        f"or compiling CUDA graphs can take minutes: raise it, or read the log); "
+                        f"last lines of {self.log_path}:\n{self.log_tail()}"
+                    )
+                time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
+                pause = min(2 * pause, HEALTH_POLL_INTERVAL_S)
+
+    def stop(self, timeout_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM the server's process group, then SIGKILL it after `timeout_s`."""
+        if self._process is None or self._process.poll() is not None:
+            return
+        group = os.getpgid(self._process.pid)
+        os.killpg(group, signal.SIGTERM)
+        try:
+            self._process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(group, signal.SIGKILL)
+            self._process.wait(timeout_s)
+
+    def log_tail(self) -> str:
+        if not self.log_path.is_file():
+            return "(no log written)"
+        with self.log_path.open("rb") as log:
+            log.seek(0, os.SEEK_END)
+            log.seek(max(0, log.tell() - _LOG_TAIL_CHARS))
+            return log.read().decode("utf-8", errors="replace")
+
+    def __enter__(self) -> SGLangServerProcess:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+class SGLangServerActor:
+    """Body of a Ray actor that owns one SGLang server on the GPUs Ray gave it.
+
+    Started as `ray.remote(num_gpus=tensor_parallel_size)(SGLangServerActor)`, so Ray places the
+    whole TP group on one node and sets `CUDA_VISIBLE_DEVICES`, which the server inherits.
+    """
+
+    def __init__(
+        self,
+        generation: SGLangGenerationConfig,
+        policy: PolicyConfig,
+        *,
+        model_path: str,
+        seed: int,
+        log_path: str,
+    ) -> None:
+        import ray  # a Ray worker process always has it
+
+        port = free_port()
+        host = ray.util.get_node_ip_address()
+        command = server_command(generation, policy, model_path=model_path, port=port, seed=seed)
+        self._server = SGLangServerProcess(
+            command, base_url=f"http://{host}:{port}", log_path=log_path
+        )
+        self._server.start()
+        self._server.wait_healthy(generation.server_start_timeout_s)
+
+    def url(self) -> str:
+        return self._server.base_url
+
+    def stop(self) -> None:
+        self._server.stop()
+
+
+class SGLangServerGroup:
+    """`generation.num_engines` SGLang servers as Ray actors, packed onto as few nodes as possible.
+
+    A `PACK` placement group of one `tensor_parallel_size`-GPU bundle per engine fills whole
+    nodes (two TP-4 engines per 8-GPU node), which leaves whole nodes for the trainer's
+    placement group. Needs a running Ray cluster with the GPUs. Each engine gets its own seed
+    (`seed + index`), so engines do not sample identical continuations of identical prompts.
+    """
+
+    def __init__(
+        self,
+        generation: SGLangGenerationConfig,
+        policy: PolicyConfig,
+        *,
+        model_path: str,
+        seed: int,
+        log_dir: str | os.PathLike[str],
+    ) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self._ray = ray
+        bundle = {"GPU": float(generation.tensor_parallel_size), "CPU": 1.0}
+        self._group = placement_group([bundle] * generation.num_engines, strategy="PACK")
+        ray.get(self._group.ready(), timeout=generation.server_start_timeout_s)
+        actor_class = ray.remote(num_gpus=generation.tensor_parallel_size, num_cpus=1)(
+            SGLangServerActor
+        )
+        self._actors = [
+            actor_class.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self._group, placement_group_bundle_index=index
+                )
+            ).remote(
+                generation,
+                policy,
+                model_path=model_path,
+                seed=seed + index,
+                log_path=str(Path(log_dir) / f"sglang_engine_{index}.log"),
+            )
+            for index in range(generation.num_engines)
+        ]
+        # Start-up (model load, CUDA graphs) runs in parallel; each actor enforces the deadline.
+        self.urls: list[str] = ray.get(
+            [actor.url.remote() for actor in self._actors],
+            timeout=generation.server_start_timeout_s + 60.0,
+        )
+
+    def shutdown(self, timeout_s: float = STOP_GRACE_S * 2) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        self._ray.get([actor.stop.remote() for actor in self._actors], timeout=timeout_s)
+        for actor in self._actors:
+            self._ray.kill(actor)
+        remove_placement_group(self._group)
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine (HTTP client)
+# ---------------------------------------------------------------------------------------------
+
+
+def generate_payload(prompt_token_ids: Sequence[int], request: GenerationRequest, budget: int):
+    """The `/generate` body for `prompt_token_ids` with at most `budget` new tokens."""
+    params = request.params
+    sampling: dict[str, Any] = {
+        "max_new_tokens": budget,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+    }
+    if params.stop_token_ids:
+        sampling["stop_token_ids"] = list(params.stop_token_ids)
+    if params.seed is not None:
+        # Honoured by SGLang only under --enable-deterministic-inference; otherwise ignored.
+        sampling["sampling_seed"] = params.seed
+    return {
+        "input_ids": list(prompt_token_ids),
+        "sampling_params": sampling,
+        "return_logprob": True,
+        "logprob_start_len": -1,
+    }
+
+
+def parse_generate_response(url: str, body: Any) -> tuple[list[int], list[float], str, str]:
+    """`(token_ids, logprobs, finish_type, abort_message)` of one `/generate` answer.
+
+    Tokens and log-probabilities both come from `output_token_logprobs`, whose count is checked
+    against `completion_tokens`, an independent count of the sampled tokens.
+    """
+    where = f"SGLang server {url}: /generate answer"
+    try:
+        meta = body["meta_info"]
+        finish = meta["finish_reason"]
+        finish_type = finish["type"]
+    except (KeyError, TypeError) as error:
+        raise SGLangError(
+            f"{where} lacks meta_info.finish_reason.type: {str(body)[:300]}"
+        ) from error
+    entries = meta.get("output_token_logprobs")
+    if entries is None:
+        if finish_type != "abort":
+            raise SGLangError(
+                f"{where} has no meta_info.output_token_logprobs although return_logprob was "
+                "true; is this an SGLang server?"
+            )
+        entries = []  # aborted while waiting: nothing was sampled
+    token_ids: list[int] = []
+    logprobs: list[float] = []
+    for index, entry in enumerate(entries):
+        if not isinstance(entry, list | tuple) or len(entry) < 2:
+            raise SGLangError(
+                f"{where}: output_token_logprobs[{index}] is {entry!r}, expected "
+                "[logprob, token_id, text]"
+            )
+        logprob, token = entry[0], entry[1]
+        if not isinstance(logprob, int | float) or math.isnan(logprob):
+            raise SGLangError(f"{where}: output_token_logprobs[{index}] has logprob {logprob!r}")
+        token_ids.append(int(token))
+        logprobs.append(float(logprob))
+    if finish_type != "abort" and meta.get("completion_tokens") != len(token_ids):
+        raise SGLangError(
+            f"{where}: {len(token_ids)} output_token_logprobs but completion_tokens="
+            f"{meta.get('completion_tokens')!r}"
+        )
+    message = str(finish.get("message", "")) if finish_type == "abort" else ""
+    return token_ids, logprobs, finish_type, message
+
+
+class SGLangEngine:
+    """A :class:`~gymrl.generation.types.GenerationEngine` backed by SGLang servers over HTTP.
+
+    Each request is one `/generate` call, sent to the server with the fewest requests in flight
+    from this client (ties go round-robin); SGLang batches concurrent requests itself. Calls run
+    on a private asyncio loop, so `generate` may be called from many threads at once and a batch
+    of requests is in flight together. Every HTTP call has a deadline.
+    """
+
+    def __init__(
+        self,
+        server_urls: Sequence[str],
+        *,
+        request_timeout_s: float,
+        refit_timeout_s: float,
+        refit_dir: str | os.PathLike[str] | None = None,
+        weight_version: int = 0,
+    ) -> None:
+        if not server_urls:
+            raise ValueError("SGLangEngine needs at least one server URL")
+        if request_timeout_s <= 0 or refit_timeout_s <= 0:
+            raise ValueError(
+                f"request_timeout_s={request_timeout_s} and refit_timeout_s={refit_timeout_s} "
+                "must be > 0"
+            )
+        self._urls = [url.rstrip("/") for url in server_urls]
+        self._request_timeout_s = request_timeout_s
+        self._refit_timeout_s = refit_timeout_s
+        self._refit_dir = None if refit_dir is None else Path(refit_dir)
+        self._version = weight_version
+        self._epoch = 0
+        self._in_flight = [0] * len(self._urls)
+        self._next = 0
+        self._state_lock = threading.Lock()
+        self._refit_lock = threading.RLock()
+        self._written: list[Path] = []
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="sglang-engine-loop", daemon=True
+        )
+        self._thread.start()
+        self._client = httpx.AsyncClient(
+            timeout=httpx.Timeout(request_timeout_s),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+        )
+
+    @classmethod
+    def from_config(
+        cls,
+        generation: SGLangGenerationConfig,
+        server_urls: Sequence[str],
+        *,
+        refit_dir: str | os.PathLike[str] | None = None,
+    ) -> SGLangEngine:
+        """A client of `server_urls` with the config's deadlines.
+
+        A refit loads a checkpoint, which takes about as long as loading it at start-up, so it
+        shares the start-up deadline.
+        """
+        if len(server_urls) != generation.num_engines:
+            raise ValueError(
+                f"got {len(server_urls)} server URLs but generation.num_engines="
+                f"{generation.num_engines}"
+            )
+        return cls(
+            server_urls,
+            request_timeout_s=generation.server.request_timeout_s,
+            refit_timeout_s=generation.server_start_timeout_s,
+            refit_dir=refit_dir,
+        )
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    @property
+    def server_urls(self) -> list[str]:
+        return list(self._urls)
+
+    # ----------------------------------------------------------------------------- generation
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
+        for index, request in enumerate(requests):
+            _validate(index, request)
+        if not requests:
+            return []
+        # Each piece of a request has its own HTTP deadline; resumes after refits are bounded.
+        bound = (self._request_timeout_s + self._refit_timeout_s) * (MAX_RESUMES + 1)
+        return self._run(self._generate_all(requests), bound)
+
+    async def _generate_all(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(self._generate_one(request)) for request in requests]
+        except ExceptionGroup as failures:
+            # The other requests were cancelled; report the first cause, not a group.
+            raise failures.exceptions[0] from None
+        return [task.result() for task in tasks]
+
+    async def _generate_one(self, request: GenerationRequest) -> GenerationOutput:
+        prompt = list(request.prompt_token_ids)
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        version: int | None = None
+        for _attempt in range(MAX_RESUMES + 1):
+            with self._state_lock:
+                epoch, current = self._epoch, self._version
+            version = current if version is None else min(version, current)
+            budget = request.params.max_new_tokens - len(tokens)
+            url = self._acquire()
+            try:
+                body = await self._post(
+                    url, "/generate", generate_payload(prompt + tokens, request, budget)
+                )
+            finally:
+                self._release(url)
+            new_tokens, new_logprobs, finish, message = parse_generate_response(url, body)
+            tokens += new_tokens
+            logprobs += new_logprobs
+            if finish in ("stop", "length"):
+                return GenerationOutput(
+                    token_ids=tokens,
+                    logprobs=logprobs,
+                    finish_reason=_finish_reason(finish),
+                    weight_version=version,
+                    prompt_token_ids=prompt,
+                )
+            if finish != "abort":
+                raise SGLangError(f"SGLang server {url}: unknown finish_reason.type {finish!r}")
+            with self._state_lock:
+                refitted = self._epoch != epoch
+            if not refitted:
+                raise SGLangError(f"SGLang server {url} aborted the request: {message}")
+            if len(tokens) >= request.params.max_new_tokens:
+                return GenerationOutput(
+                    token_ids=tokens,
+                    logprobs=logprobs,
+                    finish_reason="length",
+                    weight_version=version,
+                    prompt_token_ids=prompt,
+                )
+        raise SGLangError(
+            f"a generation was interrupted by {MAX_RESUMES + 1} refits without finishing; refits "
+            "come faster than one generation takes: lower max_new_tokens or refit less often"
+        )
+
+    def _acquire(self) -> str:
+        with self._state_lock:
+            count = len(self._urls)
+            order = [(self._next + offset) % count for offset in range(count)]
+            index = min(order, key=lambda i: self._in_flight[i])
+            self._in_flight[index] += 1
+            self._next = (index + 1) % count
+            return self._urls[index]
+
+    def _release(self, url: str) -> None:
+        with self._state_lock:
+            self._in_flight[self._urls.index(url)] -= 1
+
+    # ---------------------------------------------------------------------------------- refit
+    def refit_from_disk(self, path: str | os.PathLike[str], version: int) -> None:
+        """Load the Hugging Face checkpoint at `path` (visible to every server) on all servers.
+
+        Sequence, on all servers at once at each stage: pause (aborting in-flight requests,
+        which this engine resubmits), update weights, flush the prefix cache (its KV entries
+        were computed by the old weights), continue. The weight version changes only once every
+        server runs the new weights. A failure leaves the servers paused and raises: a run with
+        servers on mixed weights must stop, not train on them.
+        """
+        model_path = str(Path(path).resolve())
+        with self._refit_lock:
+            with self._state_lock:
+                self._epoch += 1
+            deadline = self._refit_timeout_s + 3 * self._request_timeout_s
+            self._run(self._refit(model_path, version), deadline)
+            with self._state_lock:
+                self._version = version
+
+    async def _refit(self, model_path: str, version: int) -> None:
+        await self._on_all("/pause_generation", {"mode": "abort"})
+        update = {"model_path": model_path, "weight_version": str(version)}
+        answers = await self._on_all("/update_weights_from_disk", update, self._refit_timeout_s)
+        failed = {
+            url: answer
+            for url, answer in zip(self._urls, answers, strict=True)
+            if not answer.get("success")
+        }
+        if failed:
+            raise SGLangError(
+                f"update_weights_from_disk({model_path}) failed on {sorted(failed)}: "
+                f"{next(iter(failed.values())).get('message')!r}; generation stays paused"
+            )
+        await self._on_all("/flush_cache", None)
+        await self._on_all("/continue_generation", {})
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Write `state_dict` (Hugging Face names) as safetensors under the refit directory, then
+        :meth:`refit_from_disk`. Meant for models whose weights fit in host memory; the Megatron
+        trainer exports its checkpoint itself and calls :meth:`refit_from_disk`.
+        """
+        if self._refit_dir is None:
+            raise ValueError(
+                "SGLangEngine.update_weights needs refit_dir (a folder on a filesystem every "
+                "SGLang server can read); pass it to SGLangEngine(..., refit_dir=...)"
+            )
+        target = self._refit_dir / f"weights_v{version}"
+        staging = self._refit_dir / f".tmp-weights_v{version}"
+        with self._refit_lock:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+            # Cloning breaks shared storage (tied embeddings), which safetensors refuses to write.
+            tensors = {
+                name: tensor.detach().to("cpu").contiguous().clone()
+                for name, tensor in state_dict.items()
+            }
+            save_file(tensors, str(staging / _WEIGHTS_FILE))
+            shutil.rmtree(target, ignore_errors=True)
+            staging.rename(target)
+            self.refit_from_disk(target, version)
+            # The servers have loaded `target`; the checkpoints this engine wrote before are unused.
+            for old in self._written:
+                if old != target:
+                    shutil.rmtree(old, ignore_errors=True)
+            self._written = [target]
+
+    # ---------------------------------------------------------------------------------- HTTP
+    async def _on_all(
+        self, route: str, payload: Mapping[str, Any] | None, timeout_s: float | None = None
+    ) -> list[Any]:
+        return list(
+            await asyncio.gather(
+                *(self._post(url, route, payload, timeout_s) for url in self._urls)
+            )
+        )
+
+    async def _post(
+        self,
+        url: str,
+        route: str,
+        payload: Mapping[str, Any] | None,
+        timeout_s: float | None = None,
+    ) -> Any:
+        timeout = self._request_timeout_s if timeout_s is None else timeout_s
+        try:
+            response = await self._client.post(f"{url}{route}", json=payload, timeout=timeout)
+        except httpx.TimeoutException as error:
+            raise SGLangTimeoutError(
+                f"SGLang server {url}: POST {route} did not answer within {timeout} s (the "
+                "server is overloaded or stalled; for /generate raise "
+                "generation.server.request_timeout_s or lower max_tokens)"
+            ) from error
+        except httpx.HTTPError as error:
+            raise SGLangError(
+                f"SGLang server {url}: POST {route} failed: {type(error).__name__}: {error}"
+            ) from error
+        if response.status_code != 200:
+            raise SGLangError(
+                f"SGLang server {url}: POST {route} answered {response.status_code}: "
+                f"{response.text[:500]}"
+            )
+        if response.headers.get("content-type", "").startswith("application/json"):
+            return response.json()
+        return response.text
+
+    def _run(self, coroutine, timeout_s: float):
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            return future.result(timeout_s)
+        except SGLangError:
+            raise  # its own deadline error (a TimeoutError too) or a server error
+        except TimeoutError as error:
+            future.cancel()
+            raise SGLangTimeoutError(f"SGLang call did not finish within {timeout_s} s") from error
+
+    def close(self) -> None:
+        if not self._thread.is_alive():
+            return
+        self._run(self._client.aclose(), 30.0)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(30.0)
+
+    def __enter__(self) -> SGLangEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _finish_reason(finish_type: str) -> FinishReason:
+    return "stop" if finish_type == "stop" else "length"
+
+
+def _validate(index: int, request: GenerationRequest) -> None:
+    params, where = request.params, f"requests[{index}]"
+    if not request.prompt_token_ids:
+        raise ValueError(f"{where}.prompt_token_ids is empty; a prompt needs at least one token")
+    if params.max_new_tokens < 1:
+        raise ValueError(f"{where}.params.max_new_tokens must be >= 1, got {params.max_new_tokens}")
+    if params.temperature < 0:
+        raise ValueError(
+            f"{where}.params.temperature must be >= 0 (0 is greedy), got {params.temperature}"
+        )
+    if not 0 < params.top_p <= 1:
+        raise ValueError(f"{where}.params.top_p must be in (0, 1], got {params.top_p}")

@@ -1,0 +1,582 @@
+"""The SGLang client against a stand-in server on loopback, and against real SGLang on a GPU.
+
+SGLang needs CUDA, so the CPU tests run a small FastAPI server that implements the routes the
+engine uses with SGLang's field names and rules: `/generate` accepts SGLang's `GenerateReqInput`
+and `SamplingParams` fields (stricter than SGLang, it rejects unknown ones, so a misspelt key
+fails here instead of being ignored there), answers `meta_info.output_token_logprobs` triples and
+`finish_reason` objects, and keeps SGLang's refit rules: `/pause_generation` in "abort" mode
+returns in-flight requests with their partial tokens and holds new ones until
+`/continue_generation`; `/update_weights_from_disk` waits until no request runs (SGLang's weight
+lock) and loads real safetensors files; `/flush_cache` refuses while requests run.
+
+Its "model" is a deterministic rule (token = prompt length + offset, offset = 1000 x loaded
+weight version), so a test can tell which weights produced which token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import pytest
+import torch
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import BaseModel, ConfigDict
+from safetensors.torch import load_file
+
+from gymrl.config.schema import PolicyConfig, SGLangGenerationConfig
+from gymrl.generation.sglang_engine import (
+    ORIGINAL_LOGPROB_ENV,
+    SGLangEngine,
+    SGLangError,
+    SGLangServerProcess,
+    SGLangTimeoutError,
+    free_port,
+    server_command,
+)
+from gymrl.generation.types import GenerationRequest, SamplingParams
+from nemo_gym_ext.http_server import serve_in_thread
+
+WEIGHT_OFFSET = 1000
+
+
+# ------------------------------------------------------------------------------ stand-in server
+class StandInSamplingParams(BaseModel):
+    """SGLang's `SamplingParams` constructor arguments (sglang/srt/sampling/sampling_params.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_new_tokens: int = 128
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    n: int = 1
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    sampling_seed: int | None = None
+
+
+class StandInGenerateReq(BaseModel):
+    """The `GenerateReqInput` fields a token-in client may send (managers/io_struct.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: StandInSamplingParams | None = None
+    return_logprob: bool | None = None
+    logprob_start_len: int | None = None
+    top_logprobs_num: int | None = None
+    stream: bool = False
+    rid: str | None = None
+
+
+class StandInUpdateReq(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+class StandInPauseReq(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class StandInState:
+    def __init__(self, context_length: int, token_delay_s: float) -> None:
+        self.context_length = context_length
+        self.token_delay_s = token_delay_s
+        self.events: list[tuple[str, Any]] = []
+        self.running = 0
+        self.tokens_sampled = 0
+        self.paused = False
+        self.abort_count = 0
+        self.weight_version = "default"
+        self.offset = 0
+        self.loaded_tensors: list[str] = []
+        self.resume = asyncio.Event()  # set while generation runs, cleared while paused
+        self.resume.set()
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"object": "error", "message": message, "code": status}, status)
+
+
+def make_standin(context_length: int = 512, token_delay_s: float = 0.0):
+    state = StandInState(context_length, token_delay_s)
+    app = FastAPI()
+
+    @app.get("/health_generate")
+    async def health() -> PlainTextResponse:
+        return PlainTextResponse("")
+
+    @app.post("/generate")
+    async def generate(req: StandInGenerateReq):
+        state.events.append(("generate", req.model_dump(exclude_unset=True)))
+        if (req.text is None) == (req.input_ids is None):
+            return _error(400, "Either text or input_ids should be provided.")
+        if req.text is not None:
+            return _error(400, "text input needs a tokenizer; the server skips tokenizer init")
+        params = req.sampling_params or StandInSamplingParams()
+        if params.temperature < 0 or not 0 < params.top_p <= 1 or params.max_new_tokens < 0:
+            return _error(400, f"invalid sampling params {params}")
+        if len(req.input_ids) >= state.context_length:
+            return _error(
+                400,
+                f"The input ({len(req.input_ids)} tokens) is longer than the model's context "
+                f"length ({state.context_length} tokens).",
+            )
+        await state.resume.wait()  # SGLang holds new requests while generation is paused
+        state.running += 1
+        abort_seen = state.abort_count
+        tokens: list[int] = []
+        finish: dict[str, Any] = {"type": "length", "length": params.max_new_tokens}
+        try:
+            for _ in range(params.max_new_tokens):
+                await asyncio.sleep(state.token_delay_s)
+                if state.abort_count != abort_seen:
+                    finish = {"type": "abort", "message": "Abort before prefill"}
+                    break
+                token = len(req.input_ids) + len(tokens) + state.offset
+                tokens.append(token)
+                state.tokens_sampled += 1
+                if token in (params.stop_token_ids or []):
+                    finish = {"type": "stop", "matched": token}
+                    break
+        finally:
+            state.running -= 1
+        meta = {
+            "id": "req",
+            "finish_reason": finish,
+            "prompt_tokens": len(req.input_ids),
+            "weight_version": state.weight_version,
+            "completion_tokens": len(tokens),
+            "cached_tokens": 0,
+        }
+        if req.return_logprob:
+            meta["output_token_logprobs"] = [[-(t % 7 + 1) / 10, t, None] for t in tokens]
+        return {"output_ids": tokens, "meta_info": meta}
+
+    @app.post("/pause_generation")
+    async def pause(req: StandInPauseReq):
+        state.events.append(("pause", req.mode))
+        state.paused = True
+        state.resume.clear()
+        if req.mode == "abort":
+            state.abort_count += 1
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    @app.post("/continue_generation")
+    async def resume():
+        state.events.append(("continue", None))
+        state.paused = False
+        state.resume.set()
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    @app.post("/update_weights_from_disk")
+    async def update(req: StandInUpdateReq):
+        state.events.append(("update", req.model_dump()))
+        for _ in range(200):  # SGLang's writer lock: wait until no request holds the reader lock
+            if state.running == 0:
+                break
+            await asyncio.sleep(0.01)
+        else:
+            return JSONResponse({"success": False, "message": "requests still running"}, 400)
+        files = sorted(Path(req.model_path).glob("*.safetensors"))
+        if not files:
+            return JSONResponse(
+                {"success": False, "message": f"no safetensors in {req.model_path}"}, 400
+            )
+        state.loaded_tensors = sorted(name for file in files for name in load_file(str(file)))
+        state.weight_version = req.weight_version or state.weight_version
+        state.offset = WEIGHT_OFFSET * int(state.weight_version)
+        return {
+            "success": True,
+            "message": "Succeeded to update model weights.",
+            "num_paused_requests": 0,
+        }
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush():
+        state.events.append(("flush", None))
+        if state.running:
+            return PlainTextResponse("Cache not flushed: requests are running.", 400)
+        return PlainTextResponse("Cache flushed.\n")
+
+    return app, state
+
+
+@pytest.fixture
+def standin():
+    """Start stand-in servers on demand; all are closed at the end of the test."""
+    started = []
+
+    def start(**kwargs):
+        app, state = make_standin(**kwargs)
+        server = serve_in_thread(app)
+        started.append(server)
+        return server.url, state
+
+    yield start
+    for server in started:
+        server.close()
+
+
+@pytest.fixture
+def weights_dir(tmp_path: Path) -> Path:
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    from safetensors.torch import save_file
+
+    save_file({"model.embed_tokens.weight": torch.zeros(4, 2)}, str(folder / "model.safetensors"))
+    return folder
+
+
+def _request(prompt, max_new_tokens=4, **params) -> GenerationRequest:
+    return GenerationRequest(prompt, SamplingParams(max_new_tokens=max_new_tokens, **params))
+
+
+def _engine(urls, **kwargs) -> SGLangEngine:
+    kwargs.setdefault("request_timeout_s", 10.0)
+    kwargs.setdefault("refit_timeout_s", 10.0)
+    return SGLangEngine(urls, **kwargs)
+
+
+# ------------------------------------------------------------------------------------- tests
+def test_generate_sends_sglang_fields_and_parses_logprobs(standin):
+    url, state = standin()
+    with _engine([url]) as engine:
+        [out] = engine.generate(
+            [_request([5, 6, 7], max_new_tokens=3, temperature=0.7, top_p=0.9, seed=11)]
+        )
+    [(_, body)] = state.events
+    assert body == {
+        "input_ids": [5, 6, 7],
+        "sampling_params": {
+            "max_new_tokens": 3,
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "sampling_seed": 11,
+        },
+        "return_logprob": True,
+        "logprob_start_len": -1,
+    }
+    assert out.token_ids == [3, 4, 5]
+    assert out.logprobs == [-0.4, -0.5, -0.6]
+    assert out.finish_reason == "length"
+    assert out.prompt_token_ids == [5, 6, 7]
+    assert out.weight_version == 0
+
+
+def test_stop_token_is_kept_and_maps_to_stop(standin):
+    url, state = standin()
+    with _engine([url]) as engine:
+        stopped, ran_out = engine.generate(
+            [
+                _request([1, 2], max_new_tokens=10, stop_token_ids=(4, 99)),
+                _request([1], max_new_tokens=2, stop_token_ids=(99,)),
+            ]
+        )
+    assert stopped.token_ids == [2, 3, 4] and stopped.finish_reason == "stop"
+    assert len(stopped.logprobs) == 3
+    assert ran_out.token_ids == [1, 2] and ran_out.finish_reason == "length"
+    sent = {tuple(body["input_ids"]): body for _, body in state.events}
+    assert sent[(1, 2)]["sampling_params"]["stop_token_ids"] == [4, 99]
+
+
+def test_requests_spread_over_servers(standin):
+    (url_a, state_a), (url_b, state_b) = standin(token_delay_s=0.05), standin(token_delay_s=0.05)
+    with _engine([url_a, url_b]) as engine:
+        outputs = engine.generate([_request([i + 1] * (i + 1), max_new_tokens=2) for i in range(4)])
+    assert [len(out.token_ids) for out in outputs] == [2, 2, 2, 2]
+    assert [out.prompt_token_ids for out in outputs] == [[i + 1] * (i + 1) for i in range(4)]
+    assert len(state_a.events) == 2 and len(state_b.events) == 2
+
+
+def test_server_error_names_server_and_message(standin):
+    url, _ = standin(context_length=8)
+    with _engine([url]) as engine, pytest.raises(SGLangError, match="longer than the model's"):
+        engine.generate([_request(list(range(1, 20)))])
+
+
+def test_timeout_raises_clear_error(standin):
+    url, _ = standin(token_delay_s=0.5)
+    with (
+        _engine([url], request_timeout_s=0.2) as engine,
+        pytest.raises(SGLangTimeoutError, match=r"/generate did not answer within 0.2 s"),
+    ):
+        engine.generate([_request([1], max_new_tokens=2)])
+
+
+def test_unreachable_server_is_a_clear_error():
+    with (
+        _engine([f"http://127.0.0.1:{free_port()}"]) as engine,
+        pytest.raises(SGLangError, match="POST /generate failed: ConnectError"),
+    ):
+        engine.generate([_request([1])])
+
+
+def test_invalid_request_rejected_before_sending(standin):
+    url, state = standin()
+    with _engine([url]) as engine, pytest.raises(ValueError, match=r"requests\[1\].params.top_p"):
+        engine.generate([_request([1]), _request([1], top_p=0.0)])
+    assert state.events == []
+
+
+def test_refit_sequence_order_and_version(standin, weights_dir):
+    (url_a, state_a), (url_b, state_b) = standin(), standin()
+    with _engine([url_a, url_b]) as engine:
+        engine.refit_from_disk(weights_dir, 3)
+        assert engine.weight_version == 3
+        [out] = engine.generate([_request([1, 1], max_new_tokens=1)])
+    for state in (state_a, state_b):
+        assert [kind for kind, _ in state.events[:4]] == ["pause", "update", "flush", "continue"]
+        assert state.events[0][1] == "abort"
+        assert state.events[1][1]["model_path"] == str(weights_dir.resolve())
+        assert state.events[1][1]["weight_version"] == "3"
+    assert out.token_ids == [2 + 3 * WEIGHT_OFFSET] and out.weight_version == 3
+
+
+def test_generation_interrupted_by_refit_resumes_under_new_weights(standin, weights_dir):
+    url, state = standin(token_delay_s=0.02)
+    with _engine([url]) as engine:
+        result = {}
+        worker = threading.Thread(
+            target=lambda: result.update(out=engine.generate([_request([9, 9], 30)])[0])
+        )
+        worker.start()
+        deadline = time.monotonic() + 10
+        while state.tokens_sampled < 5:  # refit only once the generation is under way
+            assert time.monotonic() < deadline, "the stand-in server did not start generating"
+            time.sleep(0.01)
+        engine.refit_from_disk(weights_dir, 1)
+        worker.join(10)
+    out = result["out"]
+    first, resumed = (body for kind, body in state.events if kind == "generate")
+    partial = len(resumed["input_ids"]) - 2
+    assert 0 < partial < 30
+    assert resumed["input_ids"] == [9, 9, *out.token_ids[:partial]]
+    assert resumed["sampling_params"]["max_new_tokens"] == 30 - partial
+    assert len(out.token_ids) == len(out.logprobs) == 30
+    # Tokens before the refit come from the old weights, the rest from the new ones.
+    assert out.token_ids[:partial] == list(range(2, 2 + partial))
+    assert out.token_ids[partial:] == [WEIGHT_OFFSET + 2 + i for i in range(partial, 30)]
+    assert out.finish_reason == "length" and out.weight_version == 0
+    assert first["input_ids"] == [9, 9]
+
+
+def test_failed_refit_keeps_version_and_leaves_servers_paused(standin, tmp_path):
+    url, state = standin()
+    with _engine([url]) as engine:
+        with pytest.raises(SGLangError, match="update_weights_from_disk answered 400"):
+            engine.refit_from_disk(tmp_path / "empty", 5)
+        assert engine.weight_version == 0
+    assert state.paused and [kind for kind, _ in state.events] == ["pause", "update"]
+
+
+def test_update_weights_writes_safetensors_and_refits(standin, tmp_path):
+    url, state = standin()
+    embedding = torch.randn(6, 3)
+    state_dict = {"model.embed_tokens.weight": embedding, "lm_head.weight": embedding}  # tied
+    with _engine([url], refit_dir=tmp_path / "refit") as engine:
+        engine.update_weights(state_dict, 1)
+        assert state.loaded_tensors == ["lm_head.weight", "model.embed_tokens.weight"]
+        assert (tmp_path / "refit" / "weights_v1").is_dir()
+        engine.update_weights(state_dict, 2)
+        assert engine.weight_version == 2
+    assert sorted(p.name for p in (tmp_path / "refit").iterdir()) == ["weights_v2"]
+    written = load_file(str(tmp_path / "refit" / "weights_v2" / "model.safetensors"))
+    assert torch.equal(written["lm_head.weight"], embedding)
+
+
+def test_update_weights_without_refit_dir_is_a_clear_error(standin):
+    url, _ = standin()
+    with _engine([url]) as engine, pytest.raises(ValueError, match="needs refit_dir"):
+        engine.update_weights({"w": torch.zeros(1)}, 1)
+
+
+def test_from_config_checks_engine_count():
+    generation = SGLangGenerationConfig(num_engines=2)
+    with pytest.raises(ValueError, match=r"generation\.num_engines=2"):
+        SGLangEngine.from_config(generation, ["http://a:1"])
+
+
+# ------------------------------------------------------------------------- server processes
+def _policy(**kwargs) -> PolicyConfig:
+    fields = dict(name="m", source="pretrained", path="/m", max_total_sequence_length=4096)
+    return PolicyConfig(**(fields | kwargs))
+
+
+def test_server_command_maps_config_to_sglang_flags():
+    generation = SGLangGenerationConfig(
+        num_engines=2,
+        tensor_parallel_size=4,
+        expert_parallel_size=4,
+        mem_fraction_static=0.75,
+        max_running_requests=128,
+    )
+    command = server_command(
+        generation, _policy(dtype="bfloat16"), model_path="/ckpt", port=30001, seed=7
+    )
+    assert command[1:3] == ["-m", "sglang.launch_server"]
+    flags = {
+        flag: value
+        for flag, value in zip(command[3:], [*command[4:], None], strict=True)
+        if flag.startswith("--") and value is not None and not value.startswith("--")
+    }
+    assert flags["--model-path"] == "/ckpt" and flags["--port"] == "30001"
+    assert flags["--host"] == "0.0.0.0"
+    assert flags["--tp-size"] == "4" and flags["--ep-size"] == "4"
+    assert flags["--mem-fraction-static"] == "0.75"
+    assert flags["--max-running-requests"] == "128"
+    assert flags["--dtype"] == "bfloat16" and flags["--context-length"] == "4096"
+    assert flags["--random-seed"] == "7"
+    assert "--skip-tokenizer-init" in command
+    dense = server_command(
+        SGLangGenerationConfig(num_engines=1), _policy(), model_path="/c", port=1, seed=0
+    )
+    assert "--ep-size" not in dense
+
+
+_HEALTH_ONLY_SERVER = """
+import http.server, sys
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health_generate" else 404)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+"""
+
+
+def test_server_process_waits_for_health_and_stops(tmp_path):
+    port = free_port()
+    command = [sys.executable, "-c", _HEALTH_ONLY_SERVER, str(port)]
+    server = SGLangServerProcess(
+        command, base_url=f"http://127.0.0.1:{port}", log_path=tmp_path / "s.log"
+    )
+    with server:
+        server.start()
+        server.wait_healthy(timeout_s=20)
+        assert server._process.poll() is None
+    assert server._process.poll() is not None
+
+
+def test_server_process_exit_reports_log_and_clean_env(tmp_path, monkeypatch):
+    monkeypatch.setenv(ORIGINAL_LOGPROB_ENV, "1")
+    script = (
+        "import os, sys; print('env', os.environ.get('SGLANG_RETURN_ORIGINAL_LOGPROB', 'unset'),"
+        " os.environ['CUDA_VISIBLE_DEVICES']); sys.exit(3)"
+    )
+    server = SGLangServerProcess(
+        [sys.executable, "-c", script],
+        base_url=f"http://127.0.0.1:{free_port()}",
+        log_path=tmp_path / "s.log",
+        gpu_ids=[2, 3],
+    )
+    server.start()
+    with pytest.raises(SGLangError, match=r"exited with code 3[\s\S]*env unset 2,3"):
+        server.wait_healthy(timeout_s=20)
+
+
+def test_server_process_health_deadline_kills_it(tmp_path):
+    server = SGLangServerProcess(
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        base_url=f"http://127.0.0.1:{free_port()}",
+        log_path=tmp_path / "s.log",
+    )
+    server.start()
+    with pytest.raises(SGLangTimeoutError, match=r"server_start_timeout_s=0\.3"):
+        server.wait_healthy(timeout_s=0.3)
+    assert server._process.poll() is not None
+
+
+# -------------------------------------------------------------------------------- real SGLang
+def _real_sglang_checkpoint() -> Path:
+    import importlib.util
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU (SGLang runs on CUDA)")
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("sglang is not installed (pip install '.[gpu]' on a GPU machine)")
+    from gymrl.model.loading import ensure_smollm2_checkpoint
+
+    try:
+        return ensure_smollm2_checkpoint("~/.cache/gym-grpo-recipes/models")
+    except FileNotFoundError as error:
+        pytest.skip(f"no small local model for SGLang: {error}")
+
+
+@pytest.mark.gpu
+def test_real_sglang_logprobs_match_temperature_scaled_softmax_and_refit(tmp_path):
+    checkpoint = _real_sglang_checkpoint()
+    from gymrl.model.loading import load_pretrained
+
+    generation = SGLangGenerationConfig(num_engines=1, mem_fraction_static=0.3)
+    policy = _policy(path=str(checkpoint), dtype="bfloat16", max_total_sequence_length=2048)
+    port = free_port()
+    command = server_command(generation, policy, model_path=str(checkpoint), port=port, seed=0)
+    with SGLangServerProcess(
+        command, base_url=f"http://127.0.0.1:{port}", log_path=tmp_path / "sglang.log"
+    ) as server:
+        server.start()
+        server.wait_healthy(generation.server_start_timeout_s)
+        with SGLangEngine.from_config(
+            generation, [server.base_url], refit_dir=tmp_path / "refit"
+        ) as engine:
+            prompt = [1, 504, 3458, 282, 4649, 314]
+            [sampled] = engine.generate([_request(prompt, 16, temperature=0.7, top_p=0.9)])
+            assert len(sampled.token_ids) == len(sampled.logprobs) >= 1
+            model = load_pretrained(checkpoint, torch.float32).cuda().eval()
+            ids = torch.tensor([prompt + sampled.token_ids], device="cuda")
+            with torch.no_grad():
+                logits = model(ids).logits[0, len(prompt) - 1 : -1].float() / 0.7
+            expected = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt) :].unsqueeze(-1))
+            got = torch.tensor(sampled.logprobs, device="cuda")
+            assert (expected.squeeze(-1) - got).abs().mean() < 0.05  # bf16 server vs fp32 HF
+
+            [greedy_before] = engine.generate([_request(prompt, 8, temperature=0.0)])
+            engine.refit_from_disk(checkpoint, 1)
+            [greedy_after] = engine.generate([_request(prompt, 8, temperature=0.0)])
+            assert engine.weight_version == 1 and greedy_after.weight_version == 1
+            assert greedy_after.token_ids == greedy_before.token_ids
+            engine.update_weights(model.state_dict(), 2)
+            [greedy_pushed] = engine.generate([_request(prompt, 8, temperature=0.0)])
+            assert greedy_pushed.weight_version == 2
+            assert greedy_pushed.token_ids == greedy_before.token_ids
+
+
+@pytest.mark.gpu
+def test_real_sglang_server_group_on_ray(tmp_path):
+    checkpoint = _real_sglang_checkpoint()
+    import ray
+
+    from gymrl.generation.sglang_engine import SGLangServerGroup
+
+    generation = SGLangGenerationConfig(num_engines=1, mem_fraction_static=0.3)
+    policy = _policy(path=str(checkpoint), dtype="bfloat16", max_total_sequence_length=2048)
+    ray.init(num_gpus=1, num_cpus=4, include_dashboard=False)
+    try:
+        group = SGLangServerGroup(
+            generation, policy, model_path=str(checkpoint), seed=0, log_dir=tmp_path
+        )
+        with SGLangEngine.from_config(generation, group.urls) as engine:
+            [out] = engine.generate([_request([1, 504, 3458], 8, temperature=1.0)])
+        assert len(out.token_ids) == len(out.logprobs) >= 1
+        group.shutdown()
+    finally:
+        ray.shutdown()

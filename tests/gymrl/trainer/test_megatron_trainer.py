@@ -1,0 +1,511 @@
+"""The Megatron trainer: config mapping, micro-batch planning, the context-parallel layout and
+the loss scaling on the CPU; a real tiny Megatron model on one GPU in the GPU-marked tests."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gymrl.algo.loss import grpo_loss
+from gymrl.algo.trajectory import Trajectory
+from gymrl.config.compose import compose_raw
+from gymrl.config.schema import RouterReplayConfig
+from gymrl.config.validate import trainer_gpus, validate_config
+from gymrl.trainer.megatron_trainer import (
+    PAD_TOKEN_ID,
+    MegatronPolicyTrainer,
+    MicroBatch,
+    build_micro_batch,
+    context_parallel_positions,
+    context_parallel_unshard,
+    data_parallel_size,
+    ddp_config_kwargs,
+    distributed_env,
+    loss_normalizer,
+    megatron_loss_scale,
+    node_bundles,
+    optimizer_config_kwargs,
+    parallel_state_kwargs,
+    plan_micro_batches,
+    provider_overrides,
+    reduce_loss_metrics,
+    scheduler_kwargs,
+    sequence_multiple,
+    unsupported_settings,
+)
+
+
+@pytest.fixture(scope="module")
+def swe_config():
+    return validate_config(compose_raw(["+experiment=swe_bench_30b"]))
+
+
+def _replace(config, **sections):
+    """`config` with fields of its sub-configs replaced: `_replace(c, loss={"kl_coef": 0.1})`."""
+    updates = {
+        name: getattr(config, name).model_copy(update=fields) for name, fields in sections.items()
+    }
+    return config.model_copy(update=updates)
+
+
+def _trajectory(prompt: int, generated: int, group: str = "g") -> Trajectory:
+    tokens = list(range(1, prompt + generated + 1))
+    return Trajectory(
+        token_ids=tokens,
+        loss_mask=[0] * prompt + [1] * generated,
+        generation_logprobs=[0.0] * prompt + [-0.5] * generated,
+        reward=1.0,
+        agent="a",
+        group_id=group,
+        weight_version=0,
+    )
+
+
+# ---------------------------------------------------------------------------- config mapping
+def test_swe_bench_config_maps_to_megatron_arguments(swe_config):
+    trainer = swe_config.trainer
+    assert parallel_state_kwargs(trainer) == {
+        "tensor_model_parallel_size": 4,
+        "pipeline_model_parallel_size": 1,
+        "virtual_pipeline_model_parallel_size": None,
+        "context_parallel_size": 2,
+        "expert_model_parallel_size": 8,
+        "expert_tensor_parallel_size": 1,
+    }
+    provider = provider_overrides(swe_config)
+    assert provider["sequence_parallel"] is True and provider["bf16"] is True
+    assert provider["params_dtype"] is torch.bfloat16 is provider["pipeline_dtype"]
+    assert provider["seq_length"] == 65536
+    assert provider["recompute_granularity"] == "full"
+    assert provider["calculate_per_token_loss"] is False
+    assert provider["context_parallel_size"] == 2 and provider["expert_model_parallel_size"] == 8
+    optimizer = optimizer_config_kwargs(swe_config)
+    assert optimizer["optimizer"] == "adam" and optimizer["use_distributed_optimizer"]
+    assert (optimizer["lr"], optimizer["weight_decay"], optimizer["clip_grad"]) == (1e-6, 0.01, 1.0)
+    assert (optimizer["adam_beta1"], optimizer["adam_beta2"], optimizer["adam_eps"]) == (
+        0.9,
+        0.999,
+        1e-8,
+    )
+    schedule = scheduler_kwargs(swe_config)
+    assert schedule["lr_decay_style"] == "constant" == schedule["wd_incr_style"]
+    assert schedule["max_lr"] == schedule["min_lr"] == 1e-6 and schedule["end_wd"] == 0.01
+    assert ddp_config_kwargs(trainer)["average_in_collective"] is False
+    assert sequence_multiple(trainer) == 16  # 2 x CP 2 x TP 4 under sequence parallelism
+    assert data_parallel_size(trainer_gpus(swe_config), trainer) == 8
+    assert unsupported_settings(swe_config) == []
+
+
+def test_no_recomputation_without_activation_checkpointing(swe_config):
+    config = _replace(swe_config, trainer={"activation_checkpointing": False})
+    assert "recompute_granularity" not in provider_overrides(config)
+
+
+def test_unsupported_settings_name_key_and_fix(swe_config):
+    config = _replace(
+        swe_config,
+        loss={"kl_coef": 0.1},
+        policy={"router_replay": RouterReplayConfig(enabled=True)},
+    )
+    problems = unsupported_settings(config)
+    assert any("loss.kl_coef=0.1" in p and "set loss.kl_coef=0" in p for p in problems)
+    assert any("policy.router_replay.enabled=true" in p for p in problems)
+    # Refused before Megatron is imported, so the CPU machine reports it too.
+    with pytest.raises(ValueError, match=r"loss\.kl_coef"):
+        MegatronPolicyTrainer(config, temperature=1.0)
+
+
+@pytest.mark.parametrize(
+    ("tp", "cp", "sp", "expected"),
+    [(4, 1, False, 1), (4, 1, True, 4), (1, 2, False, 4), (4, 2, True, 16), (2, 4, False, 8)],
+)
+def test_sequence_multiple(swe_config, tp, cp, sp, expected):
+    trainer = swe_config.trainer.model_copy(
+        update={
+            "tensor_model_parallel_size": tp,
+            "context_parallel_size": cp,
+            "sequence_parallel": sp,
+        }
+    )
+    assert sequence_multiple(trainer) == expected
+
+
+def test_data_parallel_size_rejects_a_partial_replica(swe_config):
+    with pytest.raises(ValueError, match="not a multiple of TP x PP x CP = 8"):
+        data_parallel_size(60, swe_config.trainer)
+
+
+# --------------------------------------------------------------------------------- planning
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 200), max_size=40),
+    dp=st.integers(1, 4),
+    mbs=st.integers(1, 3),
+    multiple=st.sampled_from([1, 4, 16]),
+    uniform=st.booleans(),
+)
+def test_plan_covers_each_trajectory_once_with_equal_counts(lengths, dp, mbs, multiple, uniform):
+    plans = plan_micro_batches(
+        lengths,
+        data_parallel_size=dp,
+        micro_batch_size=mbs,
+        sequence_multiple=multiple,
+        uniform_shapes=uniform,
+    )
+    assert len(plans) == dp
+    assert len({len(plan) for plan in plans}) == 1  # every rank runs as many micro-batches
+    placed = [i for plan in plans for mb in plan for i in mb.indices if i is not None]
+    assert sorted(placed) == [i for i, n in enumerate(lengths) if n > 0]
+    for plan in plans:
+        for mb in plan:
+            assert 1 <= len(mb.indices) <= mbs and mb.seq_length % multiple == 0
+            assert all(mb.seq_length >= lengths[i] for i in mb.indices if i is not None)
+            if uniform:
+                assert len(mb.indices) == mbs
+    if uniform:
+        assert len({mb.seq_length for plan in plans for mb in plan}) == 1
+    tokens = [sum(lengths[i] for mb in plan for i in mb.indices if i is not None) for plan in plans]
+    assert max(tokens) - min(tokens) <= max(lengths, default=0)
+
+
+def test_plan_groups_similar_lengths_and_pads_each_micro_batch():
+    plans = plan_micro_batches(
+        [10, 0, 7, 3, 12, 5, 8],
+        data_parallel_size=2,
+        micro_batch_size=2,
+        sequence_multiple=4,
+        uniform_shapes=False,
+    )
+    # Longest first, dealt in snake order: rank 0 gets 12, 7, 5 tokens; rank 1 gets 10, 8, 3.
+    assert plans == [
+        [MicroBatch((4, 2), 12), MicroBatch((5,), 8)],
+        [MicroBatch((0, 6), 12), MicroBatch((3,), 4)],
+    ]
+
+
+def test_plan_of_masked_trajectories_is_one_filler_per_rank():
+    plans = plan_micro_batches(
+        [0, 0], data_parallel_size=2, micro_batch_size=4, sequence_multiple=8, uniform_shapes=False
+    )
+    assert plans == [[MicroBatch((None,), 8)], [MicroBatch((None,), 8)]]
+
+
+def test_build_micro_batch_aligns_labels_fillers_and_advantages():
+    trajectories = [_trajectory(2, 3), _trajectory(1, 1)]
+    batch = build_micro_batch(
+        trajectories, torch.tensor([0.5, -1.0]), MicroBatch((1, None, 0), seq_length=8)
+    )
+    assert batch["input_ids"].tolist() == [
+        [1, 2] + [PAD_TOKEN_ID] * 6,
+        [PAD_TOKEN_ID] * 8,
+        [1, 2, 3, 4, 5] + [PAD_TOKEN_ID] * 3,
+    ]
+    assert batch["labels"][2].tolist() == [2, 3, 4, 5] + [PAD_TOKEN_ID] * 4
+    assert batch["loss_mask"].tolist()[1] == [0] * 8  # the filler trains on nothing
+    assert batch["loss_mask"][2].tolist() == [0, 0, 1, 1, 1, 0, 0, 0]
+    assert batch["advantages"].tolist() == [-1.0, 0.0, 0.5]
+    assert batch["position_ids"][1].tolist() == list(range(8))
+
+
+# ---------------------------------------------------------------------- context parallelism
+def test_context_parallel_layout_is_megatrons_load_balanced_split():
+    assert context_parallel_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert context_parallel_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    assert context_parallel_positions(16, 4, 1).tolist() == [2, 3, 12, 13]
+    with pytest.raises(ValueError, match="not a multiple of 2 x CP = 4"):
+        context_parallel_positions(6, 2, 0)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_context_parallel_unshard_inverts_the_split(cp):
+    full = torch.randn(3, 16)
+    shards = [full[:, context_parallel_positions(16, cp, rank)] for rank in range(cp)]
+    assert torch.equal(context_parallel_unshard(shards), full)
+
+
+# --------------------------------------------------------------------------- loss and scale
+@pytest.mark.parametrize("token_level", [True, False])
+@pytest.mark.parametrize(("dp", "cp", "mbs"), [(1, 1, 1), (2, 1, 2), (2, 2, 1), (3, 2, 2)])
+def test_megatron_reduction_of_scaled_losses_gives_the_full_batch_gradient(
+    token_level, dp, cp, mbs
+):
+    """Emulates Megatron's reduction: a micro-batch loss divided by the number of micro-batches,
+    gradients scaled by 1/DP and summed over DP x CP ranks; under CP each rank's loss is the
+    whole-sequence loss whose gradient reaches only its own chunk, times CP (the backward of the
+    all-gather sums every rank's gradient into each chunk)."""
+    generator = random.Random(dp * 10 + cp + mbs)
+    trajectories = [
+        _trajectory(generator.randint(1, 5), generator.randint(0, 6), group=str(i))
+        for i in range(7)
+    ]
+    advantages = torch.tensor([generator.uniform(-1, 1) for _ in trajectories])
+    multiple = 2 * cp if cp > 1 else 1
+    logits_table = torch.randn(64, requires_grad=True)  # the "model": a logprob per token id
+
+    def per_token(batch):
+        return torch.log_softmax(logits_table, 0)[batch["input_ids"]]
+
+    loss_kwargs = dict(
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        kl_coef=0.0,
+        importance_sampling_correction=True,
+        importance_ratio_cap=2.0,
+        token_level_normalization=token_level,
+    )
+    normalizer = loss_normalizer(trajectories, token_level)
+    full = build_micro_batch(
+        trajectories, advantages, MicroBatch(tuple(range(len(trajectories))), 16)
+    )
+    expected_loss, _ = grpo_loss(
+        per_token(full),
+        full["generation_logprobs"],
+        full["advantages"],
+        full["loss_mask"],
+        normalizer=normalizer,
+        **loss_kwargs,
+    )
+    (expected,) = torch.autograd.grad(expected_loss, logits_table)
+
+    plans = plan_micro_batches(
+        [len(t.token_ids) for t in trajectories],
+        data_parallel_size=dp,
+        micro_batch_size=mbs,
+        sequence_multiple=multiple,
+        uniform_shapes=False,
+    )
+    total = torch.zeros_like(logits_table)
+    for plan in plans:
+        scale = megatron_loss_scale(len(plan), dp, cp)
+        for micro_batch in plan:
+            batch = build_micro_batch(trajectories, advantages, micro_batch)
+            for rank in range(cp):
+                logprobs = per_token(batch)
+                own = torch.zeros(batch["input_ids"].shape[1], dtype=torch.bool)
+                own[context_parallel_positions(own.numel(), cp, rank)] = True
+                # Same values; the gradient reaches only this rank's chunk, times CP.
+                change = logprobs - logprobs.detach()
+                routed = logprobs.detach() + torch.where(own, change * cp, torch.zeros_like(change))
+                loss, _ = grpo_loss(
+                    routed,
+                    batch["generation_logprobs"],
+                    batch["advantages"],
+                    batch["loss_mask"],
+                    normalizer=normalizer,
+                    **loss_kwargs,
+                )
+                (grad,) = torch.autograd.grad(loss * scale / len(plan), logits_table)
+                total += grad / dp
+    torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_loss_normalizer_counts_tokens_or_sequences():
+    trajectories = [_trajectory(2, 3), _trajectory(4, 0), _trajectory(1, 2)]
+    assert loss_normalizer(trajectories, token_level=True) == 5.0
+    assert loss_normalizer(trajectories, token_level=False) == 2.0
+
+
+def test_reduce_loss_metrics_sums_losses_weights_means_and_ignores_fillers():
+    base = {"loss": 0.25, "pg_loss": 0.25, "kl": 0.0, "clip_fraction": 0.5}
+    first = base | {
+        "importance_ratio/mean": 1.2,
+        "importance_ratio/max": 0.9,
+        "approx_entropy": 2.0,
+        "num_tokens": 3.0,
+    }
+    second = base | {
+        "clip_fraction": 0.0,
+        "importance_ratio/mean": 0.8,
+        "importance_ratio/max": 0.95,
+        "approx_entropy": 1.0,
+        "num_tokens": 1.0,
+    }
+    filler = {key: 0.0 for key in first} | {
+        "importance_ratio/max": 1.0,
+        "importance_ratio/mean": 1.0,
+    }
+    merged = reduce_loss_metrics([first, second, filler])
+    assert merged["loss"] == 0.5 and merged["num_tokens"] == 4.0
+    assert math.isclose(merged["clip_fraction"], 0.375)
+    assert math.isclose(merged["importance_ratio/mean"], 1.1)
+    assert math.isclose(merged["approx_entropy"], 1.75)
+    assert merged["importance_ratio/max"] == 0.95
+    with pytest.raises(ValueError, match="no metrics"):
+        reduce_loss_metrics([])
+
+
+# ------------------------------------------------------------------------------ Ray group
+def test_distributed_env_and_node_bundles():
+    assert distributed_env(3, 8, "10.0.0.1", 29500) == {
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29500",
+        "RANK": "3",
+        "WORLD_SIZE": "8",
+        "LOCAL_RANK": "0",
+    }
+    with pytest.raises(ValueError, match="rank=8"):
+        distributed_env(8, 8, "h", 1)
+    assert node_bundles(64, 8) == [{"GPU": 8.0, "CPU": 8.0}] * 8
+    assert node_bundles(2, 8) == [{"GPU": 2.0, "CPU": 2.0}]
+    with pytest.raises(ValueError, match="do not fill nodes of 8 GPUs"):
+        node_bundles(12, 8)
+
+
+# ------------------------------------------------------------------------- real Megatron
+def _tiny_megatron_setup(tmp_path_factory):
+    import importlib.util
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU (Megatron-core runs on CUDA)")
+    if importlib.util.find_spec("megatron.bridge") is None:
+        pytest.skip("megatron-core / megatron-bridge are not installed (pip install '.[gpu]')")
+    from gymrl.model.loading import build_tiny_llama, ensure_smollm2_checkpoint, load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(ensure_smollm2_checkpoint("~/.cache/gym-grpo-recipes/models"))
+    except FileNotFoundError as error:
+        pytest.skip(f"no tokenizer for the tiny model: {error}")
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    model = build_tiny_llama(
+        tokenizer, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, seed=0
+    )
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    raw = compose_raw(
+        [
+            "+experiment=smoke",
+            "trainer=megatron",
+            "policy.source=pretrained",
+            f"++policy.path={folder}",
+            "policy.dtype=float32",
+            "cluster.gpus_per_node=1",
+            "trainer.activation_checkpointing=false",
+            "trainer.micro_batch_size=2",
+            "loss.kl_coef=0.0",
+            "trainer.optimizer.lr=1e-3",
+        ]
+    )
+    return validate_config(raw), folder, model
+
+
+@pytest.fixture(scope="module")
+def tiny_trainer(tmp_path_factory):
+    import os
+
+    from gymrl.generation.sglang_engine import free_port
+
+    config, folder, hf_model = _tiny_megatron_setup(tmp_path_factory)
+    env = distributed_env(0, 1, "127.0.0.1", free_port())
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield MegatronPolicyTrainer(config, temperature=0.8), folder, hf_model
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _batch(vocab: int, count: int = 5) -> tuple[list[Trajectory], torch.Tensor]:
+    generator = random.Random(0)
+    trajectories = []
+    for index in range(count):
+        prompt, generated = generator.randint(3, 9), generator.randint(1, 9)
+        tokens = [generator.randrange(1, vocab) for _ in range(prompt + generated)]
+        trajectories.append(
+            Trajectory(
+                token_ids=tokens,
+                loss_mask=[0] * prompt + [1] * generated,
+                generation_logprobs=[0.0] * prompt + [-3.0] * generated,
+                reward=float(index % 2),
+                agent="a",
+                group_id="g",
+                weight_version=0,
+            )
+        )
+    return trajectories, torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0][:count])
+
+
+@pytest.mark.gpu
+def test_megatron_logprobs_match_hugging_face(tiny_trainer):
+    from gymrl.algo.loss import sequence_logprobs
+
+    trainer, _, hf_model = tiny_trainer
+    trajectories, _ = _batch(hf_model.config.vocab_size)
+    got = trainer.compute_logprobs(trajectories)
+    hf_model = hf_model.cuda().eval()
+    for index, trajectory in enumerate(trajectories):
+        ids = torch.tensor([trajectory.token_ids], device="cuda")
+        with torch.no_grad():
+            expected = sequence_logprobs(hf_model(ids).logits, ids, temperature=0.8)[0]
+        mask = torch.tensor(trajectory.loss_mask, dtype=torch.bool)
+        torch.testing.assert_close(
+            torch.tensor(got[index])[mask], expected.cpu()[mask], rtol=0, atol=2e-3
+        )
+
+
+@pytest.mark.gpu
+def test_megatron_train_step_checkpoint_and_export(tiny_trainer, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    trainer, _, hf_model = tiny_trainer
+    trajectories, advantages = _batch(hf_model.config.vocab_size)
+    before = trainer.export_weights()
+    assert "model.layers.0.self_attn.q_proj.weight" in before
+    metrics = trainer.train_step(trajectories, advantages)
+    assert metrics["num_tokens"] == sum(t.num_generated_tokens for t in trajectories)
+    assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+    assert metrics["num_sequences"] == len(trajectories) and metrics["lr"] == 1e-3
+    after = trainer.export_weights()
+    assert any(not torch.equal(before[name], after[name]) for name in before)
+
+    checkpoint = trainer.save_checkpoint(tmp_path / "ckpt", 1, {"position": 7})
+    trainer.train_step(trajectories, advantages)
+    state = trainer.load_checkpoint(checkpoint)
+    assert state == {"step": 1, "data_state": {"position": 7}}
+    restored = trainer.export_weights()
+    assert all(torch.equal(after[name], restored[name]) for name in after)
+
+    exported = trainer.export_hf_checkpoint(tmp_path / "hf" / "v1")
+    reloaded = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)
+    for name, tensor in reloaded.state_dict().items():
+        if name in restored:
+            torch.testing.assert_close(tensor, restored[name].to(tensor.dtype))
+
+
+@pytest.mark.gpu
+def test_megatron_skips_a_step_without_generated_tokens(tiny_trainer):
+    trainer, _, _ = tiny_trainer
+    masked = [_trajectory(3, 0)]
+    assert trainer.train_step(masked, torch.zeros(1)) == {"num_tokens": 0.0, "num_sequences": 0.0}
+
+
+@pytest.mark.gpu
+def test_megatron_trainer_group_on_ray(tmp_path_factory):
+    config, _, hf_model = _tiny_megatron_setup(tmp_path_factory)
+    import ray
+
+    from gymrl.trainer.megatron_trainer import MegatronTrainerGroup
+
+    ray.init(num_gpus=1, num_cpus=4, include_dashboard=False)
+    try:
+        group = MegatronTrainerGroup(
+            config, world_size=1, temperature=0.8, start_timeout_s=900, call_timeout_s=900
+        )
+        trajectories, advantages = _batch(hf_model.config.vocab_size)
+        before = group.compute_logprobs(trajectories)
+        assert [len(lp) for lp in before] == [len(t.token_ids) for t in trajectories]
+        metrics = group.train_step(trajectories, advantages)
+        assert metrics["num_tokens"] == sum(t.num_generated_tokens for t in trajectories)
+        assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+        assert group.compute_logprobs(trajectories) != before
+        group.shutdown()
+    finally:
+        ray.shutdown()
