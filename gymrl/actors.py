@@ -1,7 +1,7 @@
 """The Ray actors of async GRPO, each with one narrow job.
 
-* :class:`GenerationServer`: a generation engine behind the OpenAI-compatible policy model server
-  (the URL Gym agents call); refit in place with a weight version.
+* :class:`GenerationServer`: a generation engine (torch, or a group of SGLang servers) behind the
+  OpenAI-compatible policy model server (the URL Gym agents call); refit with a weight version.
 * :class:`GymShard`: one Gym shard: starts its built-in environments (or points at remote agents)
   and runs GRPO groups through :class:`nemo_gym_ext.rollout.RolloutCollector`, postprocessing each
   result with the shard's own postprocess config.
@@ -25,13 +25,15 @@ from gymrl.algo.trajectory import Trajectory
 from gymrl.config.schema import (
     LossConfig,
     PolicyConfig,
+    RecipeConfig,
     RolloutConfig,
-    TorchGenerationConfig,
+    SGLangGenerationConfig,
     TorchTrainerConfig,
 )
+from gymrl.generation.sglang_engine import SGLangEngine, SGLangServerGroup
 from gymrl.generation.torch_engine import TorchGenerationEngine
 from gymrl.model.loading import load_tokenizer
-from gymrl.policy import build_policy
+from gymrl.policy import build_policy, tokenizer_folder
 from gymrl.replay_buffer import ReplayBuffer
 from gymrl.trainer.torch_trainer import TorchPolicyTrainer
 from nemo_gym_ext.config import GymActorConfig
@@ -43,22 +45,34 @@ from nemo_gym_ext.rollout import GroupOutcome, RolloutCollector, RolloutSettings
 
 @ray.remote(num_cpus=0)
 class GenerationServer:
-    def __init__(
-        self,
-        policy: PolicyConfig,
-        generation: TorchGenerationConfig,
-        *,
-        seed: int,
-        torch_threads: int,
-    ):
+    """The policy model server in front of the configured engine (torch, or SGLang servers)."""
+
+    def __init__(self, config: RecipeConfig, *, output_dir: str, torch_threads: int):
         torch.set_num_threads(torch_threads)
-        model, tokenizer = build_policy(policy, seed)
-        self._engine = TorchGenerationEngine(
-            model,
-            max_batch_size=generation.max_batch_size,
-            eos_token_ids=[tokenizer.eos_token_id],
-            seed=seed,
-        )
+        policy, generation = config.policy, config.generation
+        self._sglang_servers = None
+        if isinstance(generation, SGLangGenerationConfig):
+            tokenizer = load_tokenizer(tokenizer_folder(policy))
+            self._sglang_servers = SGLangServerGroup(
+                generation,
+                policy,
+                model_path=tokenizer_folder(policy),
+                seed=config.run.seed,
+                log_dir=Path(output_dir) / "logs",
+            )
+            self._engine = SGLangEngine.from_config(
+                generation, self._sglang_servers.urls, refit_dir=Path(output_dir) / "refit"
+            )
+            batch = generation.max_running_requests
+        else:
+            model, tokenizer = build_policy(policy, config.run.seed)
+            self._engine = TorchGenerationEngine(
+                model,
+                max_batch_size=generation.max_batch_size,
+                eos_token_ids=[tokenizer.eos_token_id],
+                seed=config.run.seed,
+            )
+            batch = generation.max_batch_size
         server = generation.server
         app = create_model_server_app(
             self._engine,
@@ -69,20 +83,32 @@ class GenerationServer:
             default_max_tokens=server.max_tokens_per_turn,
             max_context_tokens=policy.max_total_sequence_length,
             request_timeout_s=server.request_timeout_s,
-            max_batch_size=generation.max_batch_size,
+            max_batch_size=batch,
         )
-        self._server = serve_in_thread(app)
+        # On a cluster, Gym agents on other nodes call this server: listen on every interface.
+        host = "127.0.0.1" if config.cluster.ray_address is None else "0.0.0.0"
+        self._server = serve_in_thread(app, host=host)
+        self._public_url = self._server.url.replace("0.0.0.0", ray.util.get_node_ip_address())
 
     def base_url(self) -> str:
         """The OpenAI base URL agents use (`.../v1`)."""
-        return f"{self._server.url}/v1"
+        return f"{self._public_url}/v1"
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> int:
         self._engine.update_weights(state_dict, version)
         return self._engine.weight_version
 
+    def refit_from_disk(self, path: str, version: int) -> int:
+        """SGLang engines load a Hugging Face checkpoint the trainer exported to shared disk."""
+        assert isinstance(self._engine, SGLangEngine), "refit_from_disk is SGLang's refit path"
+        self._engine.refit_from_disk(path, version)
+        return self._engine.weight_version
+
     def close(self) -> None:
         self._server.close()
+        if self._sglang_servers is not None:
+            self._engine.close()
+            self._sglang_servers.shutdown()
 
 
 @ray.remote(num_cpus=0)

@@ -27,7 +27,7 @@ from typing import Any
 import ray
 import torch
 
-from gymrl.actors import GenerationServer, GymShard, PolicyTrainerActor, ReplayBufferActor
+from gymrl.actors import GenerationServer, GymShard, ReplayBufferActor
 from gymrl.algo.advantages import grpo_advantages
 from gymrl.algo.trajectory import Trajectory
 from gymrl.checkpoint import latest_checkpoint
@@ -36,6 +36,7 @@ from gymrl.config.validate import gym_actor_configs
 from gymrl.data import RowStream, load_rows
 from gymrl.metrics_logger import build_logger
 from gymrl.policy import tokenizer_folder
+from gymrl.roles import build_trainer_role
 from nemo_gym_ext.metrics import per_agent_metrics
 
 _POLL_S = 0.5
@@ -197,30 +198,19 @@ def run_grpo(config: RecipeConfig, output_dir: Path) -> None:
 
 class GRPOLoop:
     def __init__(self, config: RecipeConfig, output_dir: Path):
-        if config.generation.backend != "torch" or config.trainer.backend != "torch":
-            raise NotImplementedError(
-                "this loop drives the torch engine and trainer; the SGLang/Megatron roles are "
-                "started by gymrl.cluster (see docs/cluster.md)"
-            )
         self.config = config
         self.output_dir = output_dir
         self.checkpoint_dir = output_dir / "checkpoints"
-        # Async: generation and training overlap, one core each. Sync: phases alternate.
+        # Async on a CPU: generation and training overlap, one core each; sync: they alternate.
         threads = 1 if config.grpo.async_enabled else 2
         folder = tokenizer_folder(config.policy)  # converts the embedded model once, here
-        self.trainer = PolicyTrainerActor.remote(
-            config.policy,
-            config.trainer,
-            config.loss,
-            seed=config.run.seed,
-            temperature=config.generation.sampling.temperature,
-            keep_last_checkpoints=config.checkpoint.keep_last,
-            torch_threads=threads,
-        )
+        # Generation first: SGLang engines pack onto whole nodes, the trainer takes the rest.
         self.generation = GenerationServer.remote(
-            config.policy, config.generation, seed=config.run.seed, torch_threads=threads
+            config, output_dir=str(output_dir), torch_threads=threads
         )
         base_url = ray.get(self.generation.base_url.remote())
+        print(f"policy server (OpenAI base URL for Gym agents): {base_url}", flush=True)
+        self.trainer = build_trainer_role(config, output_dir, threads)
         self.actor_configs = gym_actor_configs(config)
         self.shards = {
             actor.shard: GymShard.remote(
@@ -274,10 +264,8 @@ class GRPOLoop:
                     and (step + 1) % config.checkpoint.every_n_steps == 0
                 ):
                     started = time.monotonic()
-                    ray.get(
-                        self.trainer.save_checkpoint.remote(
-                            str(self.checkpoint_dir), step + 1, {"position": rows.position}
-                        )
+                    self.trainer.save_checkpoint(
+                        self.checkpoint_dir, step + 1, {"position": rows.position}
                     )
                     metrics["timing/checkpoint_s"] = time.monotonic() - started
                 logger.log(step + 1, metrics)
@@ -304,14 +292,13 @@ class GRPOLoop:
                 f"resume=true but there is no complete checkpoint under {self.checkpoint_dir}; "
                 "run without resume, or point run.output_dir at the run to continue"
             )
-        state = ray.get(self.trainer.load_checkpoint.remote(str(checkpoint)))
+        state = self.trainer.load_checkpoint(checkpoint)
         print(f"resumed from {checkpoint} at step {state['step']}", flush=True)
         return state["step"], state["data_state"]["position"]
 
     def _refit(self, version: int) -> float:
         started = time.monotonic()
-        weights = self.trainer.export_weights.remote()
-        ray.get(self.generation.update_weights.remote(weights, version))
+        self.trainer.refit(self.generation, version)
         return time.monotonic() - started
 
     def _step(self, step: int, producer: RolloutProducer) -> dict[str, float]:
@@ -328,7 +315,7 @@ class GRPOLoop:
             eps=_ADVANTAGE_EPS,
         )
         started = time.monotonic()
-        train_metrics = ray.get(self.trainer.train_step.remote(trajectories, advantages))
+        train_metrics = self.trainer.train_step(trajectories, advantages)
         trained = time.monotonic() - started
         refit_s = self._refit(step + 1)
         buffer_stats = ray.get(self.buffer.stats.remote())

@@ -97,7 +97,9 @@ class ModelServerConfig(Strict):
 
 class SamplingConfig(Strict):
     temperature: float = Field(
-        default=1.0, gt=0, description="Sampling temperature, stamped on every row so the "
+        default=1.0,
+        gt=0,
+        description="Sampling temperature, stamped on every row so the "
         "trainer recomputes log-probabilities at the temperature the sampler used.",
     )
     top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass.")

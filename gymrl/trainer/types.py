@@ -27,8 +27,9 @@ class PolicyTrainer(Protocol):
         """Full weights, named as the generation engine's model names them."""
         ...
 
-    def save_checkpoint(self, directory: Path, step: int, data_state: Mapping[str, Any]) -> Path:
-        ...
+    def save_checkpoint(
+        self, directory: Path, step: int, data_state: Mapping[str, Any]
+    ) -> Path: ...
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
         """Restore weights and optimizer; return the trainer state (step, data_state, ...)."""

@@ -1,0 +1,479 @@
+"""A generation engine in plain torch for CPUs and small GPUs: continuous batching on a KV cache.
+
+It drives a Hugging Face causal LM step by step instead of calling `generate`, because the trainer
+needs what `generate` does not give cheaply: per-request seeds and sampling parameters, the
+log-probability of every sampled token under the temperature-scaled distribution, weight refits
+between calls, and no compute spent on finished rows or on padding.
+
+How a call runs:
+
+- Requests wait in a queue; up to `max_batch_size` are decoding at once, and a slot freed by a
+  finished row is refilled from the queue at the next step (continuous batching).
+- Admitted prompts are prefilled *packed*: concatenated into one sequence with a block-diagonal
+  causal mask and per-prompt position ids, so no padding is computed and the matrix products stay
+  large. Logits are computed only at each prompt's last position.
+- Decoding keeps every row's cache right-aligned in one buffer (left padding, masked out, with
+  explicit position ids). Whenever rows finish or arrive the buffer is rebuilt: finished rows are
+  dropped, and columns that are padding in every remaining row are cut off.
+- Keys and values are written into spare capacity instead of being concatenated, so a decoding
+  step copies only the new token's keys and values, not the whole cache.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache, DynamicLayer
+
+from gymrl.generation.types import (
+    FinishReason,
+    GenerationOutput,
+    GenerationRequest,
+    SamplingParams,
+)
+
+_SEED_BOUND = 2**62
+
+
+class _BufferedLayer(DynamicLayer):
+    """One attention layer's keys and values, `[batch, kv_heads, length, head_dim]`, with spare room.
+
+    transformers' DynamicLayer appends with `torch.cat`, which copies the whole cache at every
+    decoding step; here a step writes only the new columns into capacity reserved in advance.
+    `keys`/`values` are views of the filled part, which is what the attention code reads.
+    """
+
+    def __init__(
+        self,
+        key_buffer: torch.Tensor | None = None,
+        value_buffer: torch.Tensor | None = None,
+        length: int = 0,
+    ) -> None:
+        super().__init__()
+        self._key_buffer = key_buffer
+        self._value_buffer = value_buffer
+        self._length = length
+        if key_buffer is not None:
+            self._expose()
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._key_buffer is None:
+            self._key_buffer, self._value_buffer = key_states, value_states
+            self._length = key_states.shape[-2]
+        else:
+            end = self._length + key_states.shape[-2]
+            if end > self._key_buffer.shape[-2]:
+                self._key_buffer = _grown(self._key_buffer, self._length, 2 * end)
+                self._value_buffer = _grown(self._value_buffer, self._length, 2 * end)
+            self._key_buffer[:, :, self._length : end] = key_states
+            self._value_buffer[:, :, self._length : end] = value_states
+            self._length = end
+        self._expose()
+        return self.keys, self.values
+
+    def _expose(self) -> None:
+        self.keys = self._key_buffer[:, :, : self._length]
+        self.values = self._value_buffer[:, :, : self._length]
+        self.device = self._key_buffer.device
+        self.is_initialized = True
+
+
+def _grown(buffer: torch.Tensor, filled: int, capacity: int) -> torch.Tensor:
+    """A copy of `buffer`'s first `filled` columns in a buffer of `capacity` columns."""
+    batch, heads, _, dim = buffer.shape
+    bigger = buffer.new_empty(batch, heads, capacity, dim)
+    bigger[:, :, :filled] = buffer[:, :, :filled]
+    return bigger
+
+
+@dataclass
+class _Row:
+    """One request being served: its sampling state and what it has generated so far."""
+
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    generator: torch.Generator
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+    def add(self, token: int, logprob: float) -> None:
+        """Record a sampled token and whether it finishes the row."""
+        self.token_ids.append(token)
+        self.logprobs.append(logprob)
+        if token in self.stop_ids:
+            self.finish_reason = "stop"
+        elif len(self.token_ids) >= self.params.max_new_tokens:
+            self.finish_reason = "length"
+
+    @property
+    def cached(self) -> int:
+        """Tokens in this row's KV cache: the prompt and every sampled token but the last."""
+        return len(self.prompt) + len(self.token_ids) - 1
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_new_tokens - len(self.token_ids)
+
+
+@dataclass
+class _Arrival:
+    """A freshly prefilled row: its per-layer keys/values `[kv_heads, prompt_len, head_dim]`."""
+
+    row: _Row
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+
+class _DecodeBatch:
+    """The rows decoding together and their right-aligned KV cache."""
+
+    def __init__(self) -> None:
+        self.rows: list[_Row] = []
+        self.layers: list[_BufferedLayer] = []
+
+    @property
+    def width(self) -> int:
+        return self.layers[0].keys.shape[-2] if self.layers else 0
+
+    def rebuild(self, keep: Sequence[int], arrivals: Sequence[_Arrival]) -> None:
+        """Keep rows `keep` (indices into `self.rows`), append `arrivals`, and re-pack the cache.
+
+        The new cache is as wide as the longest row (columns that are padding in every row are
+        dropped) and has room for the most tokens any row may still add, so decoding never
+        reallocates.
+        """
+        kept = [self.rows[i] for i in keep]
+        rows = kept + [arrival.row for arrival in arrivals]
+        if not rows:
+            self.rows, self.layers = [], []
+            return
+        width = max(row.cached for row in rows)
+        shortest = min(row.cached for row in rows)
+        capacity = width + max(row.remaining for row in rows)
+        kept_width = max((row.cached for row in kept), default=0)
+        keep_index = torch.tensor(list(keep), dtype=torch.long)
+        depth = len(self.layers) if self.layers else len(arrivals[0].keys)
+        layers = []
+        for layer in range(depth):
+            buffers = []
+            for name in ("keys", "values"):
+                template = (
+                    getattr(self.layers[layer], name) if kept else getattr(arrivals[0], name)[layer]
+                )
+                heads, dim = template.shape[-3], template.shape[-1]
+                buffer = template.new_empty(len(rows), heads, capacity, dim)
+                buffer[:, :, : width - shortest].zero_()
+                if kept:
+                    old = getattr(self.layers[layer], name)
+                    old_width = old.shape[-2]
+                    buffer[: len(kept), :, width - kept_width : width] = old[
+                        keep_index.to(old.device), :, old_width - kept_width :
+                    ]
+                for slot, arrival in enumerate(arrivals, start=len(kept)):
+                    segment = getattr(arrival, name)[layer]
+                    buffer[slot, :, width - segment.shape[-2] : width] = segment
+                buffers.append(buffer)
+            layers.append(_BufferedLayer(buffers[0], buffers[1], width))
+        self.rows, self.layers = rows, layers
+
+
+def _prefill_chunks(rows: Sequence[_Row], token_budget: int) -> Iterator[list[_Row]]:
+    """Consecutive groups of rows whose prompts together fit `token_budget` (a longer one alone)."""
+    chunk: list[_Row] = []
+    tokens = 0
+    for row in rows:
+        if chunk and tokens + len(row.prompt) > token_budget:
+            yield chunk
+            chunk, tokens = [], 0
+        chunk.append(row)
+        tokens += len(row.prompt)
+    if chunk:
+        yield chunk
+
+
+def _pick(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: one index per row of non-negative `weights`, from one uniform each.
+
+    One uniform per row (rather than `torch.multinomial`'s one random number per vocabulary entry)
+    keeps sampling cheap and makes each row's draw depend only on its own generator.
+    """
+    cdf = weights.cumsum(dim=-1)
+    targets = (uniforms * cdf[:, -1]).unsqueeze(1)
+    picked = torch.searchsorted(cdf, targets, right=True).squeeze(1)
+    # Rounding can push a target onto the total; fall back to the last entry with weight.
+    last_positive = weights.shape[-1] - 1 - (weights > 0).flip(-1).to(torch.int8).argmax(dim=-1)
+    return torch.minimum(picked, last_positive)
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    uniforms: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row of `logits` `[batch, vocab]`; return (tokens, log-probabilities).
+
+    A row with temperature 0 is greedy and its log-probability is under the untempered softmax.
+    Otherwise the log-probability is under the temperature-scaled softmax before top-p truncation
+    (what the trainer recomputes), and the token is drawn from the smallest set of most likely
+    tokens whose mass reaches `top_p`, using the row's uniform in [0, 1). Computed in fp32.
+    """
+    logits = logits.float()
+    greedy = temperature == 0
+    scale = torch.where(greedy, torch.ones_like(temperature), temperature)
+    logprobs = torch.log_softmax(logits / scale.unsqueeze(1), dim=-1)
+    tokens = logits.argmax(dim=-1)
+    sampled = (~greedy).nonzero().squeeze(1)
+    if sampled.numel():
+        probs = logprobs[sampled].exp()
+        row_top_p, row_uniforms = top_p[sampled], uniforms[sampled]
+        truncating = row_top_p < 1
+        if bool(truncating.any()):
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            outside = (mass_before >= row_top_p.unsqueeze(1)) & truncating.unsqueeze(1)
+            picked = _pick(sorted_probs.masked_fill(outside, 0.0), row_uniforms)
+            tokens[sampled] = order.gather(1, picked.unsqueeze(1)).squeeze(1)
+        else:
+            tokens[sampled] = _pick(probs, row_uniforms)
+    return tokens, logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+
+class TorchGenerationEngine:
+    """Token-in/token-out generation on a Hugging Face causal LM; a `GenerationEngine`.
+
+    The engine owns `model` (it is switched to eval mode and its weights are replaced in place by
+    `update_weights`). `generate` and `update_weights` are serialised by one lock, so calls from
+    several threads are safe and a refit never lands in the middle of a generation: every output
+    of a call carries the one weight version it was generated with.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        max_batch_size: int,
+        eos_token_ids: Iterable[int] = (),
+        seed: int = 0,
+        prefill_token_budget: int = 2048,
+        weight_version: int = 0,
+    ) -> None:
+        """`eos_token_ids` end every request (on top of each request's own stop tokens); `seed`
+        seeds the generator that draws a seed for every request that brings none;
+        `prefill_token_budget` bounds how many prompt tokens are packed into one prefill pass
+        (its mask is quadratic in that number)."""
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if prefill_token_budget < 1:
+            raise ValueError(f"prefill_token_budget must be >= 1, got {prefill_token_budget}")
+        layer_types = getattr(model.config.get_text_config(), "layer_types", None) or []
+        if any(kind != "full_attention" for kind in layer_types):
+            raise ValueError(
+                f"TorchGenerationEngine supports full-attention models only; this model's "
+                f"layer_types are {sorted(set(layer_types))}"
+            )
+        self._model = model.eval()
+        self._max_batch_size = max_batch_size
+        self._eos_ids = frozenset(int(token) for token in eos_token_ids)
+        self._prefill_token_budget = prefill_token_budget
+        self._vocab_size = model.get_input_embeddings().num_embeddings
+        self._device = next(model.parameters()).device
+        self._dtype = next(model.parameters()).dtype
+        # transformers renamed `past_key_values` to `cache` in 5.x; use whichever this one takes.
+        parameters = inspect.signature(model.forward).parameters
+        self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
+        self._seed_source = torch.Generator().manual_seed(seed)
+        self._version = weight_version
+        self._lock = threading.Lock()
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Load `state_dict` into the model in place (strict) and set the weight version."""
+        with self._lock:
+            if version < self._version:
+                raise ValueError(
+                    f"weight version {version} is older than the engine's current version "
+                    f"{self._version}; refit with a version >= {self._version}"
+                )
+            with torch.no_grad():
+                self._model.load_state_dict(state_dict, strict=True)
+            self._version = version
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
+        for index, request in enumerate(requests):
+            self._validate(index, request)
+        with self._lock, torch.inference_mode():
+            return self._serve(requests)
+
+    def _validate(self, index: int, request: GenerationRequest) -> None:
+        where = f"requests[{index}]"
+        params = request.params
+        if len(request.prompt_token_ids) == 0:
+            raise ValueError(
+                f"{where}.prompt_token_ids is empty; a prompt needs at least one token"
+            )
+        out_of_range = [t for t in request.prompt_token_ids if not 0 <= t < self._vocab_size]
+        if out_of_range:
+            raise ValueError(
+                f"{where}.prompt_token_ids has ids outside the vocabulary [0, {self._vocab_size}): "
+                f"{out_of_range[:5]}"
+            )
+        if params.max_new_tokens < 1:
+            raise ValueError(
+                f"{where}.params.max_new_tokens must be >= 1, got {params.max_new_tokens}"
+            )
+        if params.temperature < 0:
+            raise ValueError(
+                f"{where}.params.temperature must be >= 0 (0 is greedy), got {params.temperature}"
+            )
+        if not 0 < params.top_p <= 1:
+            raise ValueError(f"{where}.params.top_p must be in (0, 1], got {params.top_p}")
+
+    def _serve(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
+        outputs: list[GenerationOutput | None] = [None] * len(requests)
+        waiting = deque(self._new_row(index, request) for index, request in enumerate(requests))
+        batch = _DecodeBatch()
+        keep = []
+        while waiting or batch.rows:
+            free = self._max_batch_size - len(keep)
+            admitted = [waiting.popleft() for _ in range(min(free, len(waiting)))]
+            arrivals = [
+                arrival
+                for arrival in self._prefill(admitted)
+                if not self._finish_if_done(arrival.row, outputs)
+            ]
+            if arrivals or len(keep) < len(batch.rows):
+                batch.rebuild(keep, arrivals)
+            if not batch.rows:
+                keep = []
+                continue
+            self._decode_step(batch)
+            keep = [i for i, row in enumerate(batch.rows) if not self._finish_if_done(row, outputs)]
+        return outputs  # every row was finished, so no entry is None
+
+    def _new_row(self, index: int, request: GenerationRequest) -> _Row:
+        params = request.params
+        seed = params.seed
+        if seed is None:
+            seed = int(torch.randint(_SEED_BOUND, (), generator=self._seed_source))
+        return _Row(
+            index=index,
+            prompt=list(request.prompt_token_ids),
+            params=params,
+            stop_ids=self._eos_ids | frozenset(params.stop_token_ids),
+            generator=torch.Generator().manual_seed(seed),
+        )
+
+    def _finish_if_done(self, row: _Row, outputs: list[GenerationOutput | None]) -> bool:
+        if row.finish_reason is None:
+            return False
+        outputs[row.index] = GenerationOutput(
+            token_ids=row.token_ids,
+            logprobs=row.logprobs,
+            finish_reason=row.finish_reason,
+            weight_version=self._version,
+            prompt_token_ids=row.prompt,
+        )
+        return True
+
+    def _prefill(self, rows: Sequence[_Row]) -> list[_Arrival]:
+        """Run the prompts of `rows` packed, sample each row's first token, return their caches."""
+        arrivals = []
+        for chunk in _prefill_chunks(rows, self._prefill_token_budget):
+            lengths = torch.tensor([len(row.prompt) for row in chunk], device=self._device)
+            ids = torch.tensor([t for row in chunk for t in row.prompt], device=self._device)
+            segment = torch.repeat_interleave(
+                torch.arange(len(chunk), device=self._device), lengths
+            )
+            ends = lengths.cumsum(0)
+            starts = ends - lengths
+            positions = torch.arange(len(ids), device=self._device) - starts[segment]
+            allowed = (segment[:, None] == segment[None, :]) & (
+                positions[:, None] >= positions[None, :]
+            )
+            cache = Cache(layer_class_to_replicate=_BufferedLayer)
+            logits = self._forward(
+                ids[None],
+                self._additive_mask(allowed[None, None]),
+                positions[None],
+                cache,
+                ends - 1,
+            )[0]
+            self._sample_into(chunk, logits)
+            for row, start, end in zip(chunk, starts.tolist(), ends.tolist(), strict=True):
+                arrivals.append(
+                    _Arrival(
+                        row,
+                        keys=[layer.keys[0, :, start:end] for layer in cache.layers],
+                        values=[layer.values[0, :, start:end] for layer in cache.layers],
+                    )
+                )
+        return arrivals
+
+    def _decode_step(self, batch: _DecodeBatch) -> None:
+        """Feed every row its last sampled token and sample the next one."""
+        width = batch.width + 1
+        cached = torch.tensor([row.cached for row in batch.rows], device=self._device)
+        allowed = torch.arange(width, device=self._device) >= (width - 1 - cached)[:, None]
+        last = torch.tensor([row.token_ids[-1] for row in batch.rows], device=self._device)
+        cache = Cache(layers=batch.layers)
+        logits = self._forward(
+            last[:, None], self._additive_mask(allowed[:, None, None, :]), cached[:, None], cache, 1
+        )[:, -1]
+        self._sample_into(batch.rows, logits)
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: Cache,
+        logits_to_keep: int | torch.Tensor,
+    ) -> torch.Tensor:
+        output = self._model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+            **{self._cache_argument: cache},
+        )
+        return output.logits
+
+    def _additive_mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        """A 4D float mask (0 where attending is allowed), which eager and SDPA attention both take."""
+        blocked = torch.finfo(self._dtype).min
+        return torch.zeros(allowed.shape, dtype=self._dtype, device=self._device).masked_fill_(
+            ~allowed, blocked
+        )
+
+    def _sample_into(self, rows: Sequence[_Row], logits: torch.Tensor) -> None:
+        """Sample one token for each row from `logits` `[len(rows), vocab]` and record it."""
+        temperature = torch.tensor([row.params.temperature for row in rows], device=logits.device)
+        top_p = torch.tensor([row.params.top_p for row in rows], device=logits.device)
+        uniforms = torch.tensor(
+            [
+                float(torch.rand((), generator=row.generator))
+                if row.params.temperature > 0
+                else 0.0
+                for row in rows
+            ],
+            device=logits.device,
+        )
+        tokens, logprobs = sample_tokens(logits, temperature, top_p, uniforms)
+        for row, token, logprob in zip(rows, tokens.tolist(), logprobs.tolist(), strict=True):
+            row.add(token, logprob)

@@ -1,0 +1,93 @@
+"""Driver-side handles of the trainer role, one per backend, with the same four verbs.
+
+The loop does not care whether the trainer is one torch actor or a group of Megatron ranks: it
+trains a step, refits the generation server to a weight version, saves and loads checkpoints.
+How weights reach the engines differs: the torch trainer hands its state dict to the engine
+through Ray's object store; Megatron exports a Hugging Face checkpoint to shared disk and the
+SGLang servers load it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+import ray
+import torch
+
+from gymrl.actors import PolicyTrainerActor
+from gymrl.algo.trajectory import Trajectory
+from gymrl.config.schema import MegatronTrainerConfig, RecipeConfig
+from gymrl.config.validate import trainer_gpus
+
+
+class TrainerRole(Protocol):
+    def train_step(self, trajectories: list[Trajectory], advantages: torch.Tensor) -> dict: ...
+
+    def refit(self, generation: Any, version: int) -> None: ...
+
+    def save_checkpoint(self, directory: Path, step: int, data_state: dict) -> None: ...
+
+    def load_checkpoint(self, path: Path) -> dict[str, Any]:
+        """Restore and return at least `step` and `data_state`."""
+        ...
+
+
+class TorchTrainerRole:
+    def __init__(self, config: RecipeConfig, *, torch_threads: int):
+        self._actor = PolicyTrainerActor.remote(
+            config.policy,
+            config.trainer,
+            config.loss,
+            seed=config.run.seed,
+            temperature=config.generation.sampling.temperature,
+            keep_last_checkpoints=config.checkpoint.keep_last,
+            torch_threads=torch_threads,
+        )
+
+    def train_step(self, trajectories: list[Trajectory], advantages: torch.Tensor) -> dict:
+        return ray.get(self._actor.train_step.remote(trajectories, advantages))
+
+    def refit(self, generation: Any, version: int) -> None:
+        weights = self._actor.export_weights.remote()  # stays in the object store
+        ray.get(generation.update_weights.remote(weights, version))
+
+    def save_checkpoint(self, directory: Path, step: int, data_state: dict) -> None:
+        ray.get(self._actor.save_checkpoint.remote(str(directory), step, data_state))
+
+    def load_checkpoint(self, path: Path) -> dict[str, Any]:
+        return ray.get(self._actor.load_checkpoint.remote(str(path)))
+
+
+class MegatronTrainerRole:
+    def __init__(self, config: RecipeConfig, output_dir: Path):
+        from gymrl.trainer.megatron_trainer import MegatronTrainerGroup  # needs CUDA + megatron
+
+        assert isinstance(config.trainer, MegatronTrainerConfig)
+        self._refit_dir = output_dir / "refit"
+        self._group = MegatronTrainerGroup(
+            config,
+            world_size=trainer_gpus(config),
+            temperature=config.generation.sampling.temperature,
+            start_timeout_s=config.cluster.ray_start_timeout_s,
+            call_timeout_s=config.grpo.batch_timeout_s,
+        )
+
+    def train_step(self, trajectories: list[Trajectory], advantages: torch.Tensor) -> dict:
+        return self._group.train_step(trajectories, advantages)
+
+    def refit(self, generation: Any, version: int) -> None:
+        path = self._group.export_hf_checkpoint(self._refit_dir / f"v{version}")
+        ray.get(generation.refit_from_disk.remote(str(path), version))
+
+    def save_checkpoint(self, directory: Path, step: int, data_state: dict) -> None:
+        self._group.save_checkpoint(directory, step, data_state)
+
+    def load_checkpoint(self, path: Path) -> dict[str, Any]:
+        return self._group.load_checkpoint(path)
+
+
+def build_trainer_role(config: RecipeConfig, output_dir: Path, torch_threads: int) -> TrainerRole:
+    if isinstance(config.trainer, MegatronTrainerConfig):
+        return MegatronTrainerRole(config, output_dir)
+    return TorchTrainerRole(config, torch_threads=torch_threads)
