@@ -38,6 +38,8 @@ from gymrl.metrics_logger import build_logger
 from gymrl.policy import tokenizer_folder
 from gymrl.roles import build_trainer_role
 from nemo_gym_ext.metrics import per_agent_metrics
+from nemo_gym_ext.postprocess import MalformedGymResultError, NonContiguousEpisodeError
+from nemo_gym_ext.rollout import UnknownAgentError
 
 _POLL_S = 0.5
 _ADVANTAGE_EPS = 1e-6
@@ -45,6 +47,16 @@ _ADVANTAGE_EPS = 1e-6
 
 class RolloutBudgetExceeded(RuntimeError):
     """More episodes failed (after retries) than env.rollout.failure_budget allows."""
+
+
+# Errors that end a run with a message a user can act on (printed without a traceback).
+RUN_STOPPING_ERRORS = (
+    NonContiguousEpisodeError,
+    MalformedGymResultError,
+    UnknownAgentError,
+    RolloutBudgetExceeded,
+    TimeoutError,
+)
 
 
 @dataclass
@@ -149,7 +161,7 @@ class RolloutProducer(threading.Thread):
             done, _ = ray.wait(list(in_flight), num_returns=1, timeout=_POLL_S)
             for future in done:
                 group_id, version, started = in_flight.pop(future)
-                outcome = ray.get(future)  # contiguity / malformed errors propagate from here
+                outcome = unwrap_get(future)  # contiguity / malformed errors propagate from here
                 self.stats.group_seconds.append(time.monotonic() - started)
                 self._accept(outcome, group_id, version)
 
@@ -174,7 +186,7 @@ class RolloutProducer(threading.Thread):
         ]
         self.summaries[group_id] = [_scalar_fields(e["full_result"]) for e in outcome.episodes]
         timeout = self._config.grpo.batch_timeout_s
-        if ray.get(self._buffer.put.remote(group, timeout)):
+        if unwrap_get(self._buffer.put.remote(group, timeout)):
             with self._condition:
                 self._accepted += 1
 
@@ -342,7 +354,7 @@ class GRPOLoop:
                 raise producer.fatal
             remaining = deadline - time.monotonic()
             try:
-                return ray.get(
+                return unwrap_get(
                     self.buffer.get_batch.remote(needed, step, max(min(remaining, 5.0), 0.01))
                 )
             except TimeoutError:
@@ -380,6 +392,17 @@ class GRPOLoop:
             }
         )
         return metrics
+
+
+def unwrap_get(ref: Any) -> Any:
+    """`ray.get`, raising an actor's own exception rather than Ray's wrapper around it, so the
+    recipe can tell a contiguity error from a crash."""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as error:
+        if isinstance(error.cause, Exception):
+            raise error.cause from None
+        raise
 
 
 def _scalar_fields(result: Mapping[str, Any]) -> dict[str, Any]:

@@ -49,6 +49,21 @@ class NonContiguousEpisodeError(AssertionError):
         self.turn = turn
         self.position = position
 
+    def __reduce__(self):
+        """Picklable, so the error crosses process boundaries (a Ray actor to the driver)."""
+        return (
+            _rebuild_divergence_error,
+            (str(self), self.agent, self.row_id, self.turn, self.position),
+        )
+
+
+def _rebuild_divergence_error(
+    message: str, agent: str, row_id: str, turn: int, position: int
+) -> NonContiguousEpisodeError:
+    return NonContiguousEpisodeError(
+        message, agent=agent, row_id=row_id, turn=turn, position=position
+    )
+
 
 class MalformedGymResultError(ValueError):
     """A Gym result whose fields cannot be trained on; the message names the row and the field."""

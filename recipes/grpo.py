@@ -38,9 +38,13 @@ def main(cfg: DictConfig) -> None:
     if config.dry_run:
         print("dry run: config valid, nothing started")
         return
-    from gymrl.train import run_grpo  # heavy imports (torch, ray) only for real runs
+    from gymrl.train import RUN_STOPPING_ERRORS, run_grpo  # torch and ray: real runs only
 
-    run_grpo(config, output_dir)
+    try:
+        run_grpo(config, output_dir)
+    except RUN_STOPPING_ERRORS as error:
+        print(f"run stopped: {type(error).__name__}: {error}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

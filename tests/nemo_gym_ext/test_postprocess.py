@@ -507,3 +507,23 @@ def test_non_finite_logprob_message_names_position_and_value(episode_builder, lo
         postprocess_gym_result(episode.row, result, STRICT)
     bad = next(index for index, value in enumerate(logprobs) if not math.isfinite(value))
     assert f"generation_log_probs[{bad}] = {logprobs[bad]!r}" in str(caught.value)
+
+
+def test_errors_survive_pickling_across_processes(episode_builder, divergence_at, turn_maker):
+    """Ray carries an actor's exception to the driver by pickling it."""
+    import pickle
+
+    episode = episode_builder(turn_maker(9, 4), divergence=divergence_at(2))
+    with pytest.raises(NonContiguousEpisodeError) as caught:
+        postprocess_gym_result(episode.row, episode.result, STRICT)
+    copied = pickle.loads(pickle.dumps(caught.value))
+    assert isinstance(copied, NonContiguousEpisodeError)
+    assert str(copied) == str(caught.value)
+    assert (copied.agent, copied.row_id, copied.turn, copied.position) == (
+        caught.value.agent,
+        caught.value.row_id,
+        caught.value.turn,
+        caught.value.position,
+    )
+    malformed = MalformedGymResultError("row 'x': reward must be a finite number")
+    assert str(pickle.loads(pickle.dumps(malformed))) == str(malformed)
