@@ -34,7 +34,8 @@ from gymrl.checkpoint import latest_checkpoint
 from gymrl.config.schema import RecipeConfig
 from gymrl.config.validate import gym_actor_configs
 from gymrl.data import RowStream, load_rows
-from gymrl.metrics_logger import build_logger
+from gymrl.metrics_logger import METRICS_FILENAME, build_logger
+from gymrl.plot import plot_run, read_records
 from gymrl.policy import tokenizer_folder
 from gymrl.roles import build_trainer_role
 from nemo_gym_ext.metrics import per_agent_metrics
@@ -285,6 +286,10 @@ class GRPOLoop:
             producer.stop()
             logger.close()
             self._close_servers()
+        if config.logger.jsonl:
+            metrics = self.output_dir / METRICS_FILENAME
+            picture = plot_run(read_records(metrics), metrics.with_suffix(".png"), config.run.name)
+            print(f"metrics: {metrics}\npicture: {picture}", flush=True)
 
     def _close_servers(self) -> None:
         """Best effort: a failure here must not mask the error that ended the run."""

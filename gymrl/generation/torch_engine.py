@@ -42,7 +42,7 @@ _SEED_BOUND = 2**62
 
 
 class _BufferedLayer(DynamicLayer):
-    """One attention layer's keys and values, `[batch, kv_heads, length, head_dim]`, with spare room.
+    """One layer's keys and values `[batch, kv_heads, length, head_dim]`, with spare room.
 
     transformers' DynamicLayer appends with `torch.cat`, which copies the whole cache at every
     decoding step; here a step writes only the new columns into capacity reserved in advance.
@@ -211,9 +211,12 @@ def _pick(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     cdf = weights.cumsum(dim=-1)
     targets = (uniforms * cdf[:, -1]).unsqueeze(1)
     picked = torch.searchsorted(cdf, targets, right=True).squeeze(1)
-    # Rounding can push a target onto the total; fall back to the last entry with weight.
-    last_positive = weights.shape[-1] - 1 - (weights > 0).flip(-1).to(torch.int8).argmax(dim=-1)
-    return torch.minimum(picked, last_positive)
+    # Rounding can push a target onto the total, past the end: take the last entry with weight.
+    overflow = (picked == weights.shape[-1]).nonzero().squeeze(1)
+    if overflow.numel():
+        positive = (weights[overflow] > 0).flip(-1).to(torch.int8)
+        picked[overflow] = weights.shape[-1] - 1 - positive.argmax(dim=-1)
+    return picked
 
 
 def sample_tokens(
@@ -229,24 +232,31 @@ def sample_tokens(
     (what the trainer recomputes), and the token is drawn from the smallest set of most likely
     tokens whose mass reaches `top_p`, using the row's uniform in [0, 1). Computed in fp32.
     """
-    logits = logits.float()
     greedy = temperature == 0
     scale = torch.where(greedy, torch.ones_like(temperature), temperature)
-    logprobs = torch.log_softmax(logits / scale.unsqueeze(1), dim=-1)
-    tokens = logits.argmax(dim=-1)
+    scaled = logits.float()
+    if not bool((scale == 1).all()):
+        scaled = scaled / scale.unsqueeze(1)
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    greedy_rows = greedy.nonzero().squeeze(1)
+    if greedy_rows.numel():
+        tokens[greedy_rows] = scaled[greedy_rows].argmax(dim=-1)
     sampled = (~greedy).nonzero().squeeze(1)
     if sampled.numel():
-        probs = logprobs[sampled].exp()
-        row_top_p, row_uniforms = top_p[sampled], uniforms[sampled]
+        # Indexing copies; skip it in the common case where every row samples.
+        rows = sampled if greedy_rows.numel() else slice(None)
+        probs = logprobs[rows].exp()
+        row_top_p, row_uniforms = top_p[rows], uniforms[rows]
         truncating = row_top_p < 1
         if bool(truncating.any()):
             sorted_probs, order = probs.sort(dim=-1, descending=True)
             mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
             outside = (mass_before >= row_top_p.unsqueeze(1)) & truncating.unsqueeze(1)
             picked = _pick(sorted_probs.masked_fill(outside, 0.0), row_uniforms)
-            tokens[sampled] = order.gather(1, picked.unsqueeze(1)).squeeze(1)
+            tokens[rows] = order.gather(1, picked.unsqueeze(1)).squeeze(1)
         else:
-            tokens[sampled] = _pick(probs, row_uniforms)
+            tokens[rows] = _pick(probs, row_uniforms)
     return tokens, logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
 
 
@@ -266,7 +276,7 @@ class TorchGenerationEngine:
         max_batch_size: int,
         eos_token_ids: Iterable[int] = (),
         seed: int = 0,
-        prefill_token_budget: int = 2048,
+        prefill_token_budget: int = 512,
         weight_version: int = 0,
     ) -> None:
         """`eos_token_ids` end every request (on top of each request's own stop tokens); `seed`
@@ -455,7 +465,7 @@ class TorchGenerationEngine:
         return output.logits
 
     def _additive_mask(self, allowed: torch.Tensor) -> torch.Tensor:
-        """A 4D float mask (0 where attending is allowed), which eager and SDPA attention both take."""
+        """A 4D float mask, 0 where attending is allowed: both eager and SDPA attention take it."""
         blocked = torch.finfo(self._dtype).min
         return torch.zeros(allowed.shape, dtype=self._dtype, device=self._device).masked_fill_(
             ~allowed, blocked

@@ -1,0 +1,93 @@
+"""A one-page picture of a run from its metrics.jsonl: reward and truncation rate per agent, loss,
+and where each step's time went. Written next to metrics.jsonl at the end of every run.
+
+    python -m gymrl.plot outputs/<run>/metrics.jsonl            # writes outputs/<run>/metrics.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: runs on machines without a display
+import matplotlib.pyplot as plt
+from matplotlib.ticker import MaxNLocator
+
+_PER_AGENT = re.compile(r"^train/(?P<agent>[^/]+)/(?P<field>reward|noncontiguous_truncated)/mean$")
+_TIMINGS = ("timing/wait_for_batch_s", "timing/train_s", "timing/refit_s")
+
+
+def read_records(path: Path) -> list[dict[str, float]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_run(records: list[dict[str, float]], output: Path, title: str) -> Path:
+    """Draw the run's four panels into `output` (PNG) and return its path."""
+    figure, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
+    figure.suptitle(title)
+    panels = {
+        "reward": (axes[0][0], "reward per agent (mean)"),
+        "noncontiguous_truncated": (axes[0][1], "truncated episodes per agent (share)"),
+    }
+    for field, (axis, label) in panels.items():
+        for agent, (steps, values) in sorted(_per_agent_series(records, field).items()):
+            axis.plot(steps, values, marker="o", label=agent)
+        axis.set_title(label)
+        _step_axis(axis)
+        axis.set_ylim(-0.05, 1.05)
+        if axis.lines:
+            axis.legend(fontsize="small")
+    _plot_keys(axes[1][0], records, ("train/loss", "train/pg_loss"), "loss")
+    _plot_keys(axes[1][1], records, _TIMINGS, "seconds per step")
+    figure.savefig(output, dpi=110)
+    plt.close(figure)
+    return output
+
+
+def _per_agent_series(
+    records: list[dict[str, float]], field: str
+) -> dict[str, tuple[list[int], list[float]]]:
+    series: dict[str, tuple[list[int], list[float]]] = {}
+    for record in records:
+        for key, value in record.items():
+            match = _PER_AGENT.match(key)
+            if match and match["field"] == field and value is not None:
+                steps, values = series.setdefault(match["agent"], ([], []))
+                steps.append(int(record["step"]))
+                values.append(value)
+    return series
+
+
+def _plot_keys(axis, records: list[dict[str, float]], keys: tuple[str, ...], title: str) -> None:
+    for key in keys:
+        points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+        if points:
+            steps, values = zip(*points, strict=True)
+            axis.plot(steps, values, marker="o", label=key.split("/", 1)[1])
+    axis.set_title(title)
+    _step_axis(axis)
+    if axis.lines:
+        axis.legend(fontsize="small")
+
+
+def _step_axis(axis) -> None:
+    axis.set_xlabel("step")
+    axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("metrics", type=Path, help="a run's metrics.jsonl")
+    parser.add_argument("-o", "--output", type=Path, help="PNG path (default: beside the input)")
+    args = parser.parse_args()
+    output = args.output or args.metrics.with_suffix(".png")
+    plot_run(read_records(args.metrics), output, title=str(args.metrics.parent.name))
+    print(output)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""The run picture: per-agent series are read from metrics.jsonl records and drawn to a PNG."""
+
+import json
+
+from gymrl.plot import _per_agent_series, plot_run, read_records
+
+RECORDS = [
+    {
+        "step": 1,
+        "train/a/reward/mean": 0.0,
+        "train/a/noncontiguous_truncated/mean": 1.0,
+        "train/loss": 0.1,
+        "timing/train_s": 2.0,
+    },
+    {
+        "step": 2,
+        "train/a/reward/mean": 0.5,
+        "train/b/reward/mean": 1.0,
+        "train/a/noncontiguous_truncated/mean": 0.5,
+        "train/loss": 0.2,
+        "timing/train_s": 1.5,
+    },
+]
+
+
+def test_per_agent_series_follow_the_steps_each_agent_appears_in():
+    assert _per_agent_series(RECORDS, "reward") == {"a": ([1, 2], [0.0, 0.5]), "b": ([2], [1.0])}
+    assert _per_agent_series(RECORDS, "noncontiguous_truncated") == {"a": ([1, 2], [1.0, 0.5])}
+
+
+def test_plot_run_writes_a_png(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    picture = plot_run(read_records(metrics), tmp_path / "metrics.png", "run")
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
