@@ -9,7 +9,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from gymrl.model.loading import ensure_smollm2_checkpoint, load_tokenizer
 from nemo_gym_ext.chat_format import (
     IM_END,
     ChatFormatError,
@@ -28,11 +27,6 @@ ADD_TOOL = ToolSpec(
         parameters={"type": "object", "properties": {"a": {"type": "integer"}}},
     )
 )
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(ensure_smollm2_checkpoint("~/.cache/gym-grpo-recipes/models"))
 
 
 @pytest.fixture(scope="module")

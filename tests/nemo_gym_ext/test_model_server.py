@@ -21,7 +21,7 @@ import torch
 
 from gymrl.generation.torch_engine import TorchGenerationEngine
 from gymrl.generation.types import GenerationOutput, GenerationRequest
-from gymrl.model.loading import build_tiny_llama, ensure_smollm2_checkpoint, load_tokenizer
+from gymrl.model.loading import build_tiny_llama
 from nemo_gym_ext.chat_format import ChatMLFormat
 from nemo_gym_ext.http_server import serve_in_thread
 from nemo_gym_ext.model_server import create_model_server_app
@@ -75,11 +75,6 @@ class ScriptedEngine:
             weight_version=self._version,
             prompt_token_ids=list(request.prompt_token_ids),
         )
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(ensure_smollm2_checkpoint("~/.cache/gym-grpo-recipes/models"))
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import math
 
 import pytest
 
-from gymrl.model.loading import ensure_smollm2_checkpoint, load_tokenizer
 from nemo_gym_ext.config import NemoGymPostprocessConfig
 from nemo_gym_ext.postprocess import (
     MalformedGymResultError,
@@ -24,11 +23,6 @@ STRICT = NemoGymPostprocessConfig()
 TRUNCATE = NemoGymPostprocessConfig(truncate_noncontiguous_episodes=True)
 MASK = NemoGymPostprocessConfig(on_malformed_result="mask")
 BOTH_MODES = pytest.mark.parametrize("config", [STRICT, TRUNCATE], ids=["strict", "truncate"])
-
-
-@pytest.fixture(scope="session")
-def smollm2_tokenizer():
-    return load_tokenizer(ensure_smollm2_checkpoint("~/.cache/gym-grpo-recipes/models"))
 
 
 def _assert_retained(out, episode, retained: int) -> None:
@@ -99,9 +93,8 @@ def test_divergence_message_shows_both_windows(
     assert f"ids {episode.prompts[2][start:stop]}" in message
 
 
-def test_divergence_message_decodes_a_real_bpe_merge_divergence(smollm2_tokenizer):
+def test_divergence_message_decodes_a_real_bpe_merge_divergence(tokenizer):
     """The sampler emitted ' pr' + 'int'; the server re-tokenised the text as ' print'."""
-    tokenizer = smollm2_tokenizer
     header = "User: show the value\nAssistant:"
     first_prompt = tokenizer.encode(header, add_special_tokens=False)
     generation = tokenizer.convert_tokens_to_ids(["Ġpr", "int"]) + tokenizer.encode(
@@ -148,7 +141,7 @@ def test_divergence_message_decodes_a_real_bpe_merge_divergence(smollm2_tokenize
 
 @pytest.mark.parametrize("with_decode", [False, True], ids=["ids", "ids+text"])
 def test_divergence_message_stays_short_for_a_64k_token_prompt(
-    episode_builder, divergence_at, turn_maker, smollm2_tokenizer, with_decode
+    episode_builder, divergence_at, turn_maker, tokenizer, with_decode
 ):
     long_first_turn = turn_maker(4, 1, delta_length=64_000, generation_length=120)[0]
     second_turn = turn_maker(3, 1, delta_length=200, generation_length=120)[0]
@@ -157,7 +150,7 @@ def test_divergence_message_stays_short_for_a_64k_token_prompt(
         divergence=divergence_at(1, "substitute", position=40_000),
     )
     assert len(episode.prompts[1]) > 64_000
-    decode = smollm2_tokenizer.decode if with_decode else None
+    decode = tokenizer.decode if with_decode else None
     with pytest.raises(NonContiguousEpisodeError) as caught:
         postprocess_gym_result(episode.row, episode.result, STRICT, decode=decode)
     assert caught.value.position == 40_000

@@ -12,14 +12,8 @@ from typing import Any
 import pytest
 from scripted_policy_server import API_KEY, PolicyServer, Script, ScriptedPolicy, run_row
 
-from gymrl.model.loading import ensure_smollm2_checkpoint, load_tokenizer
 from nemo_gym_ext.envs.registry import BuiltinEnvironment, start_builtin_environment
 from nemo_gym_ext.http_server import serve_in_thread
-
-
-@pytest.fixture(scope="session")
-def tokenizer():
-    return load_tokenizer(ensure_smollm2_checkpoint("~/.cache/gym-grpo-recipes/models"))
 
 
 @pytest.fixture(scope="session")
