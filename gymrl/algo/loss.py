@@ -54,6 +54,34 @@ def sequence_logprobs(
     return torch.cat([first, shifted.view(batch, max(length - 1, 0))], dim=1)
 
 
+def masked_token_logprobs(
+    hidden_states: torch.Tensor,
+    output_layer: torch.nn.Module,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    temperature: float,
+) -> torch.Tensor:
+    """`sequence_logprobs`, computed only where `loss_mask` is 1 (0 elsewhere), `[B, T]`.
+
+    The output layer (vocabulary projection) and the log-softmax dominate a small model's step
+    and are only needed at generated tokens, often a quarter of an episode: projecting just the
+    hidden states that predict them (`hidden_states[:, t - 1]` for token t) saves that work.
+    Same alignment and values as `sequence_logprobs(output_layer(hidden_states), ...)`.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    predicts = torch.zeros_like(loss_mask, dtype=torch.bool)
+    predicts[:, 1:] = loss_mask[:, 1:].bool()
+    selected = predicts[:, 1:]
+    logits = output_layer(hidden_states[:, :-1][selected]).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    targets = input_ids[:, 1:][selected].unsqueeze(-1)
+    picked = logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    zeros = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
+    return zeros.masked_scatter(predicts, picked)
+
+
 def grpo_loss(
     logprobs: torch.Tensor,
     generation_logprobs: torch.Tensor,

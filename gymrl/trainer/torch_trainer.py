@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from gymrl.algo.loss import grpo_loss, sequence_logprobs
+from gymrl.algo.loss import grpo_loss, masked_token_logprobs
 from gymrl.algo.trajectory import Trajectory, collate
 from gymrl.checkpoint import load_checkpoint, save_checkpoint
 from gymrl.config.schema import LossConfig, TorchTrainerConfig
@@ -91,19 +91,11 @@ class TorchPolicyTrainer:
     def _micro_batch_loss(
         self, batch: dict[str, torch.Tensor], normalizer: float
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        logits = self.model(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
-        ).logits
-        logprobs = sequence_logprobs(logits, batch["input_ids"], self._temperature)
+        logprobs = self._logprobs(self.model, batch)
         reference = None
         if self._reference is not None:
             with torch.no_grad():
-                reference_logits = self._reference(
-                    input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
-                ).logits
-                reference = sequence_logprobs(
-                    reference_logits, batch["input_ids"], self._temperature
-                )
+                reference = self._logprobs(self._reference, batch)
         loss_config = self._loss
         return grpo_loss(
             logprobs,
@@ -118,6 +110,19 @@ class TorchPolicyTrainer:
             importance_ratio_cap=loss_config.importance_ratio_cap,
             token_level_normalization=loss_config.token_level_normalization,
             normalizer=normalizer,
+        )
+
+    def _logprobs(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Log-probabilities of the generated tokens; the vocabulary projection runs only there."""
+        hidden = model.base_model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+        ).last_hidden_state
+        return masked_token_logprobs(
+            hidden,
+            model.get_output_embeddings(),
+            batch["input_ids"],
+            batch["loss_mask"],
+            self._temperature,
         )
 
     def _normalizer(self, trajectories: Sequence[Trajectory]) -> float:

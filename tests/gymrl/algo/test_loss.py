@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import gymrl.algo.loss as loss_module
-from gymrl.algo.loss import grpo_loss, sequence_logprobs
+from gymrl.algo.loss import grpo_loss, masked_token_logprobs, sequence_logprobs
 from gymrl.algo.trajectory import Trajectory, collate
 
 DEFAULTS = {
@@ -240,3 +240,18 @@ def test_a_batch_without_generated_tokens_gives_zero_loss():
             token_level_normalization=token_level,
         )
         assert loss.item() == 0.0 and metrics["num_tokens"] == 0.0
+
+
+def test_masked_token_logprobs_equal_sequence_logprobs_on_the_mask_with_the_same_gradient():
+    torch.manual_seed(0)
+    batch, length, width, vocab = 3, 7, 5, 11
+    hidden = torch.randn(batch, length, width, requires_grad=True)
+    head = torch.nn.Linear(width, vocab, bias=False)
+    input_ids = torch.randint(0, vocab, (batch, length))
+    loss_mask = torch.tensor([[0, 0, 1, 1, 0, 1, 1], [0, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 0]])
+    full = sequence_logprobs(head(hidden), input_ids, temperature=0.7)
+    fast = masked_token_logprobs(hidden, head, input_ids, loss_mask, temperature=0.7)
+    torch.testing.assert_close(fast, torch.where(loss_mask.bool(), full, 0.0))
+    (grad_full,) = torch.autograd.grad((full * loss_mask).sum(), hidden)
+    (grad_fast,) = torch.autograd.grad(fast.sum(), hidden)
+    torch.testing.assert_close(grad_fast, grad_full)
