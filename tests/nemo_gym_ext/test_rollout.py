@@ -1,0 +1,112 @@
+"""Rollout collection against real servers: a tiny Llama behind the model server, a built-in
+environment's agent, and the postprocessor with the shard's config."""
+
+import asyncio
+
+import pytest
+
+from gymrl.generation.torch_engine import TorchGenerationEngine
+from gymrl.model.loading import build_tiny_llama
+from nemo_gym_ext.config import NemoGymPostprocessConfig
+from nemo_gym_ext.envs.registry import make_rows, start_builtin_environment
+from nemo_gym_ext.http_server import serve_in_thread
+from nemo_gym_ext.model_server import create_model_server_app
+from nemo_gym_ext.postprocess import NonContiguousEpisodeError
+from nemo_gym_ext.rollout import RolloutCollector, RolloutSettings, UnknownAgentError
+
+SETTINGS = RolloutSettings(max_concurrent_rollouts=4, run_timeout_s=60, max_retries=1)
+AGENT = "guess_number_agent"
+
+
+@pytest.fixture(scope="module")
+def policy_url(tokenizer):
+    model = build_tiny_llama(
+        tokenizer, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, seed=0
+    )
+    engine = TorchGenerationEngine(model, max_batch_size=8, seed=0)
+    app = create_model_server_app(
+        engine,
+        tokenizer,
+        model_name="tiny",
+        api_key="key",
+        honor_prompt_token_ids=True,
+        default_max_tokens=12,
+        max_context_tokens=2048,
+        request_timeout_s=60,
+    )
+    with serve_in_thread(app) as server:
+        yield f"{server.url}/v1"
+
+
+def start_agent(policy_url, *, send_token_ids):
+    return start_builtin_environment(
+        "guess_number",
+        agent_name=AGENT,
+        policy_base_url=policy_url,
+        policy_api_key="key",
+        options={
+            "policy_model": "tiny",
+            "max_turns": 3,
+            "continue_after_length": True,
+            "send_token_ids": send_token_ids,
+        },
+    )
+
+
+def collect(agent_urls, config, row, episodes, tokenizer):
+    async def go():
+        collector = RolloutCollector(
+            agent_urls, config, SETTINGS, vocab_size=len(tokenizer), decode=tokenizer.decode
+        )
+        try:
+            return await collector.run_group(row, episodes)
+        finally:
+            await collector.aclose()
+
+    return asyncio.run(go())
+
+
+ROW = make_rows("guess_number", 1, seed=3, agent_name=AGENT)[0]
+
+
+def test_a_group_is_postprocessed_training_data(policy_url, tokenizer):
+    with start_agent(policy_url, send_token_ids=True) as env:
+        outcome = collect({AGENT: env.agent_url}, NemoGymPostprocessConfig(), ROW, 3, tokenizer)
+    assert (outcome.agent, outcome.row_id, outcome.failures, outcome.retries) == (
+        AGENT,
+        ROW["id"],
+        [],
+        0,
+    )
+    assert len(outcome.episodes) == 3
+    for episode in outcome.episodes:
+        roles = [entry["role"] for entry in episode["message_log"]]
+        assert roles == ["user", "assistant"] * 3, "three contiguous turns"
+        assert episode["full_result"]["noncontiguous_truncated"] is False
+
+
+def test_text_only_agents_break_contiguity_and_truncation_keeps_the_prefix(policy_url, tokenizer):
+    with start_agent(policy_url, send_token_ids=False) as env:
+        truncating = NemoGymPostprocessConfig(truncate_noncontiguous_episodes=True)
+        outcome = collect({AGENT: env.agent_url}, truncating, ROW, 4, tokenizer)
+        assert any(e["full_result"]["noncontiguous_truncated"] for e in outcome.episodes)
+        for episode in outcome.episodes:
+            assert episode["message_log"], "a truncated episode keeps its contiguous prefix"
+        with pytest.raises(NonContiguousEpisodeError, match="guess_number_agent"):
+            collect({AGENT: env.agent_url}, NemoGymPostprocessConfig(), ROW, 4, tokenizer)
+
+
+def test_transport_failures_are_retried_then_reported_not_raised(tokenizer):
+    unreachable = {AGENT: "http://127.0.0.1:9"}  # discard port: connection refused
+    outcome = collect(unreachable, NemoGymPostprocessConfig(), ROW, 2, tokenizer)
+    assert outcome.episodes == []
+    assert outcome.retries == 2
+    assert len(outcome.failures) == 2
+    assert "failed after 2 attempts: ConnectError" in outcome.failures[0]
+
+
+def test_a_row_for_an_agent_the_shard_does_not_serve_is_refused(tokenizer):
+    with pytest.raises(UnknownAgentError, match="does not serve"):
+        collect(
+            {"other_agent": "http://127.0.0.1:9"}, NemoGymPostprocessConfig(), ROW, 1, tokenizer
+        )
