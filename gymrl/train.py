@@ -40,14 +40,10 @@ from gymrl.policy import tokenizer_folder
 from gymrl.roles import build_trainer_role
 from nemo_gym_ext.metrics import per_agent_metrics
 from nemo_gym_ext.postprocess import MalformedGymResultError, NonContiguousEpisodeError
-from nemo_gym_ext.rollout import UnknownAgentError
+from nemo_gym_ext.rollout import FailureBudget, RolloutBudgetExceeded, UnknownAgentError
 
 _POLL_S = 0.5
 _ADVANTAGE_EPS = 1e-6
-
-
-class RolloutBudgetExceeded(RuntimeError):
-    """More episodes failed (after retries) than env.rollout.failure_budget allows."""
 
 
 # Errors that end a run with a message a user can act on (printed without a traceback).
@@ -62,10 +58,8 @@ RUN_STOPPING_ERRORS = (
 
 @dataclass
 class _ProducerStats:
-    failures: int = 0
     retries: int = 0
     dropped_groups: int = 0
-    last_failure: str = ""
     group_seconds: list[float] = field(default_factory=list)
 
 
@@ -99,6 +93,7 @@ class RolloutProducer(threading.Thread):
         self._stopping = threading.Event()
         self.fatal: BaseException | None = None
         self.stats = _ProducerStats()
+        self.failures = FailureBudget(config.env.rollout.failure_budget)
         self.summaries: dict[str, list[dict[str, Any]]] = {}
         self._serial = 0
 
@@ -169,15 +164,7 @@ class RolloutProducer(threading.Thread):
     def _accept(self, outcome: Any, group_id: str, version: int) -> None:
         stats = self.stats
         stats.retries += outcome.retries
-        if outcome.failures:
-            stats.failures += len(outcome.failures)
-            stats.last_failure = outcome.failures[-1]
-            budget = self._config.env.rollout.failure_budget
-            if stats.failures > budget:
-                raise RolloutBudgetExceeded(
-                    f"{stats.failures} episodes failed after retries, more than "
-                    f"env.rollout.failure_budget={budget}; last cause: {stats.last_failure}"
-                )
+        self.failures.record(outcome.failures)
         if len(outcome.episodes) < 2:
             stats.dropped_groups += 1  # no baseline without two episodes; another row replaces it
             return
@@ -387,7 +374,7 @@ class GRPOLoop:
                 "train/reward/mean": float(sum(t.reward for t in trajectories) / len(trajectories)),
                 "rollout/episodes": float(len(trajectories)),
                 "rollout/generated_tokens": float(generated),
-                "rollout/failures_total": float(stats.failures),
+                "rollout/failures_total": float(producer.failures.count),
                 "rollout/retries_total": float(stats.retries),
                 "rollout/dropped_groups_total": float(stats.dropped_groups),
                 "rollout/group_s/mean": _mean(group_seconds),

@@ -25,6 +25,31 @@ class UnknownAgentError(ValueError):
     """A row names an agent that no shard serves."""
 
 
+class RolloutBudgetExceeded(RuntimeError):
+    """More episodes failed (after retries) than env.rollout.failure_budget allows."""
+
+
+class FailureBudget:
+    """Counts episodes that failed after their retries; past `limit`, the run stops with the
+    last cause, instead of quietly training on ever fewer episodes."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.count = 0
+        self.last_cause = ""
+
+    def record(self, failures: list[str]) -> None:
+        if not failures:
+            return
+        self.count += len(failures)
+        self.last_cause = failures[-1]
+        if self.count > self.limit:
+            raise RolloutBudgetExceeded(
+                f"{self.count} episodes failed after retries, more than "
+                f"env.rollout.failure_budget={self.limit}; last cause: {self.last_cause}"
+            )
+
+
 @dataclass
 class GroupOutcome:
     """What came back for one row: postprocessed episodes, and the causes of those that failed."""

@@ -12,7 +12,13 @@ from nemo_gym_ext.envs.registry import make_rows, start_builtin_environment
 from nemo_gym_ext.http_server import serve_in_thread
 from nemo_gym_ext.model_server import create_model_server_app
 from nemo_gym_ext.postprocess import NonContiguousEpisodeError
-from nemo_gym_ext.rollout import RolloutCollector, RolloutSettings, UnknownAgentError
+from nemo_gym_ext.rollout import (
+    FailureBudget,
+    RolloutBudgetExceeded,
+    RolloutCollector,
+    RolloutSettings,
+    UnknownAgentError,
+)
 
 SETTINGS = RolloutSettings(max_concurrent_rollouts=4, run_timeout_s=60, max_retries=1)
 AGENT = "guess_number_agent"
@@ -110,3 +116,17 @@ def test_a_row_for_an_agent_the_shard_does_not_serve_is_refused(tokenizer):
         collect(
             {"other_agent": "http://127.0.0.1:9"}, NemoGymPostprocessConfig(), ROW, 1, tokenizer
         )
+
+
+def test_the_failure_budget_stops_the_run_with_the_last_cause():
+    budget = FailureBudget(limit=2)
+    budget.record([])
+    budget.record(["agent 'a' row '1' failed after 3 attempts: ConnectError"])
+    budget.record(["agent 'a' row '2' failed after 3 attempts: ReadTimeout"])
+    assert budget.count == 2
+    with pytest.raises(RolloutBudgetExceeded) as stopped:
+        budget.record(["agent 'a' row '3' failed after 3 attempts: ConnectError"])
+    assert str(stopped.value) == (
+        "3 episodes failed after retries, more than env.rollout.failure_budget=2; "
+        "last cause: agent 'a' row '3' failed after 3 attempts: ConnectError"
+    )
