@@ -22,7 +22,8 @@ PLACEHOLDERS = {
 
 def documented_patterns() -> list[re.Pattern]:
     patterns = []
-    for key in re.findall(r"^\| `([^`]+)`", (ROOT / "docs/metrics.md").read_text(), re.M):
+    first_cells = re.findall(r"^\| (`[^|]+)\|", (ROOT / "docs/metrics.md").read_text(), re.M)
+    for key in (key for cell in first_cells for key in re.findall(r"`([^`]+)`", cell)):
         pattern = re.escape(key)
         for placeholder, regex in PLACEHOLDERS.items():
             pattern = pattern.replace(re.escape(placeholder), regex)
