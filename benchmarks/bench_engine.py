@@ -112,10 +112,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: torch's own choice, one per core)",
+    )
+    parser.add_argument(
         "--cache-dir", type=Path, default=Path("~/.cache/gym-grpo-recipes/models").expanduser()
     )
     args = parser.parse_args()
 
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     path = ensure_smollm2_checkpoint(args.cache_dir)
     tokenizer = load_tokenizer(path)
     model = load_pretrained(path, torch.float32)

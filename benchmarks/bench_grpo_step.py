@@ -28,8 +28,13 @@ COLUMNS = ("timing/step_s", "timing/wait_for_batch_s", "timing/train_s", "timing
 
 def run(overrides: list[str], output: Path) -> list[dict]:
     command = [
-        sys.executable, "recipes/grpo.py", *overrides, f"run.output_dir={output}",
-        f"hydra.run.dir={output}", "logger.progress_bar=false", "checkpoint.every_n_steps=0",
+        sys.executable,
+        "recipes/grpo.py",
+        *overrides,
+        f"run.output_dir={output}",
+        f"hydra.run.dir={output}",
+        "logger.progress_bar=false",
+        "checkpoint.every_n_steps=0",
     ]
     subprocess.run(command, cwd=ROOT, check=True, capture_output=True, text=True, timeout=3600)
     lines = (output / "metrics.jsonl").read_text().splitlines()
@@ -53,8 +58,10 @@ def main() -> None:
         for label, mode in (("async", "true"), ("sync", "false")):
             records = run([*args.overrides, f"grpo.async_enabled={mode}"], Path(scratch) / label)
             rows.append(summarise(label, records))
-    print("| mode | first step s | step s | generation (wait) s | train s | refit s | "
-          "generated tokens/step |")
+    print(
+        "| mode | first step s | step s | generation (wait) s | train s | refit s | "
+        "generated tokens/step |"
+    )
     print("|---|---|---|---|---|---|---|")
     print("\n".join(rows))
 
