@@ -39,7 +39,12 @@ from gymrl.plot import plot_run, read_records
 from gymrl.policy import tokenizer_folder
 from gymrl.roles import build_trainer_role
 from nemo_gym_ext.metrics import per_agent_metrics
-from nemo_gym_ext.postprocess import MalformedGymResultError, NonContiguousEpisodeError
+from nemo_gym_ext.postprocess import (
+    MalformedGymResultError,
+    NonContiguousEpisodeError,
+    agent_name_of,
+    row_id_of,
+)
 from nemo_gym_ext.rollout import FailureBudget, RolloutBudgetExceeded, UnknownAgentError
 
 _POLL_S = 0.5
@@ -139,15 +144,15 @@ class RolloutProducer(threading.Thread):
                 version = self._weight_version
             for _ in range(max(room, 0)):
                 position, row = self._rows.next()
-                agent = row["agent_ref"]["name"]
+                agent = agent_name_of(row)
                 if agent not in self._shards:
-                    raise ValueError(
-                        f"row {row.get('id', position)!r} names agent {agent!r}, which no shard "
-                        f"serves (served: {sorted(self._shards)}); fix the data or "
-                        "env.nemo_gym.agents"
+                    raise UnknownAgentError(
+                        f"row {position} ({row_id_of(row)!r}) names agent {agent!r}, which no "
+                        f"shard serves (served: {sorted(self._shards)}); fix the row's "
+                        "agent_ref.name or env.nemo_gym.agents"
                     )
                 self._serial += 1
-                group_id = f"{row.get('id', position)}#{self._serial}"
+                group_id = f"{row_id_of(row)}#{self._serial}"
                 future = self._shards[agent].run_group.remote(row, size)
                 in_flight[future] = (group_id, version, time.monotonic())
             if not in_flight:
@@ -173,10 +178,11 @@ class RolloutProducer(threading.Thread):
             for episode in outcome.episodes
         ]
         self.summaries[group_id] = [_scalar_fields(e["full_result"]) for e in outcome.episodes]
-        timeout = self._config.grpo.batch_timeout_s
-        if unwrap_get(self._buffer.put.remote(group, timeout)):
-            with self._condition:
-                self._accepted += 1
+        # A group the buffer finds already stale counts as delivered: the trainer's eviction
+        # count, passed to `advance`, is what gives its credit back.
+        unwrap_get(self._buffer.put.remote(group, self._config.grpo.batch_timeout_s))
+        with self._condition:
+            self._accepted += 1
 
 
 def run_grpo(config: RecipeConfig, output_dir: Path) -> None:
