@@ -352,6 +352,10 @@ class TorchGenerationEngine:
             )
         if not 0 < params.top_p <= 1:
             raise ValueError(f"{where}.params.top_p must be in (0, 1], got {params.top_p}")
+        if params.seed is not None and not 0 <= params.seed < 2**64:
+            raise ValueError(
+                f"{where}.params.seed must be None or in [0, 2**64), got {params.seed}"
+            )
 
     def _serve(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
         outputs: list[GenerationOutput | None] = [None] * len(requests)

@@ -1,0 +1,247 @@
+"""TorchGenerationEngine on a tiny random Llama with the real SmolLM2 tokenizer.
+
+The reference for every generated token is a plain teacher-forced forward pass of prompt + tokens
+(no cache, no padding, no batching), so these tests fail if the cache, the masks, the position
+ids, the batch compaction or the sampler go wrong.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from gymrl.generation.torch_engine import TorchGenerationEngine, sample_tokens
+from gymrl.generation.types import GenerationOutput, GenerationRequest, SamplingParams
+from gymrl.model.loading import build_tiny_llama, ensure_smollm2_checkpoint, load_tokenizer
+
+CACHE_DIR = Path("~/.cache/gym-grpo-recipes/models").expanduser()
+TEXTS = [
+    "Hello there!",
+    "Summarise the plot of a long novel about whales, the sea, and obsession.",
+    "2+2=",
+    "Write one line of Python that reverses a list called items.",
+    "ok",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(ensure_smollm2_checkpoint(CACHE_DIR))
+
+
+def tiny_llama(tokenizer, seed: int):
+    return build_tiny_llama(
+        tokenizer, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, seed=seed
+    )
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return tiny_llama(tokenizer, seed=0)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:
+    return [tokenizer.encode(text) for text in TEXTS]
+
+
+def make_engine(model, **overrides) -> TorchGenerationEngine:
+    settings = {"max_batch_size": 3, "eos_token_ids": ()} | overrides
+    return TorchGenerationEngine(model, **settings)
+
+
+def request(prompt, **params) -> GenerationRequest:
+    return GenerationRequest(prompt, SamplingParams(**({"max_new_tokens": 6} | params)))
+
+
+def teacher_forced_logits(model, output: GenerationOutput) -> torch.Tensor:
+    """Logits predicting each generated token, from one forward pass over prompt + generation."""
+    ids = torch.tensor([output.prompt_token_ids + output.token_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()
+    start = len(output.prompt_token_ids) - 1
+    return logits[start : start + len(output.token_ids)]
+
+
+def reference_logprobs(model, output: GenerationOutput, temperature: float) -> torch.Tensor:
+    logits = teacher_forced_logits(model, output) / (temperature or 1.0)
+    tokens = torch.tensor(output.token_ids)
+    return torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_match_teacher_forcing_across_a_refilled_batch(model, prompts, temperature):
+    # Five prompts of different lengths through three slots, finishing at different steps: the
+    # cache is compacted, trimmed and refilled along the way.
+    engine = make_engine(model)
+    requests = [
+        request(prompt, temperature=temperature, max_new_tokens=3 + 2 * i, seed=i)
+        for i, prompt in enumerate(prompts)
+    ]
+    outputs = engine.generate(requests)
+    for req, output in zip(requests, outputs, strict=True):
+        assert output.prompt_token_ids == list(req.prompt_token_ids)
+        assert len(output.token_ids) == req.params.max_new_tokens
+        assert output.finish_reason == "length"
+        expected = reference_logprobs(model, output, temperature)
+        torch.testing.assert_close(torch.tensor(output.logprobs), expected, atol=1e-4, rtol=0)
+
+
+def test_greedy_is_the_argmax_continuation_with_untempered_logprobs(model, prompts):
+    outputs = make_engine(model).generate(
+        [request(prompt, temperature=0.0, max_new_tokens=7) for prompt in prompts]
+    )
+    for output in outputs:
+        logits = teacher_forced_logits(model, output)
+        assert output.token_ids == logits.argmax(dim=-1).tolist()
+        expected = reference_logprobs(model, output, temperature=1.0)
+        torch.testing.assert_close(torch.tensor(output.logprobs), expected, atol=1e-4, rtol=0)
+
+
+def test_tiny_top_p_samples_the_greedy_tokens(model, prompts):
+    engine = make_engine(model)
+    greedy = engine.generate([request(p, temperature=0.0) for p in prompts])
+    nucleus = engine.generate([request(p, temperature=1.0, top_p=1e-6, seed=3) for p in prompts])
+    for greedy_output, nucleus_output in zip(greedy, nucleus, strict=True):
+        assert nucleus_output.token_ids == greedy_output.token_ids
+        # The log-probability is taken before top-p truncation, so it is not 0.
+        assert max(nucleus_output.logprobs) < -1.0
+
+
+def test_a_seeded_request_samples_the_same_alone_and_in_a_mixed_batch(model, prompts):
+    engine = make_engine(model, max_batch_size=4)
+    probe = request(prompts[1], temperature=0.9, top_p=0.95, max_new_tokens=6, seed=1234)
+    alone = engine.generate([probe])[0]
+    others = [
+        request(prompts[0], temperature=0.0),
+        request(prompts[2], temperature=1.3, seed=7, max_new_tokens=3),
+        request(prompts[3], temperature=1.0),
+        request(prompts[4], temperature=0.5, top_p=0.5, seed=8, max_new_tokens=8),
+    ]
+    mixed = engine.generate([*others[:2], probe, *others[2:]])[2]
+    assert mixed.token_ids == alone.token_ids
+    torch.testing.assert_close(mixed.logprobs, alone.logprobs, atol=1e-5, rtol=0)
+    reseeded = engine.generate([request(prompts[1], temperature=0.9, top_p=0.95, seed=99)])[0]
+    assert reseeded.token_ids != alone.token_ids
+
+
+def test_unseeded_requests_draw_from_the_engine_seed(model, prompts):
+    unseeded = [request(prompts[0], max_new_tokens=4), request(prompts[0], max_new_tokens=4)]
+    first = make_engine(model, seed=5).generate(unseeded)
+    again = make_engine(model, seed=5).generate(unseeded)
+    assert [o.token_ids for o in first] == [o.token_ids for o in again]
+    assert first[0].token_ids != first[1].token_ids
+
+
+def test_stops_on_request_stop_tokens_and_engine_eos(model, prompts):
+    seeded = {"temperature": 1.0, "seed": 11, "max_new_tokens": 8}
+    free = make_engine(model).generate([request(prompts[1], **seeded)])[0]
+    stop = free.token_ids[4]
+    cut = free.token_ids.index(stop) + 1
+    by_request = make_engine(model).generate(
+        [request(prompts[1], stop_token_ids=(stop,), **seeded)]
+    )[0]
+    by_engine = make_engine(model, eos_token_ids=[stop]).generate([request(prompts[1], **seeded)])[
+        0
+    ]
+    for output in (by_request, by_engine):
+        assert output.finish_reason == "stop"
+        assert output.token_ids == free.token_ids[:cut]
+        assert output.logprobs == free.logprobs[:cut]
+    assert free.finish_reason == "length"
+    assert len(free.token_ids) == 8
+
+
+def test_finished_rows_and_padding_cost_no_compute(model, prompts):
+    # Count the tokens fed to the model: prefill sees each prompt token once (packed, no
+    # padding), and decoding feeds each row exactly its sampled tokens but the last.
+    fed: list[int] = []
+    handle = model.register_forward_pre_hook(
+        lambda _module, _args, kwargs: fed.append(kwargs["input_ids"].numel()), with_kwargs=True
+    )
+    try:
+        requests = [
+            request(p, max_new_tokens=2 + 5 * (i % 3), seed=i) for i, p in enumerate(prompts)
+        ]
+        outputs = make_engine(model).generate(requests)
+    finally:
+        handle.remove()
+    prompt_tokens = sum(len(p) for p in prompts)
+    decoded_tokens = sum(len(o.token_ids) - 1 for o in outputs)
+    assert sum(fed) == prompt_tokens + decoded_tokens
+
+
+def test_refit_changes_the_outputs_and_the_version(tokenizer, prompts):
+    engine = make_engine(tiny_llama(tokenizer, seed=0))
+    sampled = [request(prompts[3], temperature=1.0, seed=4, max_new_tokens=8)]
+    before = engine.generate(sampled)[0]
+    assert before.weight_version == 0
+    new_model = tiny_llama(tokenizer, seed=1)
+    engine.update_weights(new_model.state_dict(), version=2)
+    after = engine.generate(sampled)[0]
+    assert engine.weight_version == 2
+    assert after.weight_version == 2
+    assert after.token_ids != before.token_ids
+    expected = reference_logprobs(new_model, after, temperature=1.0)
+    torch.testing.assert_close(torch.tensor(after.logprobs), expected, atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match=r"weight version 1 is older .* current version 2"):
+        engine.update_weights(new_model.state_dict(), version=1)
+    incomplete = new_model.state_dict()
+    incomplete.pop("model.norm.weight")
+    with pytest.raises(RuntimeError, match=r"model\.norm\.weight"):
+        engine.update_weights(incomplete, version=3)
+    assert engine.weight_version == 2
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        (
+            GenerationRequest([], SamplingParams(max_new_tokens=4)),
+            r"requests\[1\]\.prompt_token_ids",
+        ),
+        (GenerationRequest([1, 10**7], SamplingParams(max_new_tokens=4)), r"outside.*10000000"),
+        (GenerationRequest([1], SamplingParams(max_new_tokens=0)), r"max_new_tokens.*got 0"),
+        (GenerationRequest([1], SamplingParams(4, temperature=-0.5)), r"temperature.*got -0\.5"),
+        (GenerationRequest([1], SamplingParams(4, top_p=0.0)), r"top_p must be in \(0, 1\], got 0"),
+        (GenerationRequest([1], SamplingParams(4, top_p=1.5)), r"top_p.*got 1\.5"),
+        (GenerationRequest([1], SamplingParams(4, seed=-1)), r"seed must be None or .*got -1"),
+    ],
+)
+def test_invalid_requests_are_rejected_naming_the_field(model, bad, message):
+    with pytest.raises(ValueError, match=message):
+        make_engine(model).generate([request([1, 2]), bad])
+
+
+def test_concurrent_calls_from_four_threads(model, prompts):
+    engine = make_engine(model, max_batch_size=2)
+    batches = [
+        [
+            request(p, seed=10 * t + i, max_new_tokens=2 + t)
+            for i, p in enumerate(prompts[t : t + 3])
+        ]
+        for t in range(4)
+    ]
+    expected = [engine.generate(batch) for batch in batches]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = [pool.submit(engine.generate, batch) for batch in batches]
+        results = [future.result(timeout=60) for future in futures]
+    for got, want in zip(results, expected, strict=True):
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_sampler_respects_top_p_and_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    logits = probs.log().expand(1000, 4)
+    uniforms = (torch.arange(1000) + 0.5) / 1000
+    ones = torch.ones(1000)
+    tokens, logprobs = sample_tokens(logits, ones, ones, uniforms)
+    assert torch.bincount(tokens, minlength=4).tolist() == [500, 300, 200, 0]
+    torch.testing.assert_close(logprobs, probs.log()[tokens])
+    nucleus, _ = sample_tokens(logits, ones, torch.full((1000,), 0.6), uniforms)
+    assert torch.bincount(nucleus, minlength=4).tolist() == [625, 375, 0, 0]
+    edge, _ = sample_tokens(logits[:1], ones[:1], ones[:1], torch.tensor([1.0 - 1e-9]))
+    assert edge.item() == 2
