@@ -135,3 +135,32 @@ def test_noncontiguous_smoke_without_truncation_fails_fast_with_the_contiguity_e
     assert "run stopped: NonContiguousEpisodeError: non-contiguous episode" in done.stderr
     assert "first difference at token" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_ablation_multirun_runs_one_job_per_setting(tmp_path):
+    """`-m +experiment=truncation_ablation`: one job per honor_prompt_token_ids value, each with
+    its own output folder and metrics (shrunk to the tiny model and one step here)."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "recipes/grpo.py",
+            "-m",
+            "+experiment=truncation_ablation",
+            "policy=tiny_llama",
+            "grpo.num_steps=1",
+            "generation.server.max_tokens_per_turn=16",
+            "logger.progress_bar=false",
+            f"hydra.sweep.dir={tmp_path}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert done.returncode == 0, done.stderr[-5000:]
+    for job, honor in (("0", "True"), ("1", "False")):
+        overrides = (tmp_path / job / ".hydra" / "overrides.yaml").read_text()
+        assert f"generation.server.honor_prompt_token_ids={honor}" in overrides
+        (record,) = read_metrics(tmp_path / job)
+        assert record["step"] == 1
+        assert "train/guess_number_agent/noncontiguous_truncated/mean" in record
