@@ -32,6 +32,8 @@ from nemo_gym_ext.config import (
     GymActorConfig,
     build_all_gym_actor_configs,
 )
+from nemo_gym_ext.envs.agent import AgentOptions
+from nemo_gym_ext.envs.registry import ENVIRONMENTS
 
 _SCHEMA_HINT = "see the field descriptions in gymrl/config/schema.py"
 
@@ -197,6 +199,8 @@ def _agent_issues(actors: list[GymActorConfig]) -> list[ConfigIssue]:
                         "set environment: calculator|guess_number, or url: http://host:port",
                     )
                 )
+            elif "environment" in spec:
+                issues.extend(_builtin_agent_issues(f"{key}.{name}", spec))
             if name in owner and owner[name] != actor.shard:
                 issues.append(
                     ConfigIssue(
@@ -208,6 +212,54 @@ def _agent_issues(actors: list[GymActorConfig]) -> list[ConfigIssue]:
                 )
             owner.setdefault(name, actor.shard)
     return issues
+
+
+def _builtin_agent_issues(key: str, spec: Mapping[str, Any]) -> list[ConfigIssue]:
+    """A built-in agent names a known environment and valid AgentOptions."""
+    environment = spec["environment"]
+    if environment not in ENVIRONMENTS:
+        close = difflib.get_close_matches(str(environment), ENVIRONMENTS, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        return [
+            ConfigIssue(
+                f"{key}.environment",
+                environment,
+                "no built-in environment of that name",
+                f"{hint}choose one of {sorted(ENVIRONMENTS)}",
+            )
+        ]
+    unknown = set(spec) - {"environment", "options"}
+    if unknown:
+        return [
+            ConfigIssue(
+                f"{key}.{sorted(unknown)[0]}",
+                spec[sorted(unknown)[0]],
+                "unknown key",
+                "a built-in agent takes `environment` and `options` only",
+            )
+        ]
+    try:
+        AgentOptions.model_validate(spec.get("options") or {})
+    except ValidationError as error:
+        return [
+            ConfigIssue(
+                f"{key}.options.{'.'.join(str(p) for p in detail['loc'])}",
+                detail.get("input"),
+                detail["msg"],
+                _options_fix(detail),
+            )
+            for detail in error.errors()
+        ]
+    return []
+
+
+def _options_fix(detail: Mapping[str, Any]) -> str:
+    known = list(AgentOptions.model_fields)
+    if detail["type"] == "extra_forbidden":
+        close = difflib.get_close_matches(str(detail["loc"][-1]), known, n=1)
+        return f"did you mean {close[0]!r}?" if close else f"known options: {sorted(known)}"
+    field = AgentOptions.model_fields.get(str(detail["loc"][0]))
+    return field.description if field is not None and field.description else _SCHEMA_HINT
 
 
 def _cross_field_issues(config: RecipeConfig) -> list[ConfigIssue]:
