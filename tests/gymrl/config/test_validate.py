@@ -133,11 +133,13 @@ def test_missing_and_out_of_range_values_quote_the_field_description():
 
 
 def test_builtin_agents_name_a_known_environment_and_valid_options():
-    issues = _issues([
-        "env.nemo_gym.agents.calculator_agent.environment=calculatr",
-        "+env.nemo_gym.agents.guess_number_agent.options.max_turn=3",
-        "env.nemo_gym.agents.guess_number_agent.options.max_turns=0",
-    ])
+    issues = _issues(
+        [
+            "env.nemo_gym.agents.calculator_agent.environment=calculatr",
+            "+env.nemo_gym.agents.guess_number_agent.options.max_turn=3",
+            "env.nemo_gym.agents.guess_number_agent.options.max_turns=0",
+        ]
+    )
     env = issues["env.nemo_gym.agents.calculator_agent.environment"]
     assert env.value == "calculatr" and env.fix.startswith("did you mean 'calculator'?")
     typo = issues["env.nemo_gym.agents.guess_number_agent.options.max_turn"]
