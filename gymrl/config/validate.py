@@ -345,12 +345,50 @@ def _generation_issues(generation: Any, total_gpus: int) -> list[ConfigIssue]:
     return issues
 
 
+def unsupported_by_trainer(config: RecipeConfig) -> list[ConfigIssue]:
+    """Settings the configured trainer cannot honour. Reported at composition time, and checked
+    again by the trainers themselves before they touch a GPU."""
+    issues = []
+    if config.policy.router_replay.enabled:
+        issues.append(
+            ConfigIssue(
+                "policy.router_replay.enabled",
+                True,
+                f"the {config.trainer.backend} trainer does not replay MoE routing (trajectories "
+                "carry no routing decisions yet)",
+                "set policy.router_replay.enabled=false",
+            )
+        )
+    if not isinstance(config.trainer, MegatronTrainerConfig):
+        return issues
+    if config.loss.kl_coef > 0:
+        issues.append(
+            ConfigIssue(
+                "loss.kl_coef",
+                config.loss.kl_coef,
+                "the Megatron trainer holds no reference model (a second copy of the weights "
+                "on every rank)",
+                "set loss.kl_coef=0",
+            )
+        )
+    if config.policy.source != "pretrained" or not config.policy.path:
+        issues.append(
+            ConfigIssue(
+                "policy.source",
+                config.policy.source,
+                "the Megatron trainer builds the model from a Hugging Face checkpoint",
+                "set policy.source=pretrained and policy.path",
+            )
+        )
+    return issues
+
+
 def _trainer_issues(config: RecipeConfig) -> list[ConfigIssue]:
     trainer, cluster = config.trainer, config.cluster
+    issues = unsupported_by_trainer(config)
     if isinstance(trainer, TorchTrainerConfig):
-        return []
+        return issues
     assert isinstance(trainer, MegatronTrainerConfig)
-    issues = []
     if trainer.sequence_parallel and trainer.tensor_model_parallel_size == 1:
         issues.append(
             ConfigIssue(

@@ -71,6 +71,7 @@ from gymrl.algo.loss import grpo_loss
 from gymrl.algo.trajectory import Trajectory, collate
 from gymrl.checkpoint import COMPLETE_MARKER, STATE_FILE, complete_checkpoints
 from gymrl.config.schema import MegatronTrainerConfig, RecipeConfig
+from gymrl.config.validate import unsupported_by_trainer
 
 PAD_TOKEN_ID = 0  # any valid id: padding sits after every real token and is masked out
 _DIST_TIMEOUT = timedelta(minutes=30)
@@ -186,24 +187,9 @@ def scheduler_kwargs(config: RecipeConfig) -> dict[str, Any]:
 
 
 def unsupported_settings(config: RecipeConfig) -> list[str]:
-    """What the Megatron trainer cannot do for `config`, each with its fix (empty: fine)."""
-    problems = []
-    if config.loss.kl_coef > 0:
-        problems.append(
-            f"loss.kl_coef={config.loss.kl_coef}: the Megatron trainer holds no reference model "
-            "(a second copy of the weights on every rank); set loss.kl_coef=0"
-        )
-    if config.policy.router_replay.enabled:
-        problems.append(
-            "policy.router_replay.enabled=true: trajectories carry no routing decisions for the "
-            "Megatron trainer to replay; set policy.router_replay.enabled=false"
-        )
-    if config.policy.source != "pretrained" or not config.policy.path:
-        problems.append(
-            f"policy.source={config.policy.source!r}: the Megatron trainer builds the model from "
-            "a Hugging Face checkpoint; set policy.source=pretrained and policy.path"
-        )
-    return problems
+    """What the Megatron trainer cannot do for `config`, each with its fix (empty: fine). The
+    rules live with the config validator, which reports them at composition time."""
+    return [issue.render() for issue in unsupported_by_trainer(config)]
 
 
 def sequence_multiple(trainer: MegatronTrainerConfig) -> int:

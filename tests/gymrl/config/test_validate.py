@@ -25,17 +25,22 @@ def test_router_replay_with_truncation_is_refused_for_every_shard():
     assert {s for s in shards for i in raised.value.issues if f"'{s}'" in i.problem} == shards
 
 
-def test_router_replay_without_truncation_is_allowed():
-    config = validate_config(
-        compose_raw(
-            [
-                "+experiment=swe_bench_30b",
-                "policy.router_replay.enabled=true",
-                "env.nemo_gym.truncate_noncontiguous_episodes=false",
-            ]
-        )
+def test_router_replay_without_truncation_passes_the_guard_but_no_trainer_replays_yet():
+    issues = _issues(
+        [
+            "+experiment=swe_bench_30b",
+            "policy.router_replay.enabled=true",
+            "env.nemo_gym.truncate_noncontiguous_episodes=false",
+        ]
     )
-    assert config.policy.router_replay.enabled
+    (issue,) = issues.values()
+    assert "truncate_noncontiguous_episodes" not in issue.problem
+    assert issue.problem.startswith("the megatron trainer does not replay MoE routing")
+
+
+def test_megatron_limits_are_reported_at_composition_time():
+    issues = _issues(["+experiment=swe_bench_30b", "loss.kl_coef=0.1"])
+    assert issues["loss.kl_coef"].fix == "set loss.kl_coef=0"
 
 
 def test_receipt_mode_in_one_shard_is_refused_naming_that_shard():
