@@ -12,13 +12,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol
 
-import ray
 import torch
 
 from gymrl.actors import PolicyTrainerActor
 from gymrl.algo.trajectory import Trajectory
 from gymrl.config.schema import MegatronTrainerConfig, RecipeConfig
 from gymrl.config.validate import trainer_gpus
+from gymrl.ray_calls import wait_for
 
 
 class TrainerRole(Protocol):
@@ -35,6 +35,7 @@ class TrainerRole(Protocol):
 
 class TorchTrainerRole:
     def __init__(self, config: RecipeConfig, *, torch_threads: int):
+        self._timeout_s = config.grpo.batch_timeout_s
         self._actor = PolicyTrainerActor.remote(
             config.policy,
             config.trainer,
@@ -46,17 +47,22 @@ class TorchTrainerRole:
         )
 
     def train_step(self, trajectories: list[Trajectory], advantages: torch.Tensor) -> dict:
-        return ray.get(self._actor.train_step.remote(trajectories, advantages))
+        return self._wait(self._actor.train_step.remote(trajectories, advantages), "a train step")
 
     def refit(self, generation: Any, version: int) -> None:
         weights = self._actor.export_weights.remote()  # stays in the object store
-        ray.get(generation.update_weights.remote(weights, version))
+        self._wait(generation.update_weights.remote(weights, version), "the engine refit")
 
     def save_checkpoint(self, directory: Path, step: int, data_state: dict) -> None:
-        ray.get(self._actor.save_checkpoint.remote(str(directory), step, data_state))
+        self._wait(
+            self._actor.save_checkpoint.remote(str(directory), step, data_state), "a checkpoint"
+        )
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
-        return ray.get(self._actor.load_checkpoint.remote(str(path)))
+        return self._wait(self._actor.load_checkpoint.remote(str(path)), "loading a checkpoint")
+
+    def _wait(self, ref: Any, what: str) -> Any:
+        return wait_for(ref, timeout_s=self._timeout_s, what=what)
 
 
 class MegatronTrainerRole:
@@ -65,6 +71,7 @@ class MegatronTrainerRole:
 
         assert isinstance(config.trainer, MegatronTrainerConfig)
         self._refit_dir = output_dir / "refit"
+        self._timeout_s = config.grpo.batch_timeout_s
         self._group = MegatronTrainerGroup(
             config,
             world_size=trainer_gpus(config),
@@ -78,7 +85,11 @@ class MegatronTrainerRole:
 
     def refit(self, generation: Any, version: int) -> None:
         path = self._group.export_hf_checkpoint(self._refit_dir / f"v{version}")
-        ray.get(generation.refit_from_disk.remote(str(path), version))
+        wait_for(
+            generation.refit_from_disk.remote(str(path), version),
+            timeout_s=self._timeout_s,
+            what="the SGLang refit",
+        )
 
     def save_checkpoint(self, directory: Path, step: int, data_state: dict) -> None:
         self._group.save_checkpoint(directory, step, data_state)

@@ -37,6 +37,7 @@ from gymrl.data import RowStream, load_rows
 from gymrl.metrics_logger import METRICS_FILENAME, build_logger
 from gymrl.plot import plot_run, read_records
 from gymrl.policy import tokenizer_folder
+from gymrl.ray_calls import wait_for
 from gymrl.roles import build_trainer_role
 from nemo_gym_ext.metrics import per_agent_metrics
 from nemo_gym_ext.postprocess import (
@@ -48,6 +49,16 @@ from nemo_gym_ext.postprocess import (
 from nemo_gym_ext.rollout import FailureBudget, RolloutBudgetExceeded, UnknownAgentError
 
 _POLL_S = 0.5
+_CALL_MARGIN_S = 60.0  # on top of a callee's own deadline: Ray scheduling and transfer
+
+
+def _start_timeout_s(config: RecipeConfig) -> float:
+    """Deadline for the generation server: model loading, plus SGLang's own start deadline."""
+    generation = config.generation
+    engines = generation.server_start_timeout_s if generation.backend == "sglang" else 0.0
+    return config.cluster.ray_start_timeout_s + engines
+
+
 _ADVANTAGE_EPS = 1e-6
 
 
@@ -162,7 +173,8 @@ class RolloutProducer(threading.Thread):
             done, _ = ray.wait(list(in_flight), num_returns=1, timeout=_POLL_S)
             for future in done:
                 group_id, version, started = in_flight.pop(future)
-                outcome = unwrap_get(future)  # contiguity / malformed errors propagate from here
+                # Contiguity and malformed-result errors propagate from here.
+                outcome = wait_for(future, timeout_s=_POLL_S, what=f"group {group_id}")
                 self.stats.group_seconds.append(time.monotonic() - started)
                 self._accept(outcome, group_id, version)
 
@@ -180,7 +192,12 @@ class RolloutProducer(threading.Thread):
         self.summaries[group_id] = [_scalar_fields(e["full_result"]) for e in outcome.episodes]
         # A group the buffer finds already stale counts as delivered: the trainer's eviction
         # count, passed to `advance`, is what gives its credit back.
-        unwrap_get(self._buffer.put.remote(group, self._config.grpo.batch_timeout_s))
+        timeout_s = self._config.grpo.batch_timeout_s
+        wait_for(
+            self._buffer.put.remote(group, timeout_s),
+            timeout_s=timeout_s + _CALL_MARGIN_S,
+            what="putting a group into the replay buffer",
+        )
         with self._condition:
             self._accepted += 1
 
@@ -214,7 +231,11 @@ class GRPOLoop:
         self.generation = GenerationServer.remote(
             config, output_dir=str(output_dir), torch_threads=threads
         )
-        base_url = ray.get(self.generation.base_url.remote())
+        base_url = wait_for(
+            self.generation.base_url.remote(),
+            timeout_s=_start_timeout_s(config),
+            what="starting the generation server",
+        )
         print(f"policy server (OpenAI base URL for Gym agents): {base_url}", flush=True)
         self.trainer = build_trainer_role(config, output_dir, threads)
         self.actor_configs = gym_actor_configs(config)
@@ -232,7 +253,11 @@ class GRPOLoop:
         self.shards_by_agent = {
             agent: shard
             for shard in self.shards.values()
-            for agent in ray.get(shard.agents.remote())
+            for agent in wait_for(
+                shard.agents.remote(),
+                timeout_s=config.cluster.ray_start_timeout_s,
+                what="starting a Gym shard",
+            )
         }
         grpo = config.grpo
         capacity = (grpo.max_trajectory_age_steps + 2) * grpo.num_prompts_per_step
@@ -328,7 +353,9 @@ class GRPOLoop:
         train_metrics = self.trainer.train_step(trajectories, advantages)
         trained = time.monotonic() - started
         refit_s = self._refit(step + 1)
-        buffer_stats = ray.get(self.buffer.stats.remote())
+        buffer_stats = wait_for(
+            self.buffer.stats.remote(), timeout_s=_CALL_MARGIN_S, what="replay buffer stats"
+        )
         producer.advance(step + 1, buffer_stats["evicted_stale"])
         results = [r for group in groups for r in producer.summaries.pop(group[0].group_id)]
         metrics = self._metrics(step, trajectories, results, train_metrics, producer)
@@ -350,10 +377,12 @@ class GRPOLoop:
         while True:
             if producer.fatal is not None:
                 raise producer.fatal
-            remaining = deadline - time.monotonic()
+            slice_s = max(min(deadline - time.monotonic(), 5.0), 0.01)
             try:
-                return unwrap_get(
-                    self.buffer.get_batch.remote(needed, step, max(min(remaining, 5.0), 0.01))
+                return wait_for(
+                    self.buffer.get_batch.remote(needed, step, slice_s),
+                    timeout_s=slice_s + _CALL_MARGIN_S,
+                    what=f"the replay buffer's batch for step {step}",
                 )
             except TimeoutError:
                 if time.monotonic() >= deadline:
@@ -390,17 +419,6 @@ class GRPOLoop:
             }
         )
         return metrics
-
-
-def unwrap_get(ref: Any) -> Any:
-    """`ray.get`, raising an actor's own exception rather than Ray's wrapper around it, so the
-    recipe can tell a contiguity error from a crash."""
-    try:
-        return ray.get(ref)
-    except ray.exceptions.RayTaskError as error:
-        if isinstance(error.cause, Exception):
-            raise error.cause from None
-        raise
 
 
 def _scalar_fields(result: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,43 @@
+"""wait_for on a real local Ray: deadlines, and the actor's own exception."""
+
+import time
+
+import pytest
+import ray
+
+from gymrl.ray_calls import wait_for
+from nemo_gym_ext.postprocess import NonContiguousEpisodeError
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    ray.init(num_cpus=1, include_dashboard=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+@ray.remote(num_cpus=0)
+def slow(seconds):
+    time.sleep(seconds)
+    return seconds
+
+
+@ray.remote(num_cpus=0)
+def diverging():
+    raise NonContiguousEpisodeError("turn 3 diverged", agent="a", row_id="r", turn=3, position=7)
+
+
+def test_a_result_within_the_deadline_is_returned():
+    assert wait_for(slow.remote(0.0), timeout_s=30, what="a quick task") == 0.0
+
+
+def test_a_missed_deadline_names_what_was_waited_for():
+    with pytest.raises(TimeoutError, match=r"^the engine refit did not finish within 0.2 s$"):
+        wait_for(slow.remote(5.0), timeout_s=0.2, what="the engine refit")
+
+
+def test_the_actor_exception_arrives_as_itself():
+    with pytest.raises(NonContiguousEpisodeError) as raised:
+        wait_for(diverging.remote(), timeout_s=30, what="a group")
+    assert (raised.value.turn, raised.value.position) == (3, 7)
+    assert str(raised.value) == "turn 3 diverged"
