@@ -84,6 +84,7 @@ class GenerationServer:
             max_context_tokens=policy.max_total_sequence_length,
             request_timeout_s=server.request_timeout_s,
             max_batch_size=batch,
+            max_concurrent_batches=server.max_concurrent_batches,
         )
         # On a cluster, Gym agents on other nodes call this server: listen on every interface.
         host = "127.0.0.1" if config.cluster.ray_address is None else "0.0.0.0"

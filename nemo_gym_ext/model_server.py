@@ -235,16 +235,36 @@ class RequestBatcher:
     `max_wait_s` or until `max_batch_size`, then calls the (blocking) engine once and resolves
     each caller's future. Requests that arrive while the engine runs queue up and form the next
     batch. A caller that gave up (its future cancelled before the batch started) is skipped.
+
+    With `max_concurrent_batches > 1`, up to that many batches run at once on worker threads:
+    for engines that schedule requests themselves (SGLang), so that one long generation does not
+    hold back requests that arrive after its batch started. The torch engine serialises its
+    calls with one lock, so it gains nothing from more than one.
     """
 
-    def __init__(self, engine: GenerationEngine, *, max_batch_size: int, max_wait_s: float):
+    def __init__(
+        self,
+        engine: GenerationEngine,
+        *,
+        max_batch_size: int,
+        max_wait_s: float,
+        max_concurrent_batches: int = 1,
+    ):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
         if max_wait_s < 0:
             raise ValueError(f"max_wait_s={max_wait_s} must be >= 0")
+        if max_concurrent_batches < 1:
+            raise ValueError(f"max_concurrent_batches={max_concurrent_batches} must be >= 1")
         self._engine = engine
         self._max_batch_size = max_batch_size
         self._max_wait_s = max_wait_s
+        # A free slot is taken before a batch is collected, so requests keep gathering into the
+        # next batch while every slot is busy instead of leaving as batches of one.
+        self._slots = threading.BoundedSemaphore(max_concurrent_batches)
+        self._workers = ThreadPoolExecutor(
+            max_workers=max_concurrent_batches, thread_name_prefix="model-server-batch"
+        )
         self._queue: queue.Queue[Any] = queue.Queue()
         self._lock = threading.Lock()
         self._accepting = False
@@ -295,15 +315,26 @@ class RequestBatcher:
         self._fail_queued()
 
     def _run(self) -> None:
-        while True:
-            # No timeout needed: close() always enqueues _STOP, which ends this wait.
-            first = self._queue.get()
-            if first is _STOP:
-                return
-            batch, stop = self._collect(first)
+        try:
+            while True:
+                # No timeouts needed: close() always enqueues _STOP, which ends the queue wait,
+                # and every running batch releases its slot when the engine returns.
+                self._slots.acquire()
+                first = self._queue.get()
+                if first is _STOP:
+                    return
+                batch, stop = self._collect(first)
+                self._workers.submit(self._run_batch_and_release, batch)
+                if stop:
+                    return
+        finally:
+            self._workers.shutdown(wait=True)
+
+    def _run_batch_and_release(self, batch: list[_Pending]) -> None:
+        try:
             self._run_batch(batch)
-            if stop:
-                return
+        finally:
+            self._slots.release()
 
     def _collect(self, first: _Pending) -> tuple[list[_Pending], bool]:
         batch = [first]
@@ -398,13 +429,15 @@ def create_model_server_app(
     request_timeout_s: float,
     max_batch_size: int = 64,
     batch_wait_s: float = 0.005,
+    max_concurrent_batches: int = 1,
     shutdown_timeout_s: float = 30.0,
 ) -> FastAPI:
     """An OpenAI-compatible policy server over `engine` (see the module docstring).
 
     The batching thread starts and stops with the app's lifespan, so serve it with lifespan on
     (`nemo_gym_ext.http_server.serve_in_thread` does). `max_batch_size` and `batch_wait_s` bound
-    one engine batch; `shutdown_timeout_s` bounds the wait for a running batch at shutdown.
+    one engine batch, `max_concurrent_batches` how many run at once (see `RequestBatcher`);
+    `shutdown_timeout_s` bounds the wait for running batches at shutdown.
     """
     for name, value, minimum in (
         ("default_max_tokens", default_max_tokens, 1),
@@ -416,7 +449,12 @@ def create_model_server_app(
         raise ValueError(f"request_timeout_s={request_timeout_s} must be > 0 seconds")
 
     chat_format = ChatMLFormat(tokenizer)
-    batcher = RequestBatcher(engine, max_batch_size=max_batch_size, max_wait_s=batch_wait_s)
+    batcher = RequestBatcher(
+        engine,
+        max_batch_size=max_batch_size,
+        max_wait_s=batch_wait_s,
+        max_concurrent_batches=max_concurrent_batches,
+    )
     # One worker: rendering and tokenising stay off the event loop, and the tokenizer is only ever
     # used from one thread.
     render_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-server-render")

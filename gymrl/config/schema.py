@@ -93,6 +93,13 @@ class ModelServerConfig(Strict):
         default=300.0, gt=0, description="Deadline of one chat completion request."
     )
     api_key: str = Field(default="gym-local", description="Bearer token Gym agents must send.")
+    max_concurrent_batches: int = Field(
+        default=1,
+        gt=0,
+        description="Engine batches in flight at once. 1 suits the torch engine (it runs one "
+        "batch at a time); SGLang schedules requests itself, so several keep its servers busy "
+        "while a long generation runs.",
+    )
 
 
 class SamplingConfig(Strict):

@@ -430,3 +430,36 @@ def test_real_torch_engine_two_turns_stay_contiguous(tokenizer):
         assert message["weight_version"] == 0
     earlier = message_1["prompt_token_ids"] + message_1["generation_token_ids"]
     assert message_2["prompt_token_ids"][: len(earlier)] == earlier
+
+
+class ConcurrentEngine(ScriptedEngine):
+    """Like ScriptedEngine, but batches may run at once (as SGLang's do); records their spans."""
+
+    def __init__(self, reply, *, delay_s):
+        super().__init__(reply, delay_s=delay_s)
+        self.spans: list[tuple[float, float]] = []
+
+    def generate(self, requests):
+        start = time.monotonic()
+        time.sleep(self.delay_s)
+        self.spans.append((start, time.monotonic()))
+        return [self._answer(request) for request in requests]
+
+
+@pytest.mark.parametrize("concurrent_batches", [1, 2])
+def test_a_request_arriving_mid_batch_waits_only_without_spare_batch_slots(
+    tokenizer, chat_format, concurrent_batches
+):
+    engine = ConcurrentEngine([*chat_format.encode("ok"), chat_format.end_of_turn_id], delay_s=0.5)
+    with (
+        served(engine, tokenizer, max_concurrent_batches=concurrent_batches) as client,
+        ThreadPoolExecutor(2) as pool,
+    ):
+        first = pool.submit(completion, client, USER_ONLY)
+        time.sleep(0.2)  # the first batch is running now
+        second = pool.submit(completion, client, [{"role": "user", "content": "later"}])
+        assert first.result().status_code == second.result().status_code == 200
+    (first_start, first_end), (second_start, _) = sorted(engine.spans)
+    overlapped = second_start < first_end
+    assert overlapped is (concurrent_batches == 2)
+    assert first_start < second_start
