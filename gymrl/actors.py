@@ -106,7 +106,7 @@ class GenerationServer:
         return self._engine.weight_version
 
     def close(self) -> None:
-        self._server.close()
+        self._server.close(timeout_s=50.0)  # a running engine batch finishes first
         if self._sglang_servers is not None:
             self._engine.close()
             self._sglang_servers.shutdown()

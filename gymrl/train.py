@@ -310,11 +310,11 @@ class GRPOLoop:
             print(f"metrics: {metrics}\npicture: {picture}", flush=True)
 
     def _close_servers(self) -> None:
-        """Best effort: a failure here must not mask the error that ended the run."""
-        closing = [shard.close.remote() for shard in self.shards.values()]
-        closing.append(self.generation.close.remote())
+        """Agents first (they call the policy server), then the policy server. Best effort: a
+        failure here must not mask the error that ended the run."""
         try:
-            ray.get(closing, timeout=30)
+            ray.get([shard.close.remote() for shard in self.shards.values()], timeout=30)
+            ray.get(self.generation.close.remote(), timeout=60)
         except Exception as error:  # reported; ray.shutdown() then ends the actors
             print(f"warning: servers did not close cleanly: {error}", flush=True)
 

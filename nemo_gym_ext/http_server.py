@@ -6,11 +6,25 @@ port), so the same code talks to them as to a remote NeMo-Gym deployment.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import threading
 import time
 from dataclasses import dataclass
 
 import uvicorn
+
+
+class _DropCancelledRequests(logging.Filter):
+    """A request cancelled because its server is shutting down is not an application error;
+    uvicorn would log each one with a full traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not isinstance(error, asyncio.CancelledError)
+
+
+logging.getLogger("uvicorn.error").addFilter(_DropCancelledRequests())
 
 
 @dataclass
