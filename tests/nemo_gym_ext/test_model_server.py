@@ -438,9 +438,11 @@ class ConcurrentEngine(ScriptedEngine):
     def __init__(self, reply, *, delay_s):
         super().__init__(reply, delay_s=delay_s)
         self.spans: list[tuple[float, float]] = []
+        self.first_batch_started = threading.Event()
 
     def generate(self, requests):
         start = time.monotonic()
+        self.first_batch_started.set()
         time.sleep(self.delay_s)
         self.spans.append((start, time.monotonic()))
         return [self._answer(request) for request in requests]
@@ -456,7 +458,7 @@ def test_a_request_arriving_mid_batch_waits_only_without_spare_batch_slots(
         ThreadPoolExecutor(2) as pool,
     ):
         first = pool.submit(completion, client, USER_ONLY)
-        time.sleep(0.2)  # the first batch is running now
+        assert engine.first_batch_started.wait(10)
         second = pool.submit(completion, client, [{"role": "user", "content": "later"}])
         assert first.result().status_code == second.result().status_code == 200
     (first_start, first_end), (second_start, _) = sorted(engine.spans)
