@@ -62,8 +62,13 @@ def _start_timeout_s(config: RecipeConfig) -> float:
 _ADVANTAGE_EPS = 1e-6
 
 
+class ClusterUnavailableError(RuntimeError):
+    """The configured Ray cluster cannot be reached."""
+
+
 # Errors that end a run with a message a user can act on (printed without a traceback).
 RUN_STOPPING_ERRORS = (
+    ClusterUnavailableError,
     NonContiguousEpisodeError,
     MalformedGymResultError,
     UnknownAgentError,
@@ -206,13 +211,20 @@ def run_grpo(config: RecipeConfig, output_dir: Path) -> None:
     """Run the whole training job described by `config`, writing into `output_dir`."""
     output_dir.mkdir(parents=True, exist_ok=True)
     cluster = config.cluster
-    ray.init(
-        address=cluster.ray_address,
-        num_cpus=cluster.cpus_per_node if cluster.ray_address is None else None,
-        include_dashboard=False,
-        log_to_driver=True,
-        configure_logging=False,
-    )
+    try:
+        ray.init(
+            address=cluster.ray_address,
+            num_cpus=cluster.cpus_per_node if cluster.ray_address is None else None,
+            include_dashboard=False,
+            log_to_driver=True,
+            configure_logging=False,
+        )
+    except ConnectionError as error:
+        raise ClusterUnavailableError(
+            f"cluster.ray_address={cluster.ray_address!r} but no Ray cluster answers ({error}). "
+            "On Slurm, start the run with launch/ray.sub, which starts Ray first; on one machine, "
+            "use cluster=local_cpu."
+        ) from None
     try:
         GRPOLoop(config, output_dir).run()
     finally:

@@ -59,3 +59,10 @@ def test_router_replay_with_truncation_is_refused_with_a_clear_message(tmp_path)
     assert "policy.router_replay.enabled = True" in done.stderr
     assert "truncate_noncontiguous_episodes=true (shard 'openhands')" in done.stderr
     assert "fix: set policy.router_replay.enabled=false" in done.stderr
+
+
+def test_an_unreachable_ray_cluster_is_one_clear_message(tmp_path):
+    done = run_recipe("+experiment=math_1p5b", tmp_path=tmp_path)
+    assert done.returncode == 1
+    assert "run stopped: ClusterUnavailableError: cluster.ray_address='auto'" in done.stderr
+    assert "launch/ray.sub" in done.stderr and "Traceback" not in done.stderr
