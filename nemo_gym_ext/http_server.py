@@ -16,12 +16,16 @@ import uvicorn
 
 
 class _DropCancelledRequests(logging.Filter):
-    """A request cancelled because its server is shutting down is not an application error;
-    uvicorn would log each one with a full traceback."""
+    """Work cancelled because its server is shutting down is not an application error, yet
+    uvicorn logs each cancelled request with a full traceback, and Starlette's lifespan reports
+    its own cancellation as a traceback text ending in CancelledError."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
-        return not isinstance(error, asyncio.CancelledError)
+        if isinstance(error, asyncio.CancelledError):
+            return False
+        text = record.getMessage().rstrip()
+        return not (text.startswith("Traceback") and text.endswith("CancelledError"))
 
 
 logging.getLogger("uvicorn.error").addFilter(_DropCancelledRequests())
