@@ -746,7 +746,7 @@ def _node_address() -> tuple[str, int]:
 
 
 class MegatronTrainerGroup:
-    """A :class:`~gymrl.trainer.types.PolicyTrainer` made of one Ray actor per trainer GPU.
+    """The Megatron trainer as one Ray actor per trainer GPU (see `gymrl.roles`).
 
     Needs a running Ray cluster with the GPUs. Every call goes to all ranks (Megatron's
     collectives need them all) and waits at most `call_timeout_s`; metrics come from the
