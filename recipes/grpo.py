@@ -6,9 +6,10 @@
     python recipes/grpo.py +experiment=swe_bench_30b dry_run=true # the 16-node plan, validated
     python recipes/grpo.py -m +experiment=truncation_ablation     # a Hydra multirun sweep
 
-Hydra composes conf/; the first line of `main` validates the whole tree into a typed
-`RecipeConfig` (gymrl/config/schema.py), reporting every problem at once. Nothing starts before
-that: a bad config fails in a second, not after the cluster came up.
+Hydra composes conf/ over the schema's defaults (`--cfg job` shows the result); the first line of
+`main` validates the whole tree into a typed `RecipeConfig` (gymrl/config/schema.py), reporting
+every problem at once. Nothing starts before that: a bad config fails in a second, not after the
+cluster came up.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from gymrl.config.compose import to_plain_dict
+from gymrl.config.compose import register_schema_defaults, to_plain_dict
 from gymrl.config.plan import render_plan
 from gymrl.config.validate import validate_config
 from nemo_gym_ext.config import ConfigError
+
+register_schema_defaults()  # conf/ builds on the schema's defaults; Hydra composes in main()
 
 
 @hydra.main(config_path="../conf", config_name="grpo", version_base="1.3")

@@ -79,27 +79,48 @@ class PolicyConfig(Strict):
 
 
 # -------------------------------------------------------------------------------------- generation
+MaxTokensPerTurn = Annotated[int, Field(gt=0, description="Default max_tokens of one model call.")]
+MaxConcurrentBatches = Annotated[
+    int,
+    Field(
+        gt=0,
+        description="Engine batches in flight at once. 1 suits the torch engine (it runs one "
+        "batch at a time); SGLang schedules requests itself, so several keep its servers busy "
+        "while a long generation runs.",
+    ),
+]
+
+
 class ModelServerConfig(Strict):
+    """The policy model server in front of an engine. Each engine's subclass sets the defaults
+    that depend on the engine's speed and scheduling."""
+
     honor_prompt_token_ids: bool = Field(
         default=True,
         description="Keep the exact token ids clients send back on earlier assistant messages and "
         "render only new messages (the on-policy prefix fix). false re-tokenises the whole "
         "conversation from text.",
     )
-    max_tokens_per_turn: int = Field(
-        default=256, gt=0, description="Default max_tokens of one model call."
-    )
+    max_tokens_per_turn: MaxTokensPerTurn
     request_timeout_s: float = Field(
         default=300.0, gt=0, description="Deadline of one chat completion request."
     )
     api_key: str = Field(default="gym-local", description="Bearer token Gym agents must send.")
-    max_concurrent_batches: int = Field(
-        default=1,
-        gt=0,
-        description="Engine batches in flight at once. 1 suits the torch engine (it runs one "
-        "batch at a time); SGLang schedules requests itself, so several keep its servers busy "
-        "while a long generation runs.",
-    )
+    max_concurrent_batches: MaxConcurrentBatches
+
+
+class TorchModelServerConfig(ModelServerConfig):
+    """Short turns, one batch at a time: the torch engine decodes on a laptop CPU."""
+
+    max_tokens_per_turn: MaxTokensPerTurn = 64
+    max_concurrent_batches: MaxConcurrentBatches = 1
+
+
+class SGLangModelServerConfig(ModelServerConfig):
+    """Long turns, several batches in flight: SGLang schedules them on GPUs itself."""
+
+    max_tokens_per_turn: MaxTokensPerTurn = 4096
+    max_concurrent_batches: MaxConcurrentBatches = 8
 
 
 class SamplingConfig(Strict):
@@ -116,12 +137,14 @@ class TorchGenerationConfig(Strict):
     backend: Literal["torch"] = "torch"
     max_batch_size: int = Field(default=16, gt=0, description="Rows decoded together.")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    server: ModelServerConfig = Field(default_factory=ModelServerConfig)
+    server: TorchModelServerConfig = Field(default_factory=TorchModelServerConfig)
 
 
 class SGLangGenerationConfig(Strict):
     backend: Literal["sglang"] = "sglang"
-    num_engines: int = Field(gt=0, description="SGLang server processes (one per TP group).")
+    num_engines: int = Field(
+        default=1, gt=0, description="SGLang server processes (one per TP group)."
+    )
     tensor_parallel_size: int = Field(default=1, gt=0, description="GPUs per SGLang engine.")
     expert_parallel_size: int = Field(
         default=1, gt=0, description="Expert parallelism inside an engine (MoE only)."
@@ -136,7 +159,7 @@ class SGLangGenerationConfig(Strict):
         default=900.0, gt=0, description="Deadline for an engine to become healthy."
     )
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    server: ModelServerConfig = Field(default_factory=ModelServerConfig)
+    server: SGLangModelServerConfig = Field(default_factory=SGLangModelServerConfig)
 
     @property
     def num_gpus(self) -> int:
@@ -149,18 +172,39 @@ GenerationConfig = Annotated[
 
 
 # ----------------------------------------------------------------------------------------- trainer
+LearningRate = Annotated[float, Field(gt=0, description="AdamW learning rate.")]
+WeightDecay = Annotated[float, Field(ge=0, description="AdamW weight decay.")]
+
+
 class OptimizerConfig(Strict):
-    lr: float = Field(default=1e-6, gt=0, description="AdamW learning rate.")
-    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
+    """AdamW. Each trainer's subclass sets the learning rate and weight decay defaults that suit
+    the models it trains."""
+
+    lr: LearningRate
+    weight_decay: WeightDecay
     betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW betas.")
     eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
     max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
 
 
+class TorchOptimizerConfig(OptimizerConfig):
+    """Small models for a few steps: a larger step, no decay."""
+
+    lr: LearningRate = 1e-5
+    weight_decay: WeightDecay = 0.0
+
+
+class MegatronOptimizerConfig(OptimizerConfig):
+    """Billion-parameter models over hundreds of steps: the usual RL fine-tuning step and decay."""
+
+    lr: LearningRate = 1e-6
+    weight_decay: WeightDecay = 0.01
+
+
 class TorchTrainerConfig(Strict):
     backend: Literal["torch"] = "torch"
     micro_batch_size: int = Field(default=4, gt=0, description="Sequences per forward/backward.")
-    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    optimizer: TorchOptimizerConfig = Field(default_factory=TorchOptimizerConfig)
 
 
 class MegatronTrainerConfig(Strict):
@@ -175,7 +219,7 @@ class MegatronTrainerConfig(Strict):
     sequence_parallel: bool = Field(default=False, description="Megatron sequence parallelism.")
     micro_batch_size: int = Field(default=1, gt=0, description="Sequences per micro-batch.")
     activation_checkpointing: bool = Field(default=True, description="Recompute activations.")
-    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    optimizer: MegatronOptimizerConfig = Field(default_factory=MegatronOptimizerConfig)
 
     @property
     def model_parallel_size(self) -> int:

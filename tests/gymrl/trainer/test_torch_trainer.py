@@ -5,7 +5,7 @@ import torch
 
 from gymrl.algo.loss import sequence_logprobs
 from gymrl.algo.trajectory import Trajectory, collate
-from gymrl.config.schema import LossConfig, OptimizerConfig, TorchTrainerConfig
+from gymrl.config.schema import LossConfig, TorchOptimizerConfig, TorchTrainerConfig
 from gymrl.model.loading import build_tiny_llama
 from gymrl.trainer.torch_trainer import TorchPolicyTrainer
 
@@ -15,7 +15,7 @@ def trainer(tokenizer):
     model = build_tiny_llama(
         tokenizer, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, seed=0
     )
-    config = TorchTrainerConfig(micro_batch_size=2, optimizer=OptimizerConfig(lr=1e-2))
+    config = TorchTrainerConfig(micro_batch_size=2, optimizer=TorchOptimizerConfig(lr=1e-2))
     return TorchPolicyTrainer(
         model, config, LossConfig(), temperature=1.0, pad_token_id=0, keep_last_checkpoints=2
     )
