@@ -3,10 +3,11 @@
 Two passes, both always run so that one error message lists everything wrong with a config:
 
 1. structure and types: pydantic (`extra="forbid"`) over the whole tree;
-2. cross-field rules that no single field can check: GPU budget and parallelism, async GRPO's need
-   for importance sampling, and, per Gym shard, the recipe-only keys and their incompatibilities
-   (built by `nemo_gym_ext.config.build_gym_actor_config`, the same builder the Gym actors use).
-   The Gym rules read the raw tree, so they report even when an unrelated field fails pass 1.
+2. cross-field rules that no single field can check: backend pairs that cannot refit, GPU budget
+   and parallelism, async GRPO's need for importance sampling, and, per Gym shard, the recipe-only
+   keys and their incompatibilities (built by `nemo_gym_ext.config.build_gym_actor_config`, the
+   same builder the Gym actors use). The Gym rules read the raw tree, so they report even when an
+   unrelated field fails pass 1.
 """
 
 from __future__ import annotations
@@ -313,8 +314,41 @@ def _cross_field_issues(config: RecipeConfig) -> list[ConfigIssue]:
                 "lower it or raise the context limit",
             )
         )
+    issues.extend(_backend_pair_issues(config))
     issues.extend(_generation_issues(config.generation, cluster.total_gpus))
     issues.extend(_trainer_issues(config))
+    return issues
+
+
+def _backend_pair_issues(config: RecipeConfig) -> list[ConfigIssue]:
+    """Roles that cannot hand weights to each other: refused here rather than at the first refit.
+
+    The torch trainer refits either engine (state dict to the torch engine through Ray, or as
+    safetensors the SGLang servers load); the Megatron trainer only exports a checkpoint to disk,
+    which only SGLang loads. SGLang serves the checkpoint folder of the policy, which a tiny random
+    model does not have."""
+    issues = []
+    generation = config.generation.backend
+    if config.trainer.backend == "megatron" and generation != "sglang":
+        issues.append(
+            ConfigIssue(
+                "generation.backend",
+                generation,
+                "the megatron trainer (trainer.backend) refits generation with a Hugging Face "
+                f"checkpoint on disk, which only SGLang loads; the {generation} engine cannot",
+                "select generation=sglang, or trainer=torch",
+            )
+        )
+    if generation == "sglang" and config.policy.source == "tiny_random":
+        issues.append(
+            ConfigIssue(
+                "policy.source",
+                config.policy.source,
+                "SGLang servers load the policy from its checkpoint folder, and a tiny random "
+                "model has none: they would serve SmolLM2 while the trainer trains the tiny model",
+                "select generation=torch for a tiny model, or a policy with a checkpoint",
+            )
+        )
     return issues
 
 

@@ -151,3 +151,30 @@ def test_builtin_agents_name_a_known_environment_and_valid_options():
     assert typo.fix == "did you mean 'max_turns'?"
     low = issues["env.nemo_gym.agents.guess_number_agent.options.max_turns"]
     assert low.value == 0 and "Most model calls per episode" in low.fix
+
+
+def test_megatron_trainer_with_the_torch_engine_is_refused_before_the_first_refit():
+    issues = _issues(
+        ["trainer=megatron", "cluster=slurm_8gpu", "policy=qwen2p5_math_1p5b", "dry_run=true"]
+    )
+    assert set(issues) == {"generation.backend"}
+    issue = issues["generation.backend"]
+    assert issue.value == "torch"
+    assert "only SGLang loads" in issue.problem
+    assert issue.fix == "select generation=sglang, or trainer=torch"
+
+
+def test_sglang_with_the_torch_trainer_is_a_valid_pair():
+    config = validate_config(
+        compose_raw(
+            ["generation=sglang", "cluster=slurm_8gpu", "generation.server.max_tokens_per_turn=512"]
+        )
+    )
+    assert (config.generation.backend, config.trainer.backend) == ("sglang", "torch")
+
+
+def test_sglang_cannot_serve_a_tiny_random_model():
+    issues = _issues(["+experiment=smoke", "generation=sglang", "cluster=slurm_8gpu"])
+    assert set(issues) == {"policy.source"}
+    assert issues["policy.source"].value == "tiny_random"
+    assert issues["policy.source"].fix.startswith("select generation=torch")
