@@ -1,4 +1,9 @@
-"""Typed schema of the composed Hydra tree. Every default and its meaning lives here.
+"""Typed schema of the composed Hydra tree. Every default and its meaning lives here, and only here.
+
+A default that depends on the backend lives in that backend's class (`TorchOptimizerConfig` and
+`MegatronOptimizerConfig`, `TorchModelServerConfig` and `SGLangModelServerConfig`).
+`gymrl.config.compose` turns these defaults into the base of the Hydra composition, so conf/
+restates none of them (a test enforces it) and `python recipes/grpo.py --cfg job` shows them all.
 
 Hydra composes YAML; :func:`gymrl.config.validate.validate_config` turns the result into a
 :class:`RecipeConfig` once, on the recipe's first line, and the rest of the code receives only this
