@@ -39,7 +39,8 @@ BACKEND_UNIONS = {"generation": GenerationConfig, "trainer": TrainerConfig}
 def schema_defaults(model: type[BaseModel]) -> dict[str, Any]:
     """Every default of `model` as a plain tree. Required fields are left out (the YAML must set
     them, and validation names the missing ones); a required sub-model still contributes the
-    defaults of its own fields."""
+    defaults of its own fields. A union of models (the backends) has no single set of defaults:
+    each member is its own node (:data:`BACKEND_UNIONS`)."""
     tree: dict[str, Any] = {}
     for name, field in model.model_fields.items():
         if not field.is_required():
