@@ -82,10 +82,10 @@ def compose_raw(overrides: Sequence[str] = (), config_dir: Path = CONFIG_DIR) ->
 
 
 def to_plain_dict(cfg: DictConfig) -> dict[str, Any]:
+    """The resolved tree without Hydra's own `hydra` node (a composed tree's keys are strings)."""
     container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     assert isinstance(container, dict)
-    container.pop("hydra", None)
-    return container
+    return {str(key): value for key, value in container.items() if key != "hydra"}
 
 
 def experiment_names() -> list[str]:
