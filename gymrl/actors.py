@@ -8,8 +8,9 @@
 * :class:`PolicyTrainerActor`: the trainer (optimizer steps, weight export, checkpoints).
 * the replay buffer: `gymrl.replay_buffer.ReplayBuffer` as a threaded actor.
 
-Actors reserve no CPUs in Ray's scheduler (`num_cpus=0`): on a 2-core machine four actors could
-never be placed otherwise; each one bounds its own torch threads instead.
+What each actor reserves (GPUs, CPUs, its placement bundle) is decided by `gymrl.placement` and
+given with `.options(...)` where the actor is created; the decorators' `num_cpus=0` is what an
+actor without options gets.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from gymrl.config.schema import (
 from gymrl.generation.sglang_engine import SGLangEngine, SGLangServerGroup
 from gymrl.generation.torch_engine import TorchGenerationEngine
 from gymrl.model.loading import load_tokenizer
+from gymrl.placement import Placement
 from gymrl.policy import build_policy, tokenizer_folder
 from gymrl.replay_buffer import ReplayBuffer
 from gymrl.trainer.torch_trainer import TorchPolicyTrainer
@@ -47,7 +49,17 @@ from nemo_gym_ext.rollout import GroupOutcome, RolloutCollector, RolloutSettings
 class GenerationServer:
     """The policy model server in front of the configured engine (torch, or SGLang servers)."""
 
-    def __init__(self, config: RecipeConfig, *, output_dir: str, torch_threads: int):
+    def __init__(
+        self,
+        config: RecipeConfig,
+        *,
+        output_dir: str,
+        torch_threads: int,
+        placement: Placement,
+        placement_group: Any,
+    ):
+        """`placement` says where the engines run (the torch engine: on this actor's GPU, if it
+        has one); SGLang servers go into bundles of `placement_group`."""
         torch.set_num_threads(torch_threads)
         policy, generation = config.policy, config.generation
         self._sglang_servers = None
@@ -59,6 +71,8 @@ class GenerationServer:
                 model_path=tokenizer_folder(policy),
                 seed=config.run.seed,
                 log_dir=Path(output_dir) / "logs",
+                placement_group=placement_group,
+                engines=placement.generation,
             )
             self._engine = SGLangEngine.from_config(
                 generation, self._sglang_servers.urls, refit_dir=Path(output_dir) / "refit"
@@ -67,7 +81,7 @@ class GenerationServer:
         else:
             model, tokenizer = build_policy(policy, config.run.seed)
             self._engine = TorchGenerationEngine(
-                model,
+                model.to(placement.generation.device),
                 max_batch_size=generation.max_batch_size,
                 eos_token_ids=[tokenizer.eos_token_id],
                 seed=config.run.seed,
@@ -176,12 +190,15 @@ class PolicyTrainerActor:
         temperature: float,
         keep_last_checkpoints: int,
         torch_threads: int,
+        device: str,
     ):
+        """`device`: `cuda` when the placement gave this actor a GPU (Ray makes it the only
+        visible one), else `cpu`."""
         torch.set_num_threads(torch_threads)
         torch.manual_seed(seed)
         model, tokenizer = build_policy(policy, seed)
         self._trainer = TorchPolicyTrainer(
-            model,
+            model.to(device),
             trainer,
             loss,
             temperature=temperature,

@@ -1,10 +1,18 @@
-"""Save and resume the torch trainer: weights, optimizer, counters, data position and RNG states.
+"""Checkpoints of both trainers: one folder layout and one resume state, whatever the backend.
 
-A checkpoint is a folder `step_<n>/` holding `model.safetensors`, `optimizer.pt`,
-`trainer_state.json` and, written last, the marker `COMPLETE`. It is assembled in a hidden
-temporary folder and renamed into place, so a crash mid-save never leaves a `step_<n>/` that looks
-usable; the marker additionally guards against copies made by tools that do not rename atomically
-(rsync, object-store syncs). :func:`latest_checkpoint` only ever returns marked folders.
+A checkpoint is a folder `step_<n>/` holding the backend's weights and optimizer state (the torch
+trainer: `model.safetensors` and `optimizer.pt`; Megatron: a distributed checkpoint under
+`megatron/`), `trainer_state.json` (:class:`TrainerState`) and, written last, the marker
+`COMPLETE`. It is assembled in a staging folder and renamed into place
+(`gymrl.atomic.atomic_folder`), so a crash mid-save never leaves a `step_<n>/` that looks usable;
+the marker additionally guards against copies made by tools that do not rename atomically (rsync,
+object-store syncs). :func:`latest_checkpoint` only ever returns marked folders.
+
+The resume state is the same for both trainers: the step, the weight version the generation
+engines must be refitted to, where the data stream is, and the RNG states (Python, NumPy, torch
+and CUDA) of every trainer rank, so that a resumed run draws the same random numbers an
+uninterrupted one would have. Anything backend-specific (Megatron's learning-rate scheduler) goes
+in `extra`.
 """
 
 from __future__ import annotations
@@ -15,86 +23,117 @@ import os
 import random
 import re
 import shutil
-import tempfile
 from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import load_model, save_model
+
+from gymrl.atomic import STAGING_PREFIX, atomic_folder
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.json"
 COMPLETE_MARKER = "COMPLETE"
 _STEP_DIR = re.compile(r"step_(\d+)")
-_TMP_PREFIX = ".tmp-step_"
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """What a trainer resumes from besides weights and optimizer state.
+
+    `rng` holds one entry per trainer rank (index = global rank), each from
+    :func:`capture_rng_state`. `data_state` and `extra` must be JSON-serialisable; that is checked
+    at construction, before anything is written.
+    """
+
+    step: int
+    weight_version: int
+    data_state: dict[str, Any]
+    rng: list[dict[str, Any]]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.step < 0:
+            raise ValueError(f"step must be >= 0, got {self.step}")
+        for name in ("data_state", "extra"):
+            try:
+                json.dumps(getattr(self, name))
+            except (TypeError, ValueError) as error:
+                raise ValueError(
+                    f"checkpoint {name} must be JSON-serialisable ({error}); convert tensors "
+                    "and other objects to numbers, strings, lists or dicts"
+                ) from error
+
+    def resume_info(self) -> dict[str, Any]:
+        """What the loop resumes from: `{"step", "weight_version", "data_state", "extra"}`."""
+        return {
+            "step": self.step,
+            "weight_version": self.weight_version,
+            "data_state": self.data_state,
+            "extra": self.extra,
+        }
+
+    def write(self, folder: Path) -> None:
+        """Write `trainer_state.json`, then the `COMPLETE` marker: the last files of a save."""
+        (folder / STATE_FILE).write_text(json.dumps(asdict(self), indent=2))
+        (folder / COMPLETE_MARKER).write_text(f"{self.step}\n")
+
+    @classmethod
+    def read(cls, folder: str | os.PathLike[str]) -> TrainerState:
+        """The state of a complete checkpoint (refuses a folder without the marker)."""
+        folder = Path(folder)
+        if not (folder / COMPLETE_MARKER).is_file():
+            raise FileNotFoundError(
+                f"{folder} is not a complete checkpoint (no {COMPLETE_MARKER} marker); a save was "
+                "interrupted or the folder was copied partially. Use latest_checkpoint() to find "
+                "the newest complete one."
+            )
+        return cls(**json.loads((folder / STATE_FILE).read_text()))
 
 
 def save_checkpoint(
     directory: str | os.PathLike[str],
-    step: int,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
+    state: TrainerState,
     *,
-    data_state: Mapping[str, Any],
-    extra: Mapping[str, Any],
-    weight_version: int,
     keep_last: int,
 ) -> Path:
-    """Write `directory/step_<step>/` atomically, keep the newest `keep_last`, return its path.
-
-    `data_state` (where the data loader is) and `extra` (anything else the recipe resumes from)
-    must be JSON-serialisable; that is checked before anything is written. Saving a step that
-    already exists replaces it.
-    """
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
-    if keep_last < 1:
-        raise ValueError(f"keep_last must be >= 1 (the checkpoint just written), got {keep_last}")
-    state = {
-        "step": step,
-        "weight_version": weight_version,
-        "data_state": dict(data_state),
-        "extra": dict(extra),
-        "rng": _rng_state(),
-    }
-    for name in ("data_state", "extra"):
-        try:
-            json.dumps(state[name])
-        except (TypeError, ValueError) as error:
-            raise ValueError(
-                f"save_checkpoint: {name} must be JSON-serialisable ({error}); convert tensors "
-                "and other objects to numbers, strings, lists or dicts"
-            ) from error
+    """Write the torch trainer's `directory/step_<step>/` atomically, keep the newest
+    `keep_last`, return its path. Saving a step that already exists replaces it."""
+    check_keep_last(keep_last)
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
-    _remove_leftover_temporaries(root)
-    staging = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{step}-", dir=root))
-    try:
+    remove_leftover_staging(root)
+    target = root / f"step_{state.step}"
+    with atomic_folder(target, durable=True) as staging:
         save_model(model, str(staging / MODEL_FILE))
         torch.save(optimizer.state_dict(), staging / OPTIMIZER_FILE)
-        (staging / STATE_FILE).write_text(json.dumps(state, indent=2))
-        for name in (MODEL_FILE, OPTIMIZER_FILE, STATE_FILE):
-            _fsync(staging / name)
-        (staging / COMPLETE_MARKER).write_text(f"{step}\n")
-        _fsync(staging / COMPLETE_MARKER)
-        _fsync(staging)
-        target = root / f"step_{step}"
-        if target.exists():
-            # Move the old copy aside first: a rename cannot replace a non-empty folder.
-            replaced = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{step}-old-", dir=root))
-            target.rename(replaced / target.name)
-            staging.rename(target)
-            shutil.rmtree(replaced)
-        else:
-            staging.rename(target)
-        _fsync(root)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    for old in complete_checkpoints(root)[:-keep_last]:
-        shutil.rmtree(old)
+        state.write(staging)
+    prune_checkpoints(root, keep_last)
     return target
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+) -> TrainerState:
+    """Restore the torch trainer's weights, optimizer state (unless `optimizer` is None) and RNG
+    states from `path`, and return its state."""
+    state = TrainerState.read(path)
+    folder = Path(path)
+    load_model(model, str(folder / MODEL_FILE), strict=True)
+    if optimizer is not None:
+        optimizer.load_state_dict(
+            torch.load(folder / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+        )
+    restore_rng_state(state.rng[0])
+    return state
 
 
 def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
@@ -104,32 +143,6 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
         return None
     complete = complete_checkpoints(root)
     return complete[-1] if complete else None
-
-
-def load_checkpoint(
-    path: str | os.PathLike[str],
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-) -> dict[str, Any]:
-    """Restore weights, optimizer state (unless `optimizer` is None) and RNG states from `path`.
-
-    Returns `{"step", "weight_version", "data_state", "extra"}` for the recipe to resume from.
-    """
-    folder = Path(path)
-    if not (folder / COMPLETE_MARKER).is_file():
-        raise FileNotFoundError(
-            f"{folder} is not a complete checkpoint (no {COMPLETE_MARKER} marker); a save was "
-            "interrupted or the folder was copied partially. Use latest_checkpoint() to find the "
-            "newest complete one."
-        )
-    load_model(model, str(folder / MODEL_FILE), strict=True)
-    if optimizer is not None:
-        optimizer.load_state_dict(
-            torch.load(folder / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
-        )
-    state = json.loads((folder / STATE_FILE).read_text())
-    _restore_rng_state(state["rng"])
-    return {key: state[key] for key in ("step", "weight_version", "data_state", "extra")}
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
@@ -142,25 +155,39 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return [child for _, child in sorted(found)]
 
 
-def _remove_leftover_temporaries(root: Path) -> None:
-    """Remove staging folders of saves that crashed; one trainer process saves into `root`."""
+def check_keep_last(keep_last: int) -> None:
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 (the checkpoint just written), got {keep_last}")
+
+
+def prune_checkpoints(root: Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` complete checkpoints."""
+    for old in complete_checkpoints(root)[:-keep_last]:
+        shutil.rmtree(old)
+
+
+def remove_leftover_staging(root: Path) -> None:
+    """Remove staging folders of saves that crashed; one trainer saves into `root` at a time."""
     for child in root.iterdir():
-        if child.name.startswith(_TMP_PREFIX) and child.is_dir():
+        if child.name.startswith(STAGING_PREFIX) and child.is_dir():
             shutil.rmtree(child, ignore_errors=True)
 
 
-def _fsync(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def _rng_state() -> dict[str, Any]:
+# ------------------------------------------------------------------------------------- RNG
+def capture_rng_state() -> dict[str, Any]:
+    """This process's RNG states as JSON: Python, NumPy, torch's CPU generator and, once CUDA is
+    in use, every visible GPU's."""
     version, internal, gauss_next = random.getstate()
+    kind, keys, position, has_gauss, cached_gauss = np.random.get_state(legacy=True)
     state: dict[str, Any] = {
         "python": {"version": version, "state": list(internal), "gauss_next": gauss_next},
+        "numpy": {
+            "kind": kind,
+            "keys": keys.tolist(),
+            "position": int(position),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gauss),
+        },
         "torch": _encode_bytes(torch.get_rng_state()),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -168,9 +195,20 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
-def _restore_rng_state(state: Mapping[str, Any]) -> None:
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    """Inverse of :func:`capture_rng_state` in this process."""
     python = state["python"]
     random.setstate((python["version"], tuple(python["state"]), python["gauss_next"]))
+    numpy = state["numpy"]
+    np.random.set_state(
+        (
+            numpy["kind"],
+            np.array(numpy["keys"], dtype=np.uint32),
+            numpy["position"],
+            numpy["has_gauss"],
+            numpy["cached_gaussian"],
+        )
+    )
     torch.set_rng_state(_decode_bytes(state["torch"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([_decode_bytes(s) for s in state["cuda"]])

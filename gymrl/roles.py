@@ -17,7 +17,7 @@ import torch
 from gymrl.actors import PolicyTrainerActor
 from gymrl.algo.trajectory import Trajectory
 from gymrl.config.schema import MegatronTrainerConfig, RecipeConfig
-from gymrl.config.validate import trainer_gpus
+from gymrl.placement import Placement, actor_options
 from gymrl.ray_calls import wait_for
 
 
@@ -34,9 +34,12 @@ class TrainerRole(Protocol):
 
 
 class TorchTrainerRole:
-    def __init__(self, config: RecipeConfig, *, torch_threads: int):
+    def __init__(
+        self, config: RecipeConfig, *, torch_threads: int, placement: Placement, group: Any
+    ):
         self._timeout_s = config.grpo.batch_timeout_s
-        self._actor = PolicyTrainerActor.remote(
+        role = placement.trainer
+        self._actor = PolicyTrainerActor.options(**actor_options(role, 0, group)).remote(
             config.policy,
             config.trainer,
             config.loss,
@@ -44,6 +47,7 @@ class TorchTrainerRole:
             temperature=config.generation.sampling.temperature,
             keep_last_checkpoints=config.checkpoint.keep_last,
             torch_threads=torch_threads,
+            device=role.device,
         )
 
     def train_step(self, trajectories: list[Trajectory], advantages: torch.Tensor) -> dict:
@@ -66,15 +70,15 @@ class TorchTrainerRole:
 
 
 class MegatronTrainerRole:
-    def __init__(self, config: RecipeConfig, output_dir: Path):
-        from gymrl.trainer.megatron_trainer import MegatronTrainerGroup  # needs CUDA + megatron
+    def __init__(self, config: RecipeConfig, output_dir: Path, placement: Placement, group: Any):
+        from gymrl.trainer.megatron.group import MegatronTrainerGroup  # needs CUDA + megatron
 
-        assert isinstance(config.trainer, MegatronTrainerConfig)
         self._refit_dir = output_dir / "refit"
         self._timeout_s = config.grpo.batch_timeout_s
         self._group = MegatronTrainerGroup(
             config,
-            world_size=trainer_gpus(config),
+            placement_group=group,
+            ranks=placement.trainer,
             temperature=config.generation.sampling.temperature,
             start_timeout_s=config.cluster.ray_start_timeout_s,
             call_timeout_s=config.grpo.batch_timeout_s,
@@ -98,7 +102,11 @@ class MegatronTrainerRole:
         return self._group.load_checkpoint(path)
 
 
-def build_trainer_role(config: RecipeConfig, output_dir: Path, torch_threads: int) -> TrainerRole:
+def build_trainer_role(
+    config: RecipeConfig, output_dir: Path, torch_threads: int, placement: Placement, group: Any
+) -> TrainerRole:
+    """The trainer of `config`, its actors placed as `placement` says, in the run's placement
+    `group` (`gymrl.placement.reserve`)."""
     if isinstance(config.trainer, MegatronTrainerConfig):
-        return MegatronTrainerRole(config, output_dir)
-    return TorchTrainerRole(config, torch_threads=torch_threads)
+        return MegatronTrainerRole(config, output_dir, placement, group)
+    return TorchTrainerRole(config, torch_threads=torch_threads, placement=placement, group=group)

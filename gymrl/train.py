@@ -35,6 +35,7 @@ from gymrl.config.schema import RecipeConfig
 from gymrl.config.validate import gym_actor_configs
 from gymrl.data import RowStream, load_rows
 from gymrl.metrics_logger import METRICS_FILENAME, build_logger
+from gymrl.placement import actor_options, plan_placement, reserve
 from gymrl.plot import plot_run, read_records
 from gymrl.policy import tokenizer_folder
 from gymrl.ray_calls import wait_for
@@ -239,9 +240,16 @@ class GRPOLoop:
         # Async on a CPU: generation and training overlap, one core each; sync: they alternate.
         threads = 1 if config.grpo.async_enabled else 2
         folder = tokenizer_folder(config.policy)  # converts the embedded model once, here
-        # Generation first: SGLang engines pack onto whole nodes, the trainer takes the rest.
-        self.generation = GenerationServer.remote(
-            config, output_dir=str(output_dir), torch_threads=threads
+        placement = plan_placement(config)
+        group = reserve(placement, config.cluster.ray_start_timeout_s)
+        self.generation = GenerationServer.options(
+            **actor_options(placement.policy_server, 0, group)
+        ).remote(
+            config,
+            output_dir=str(output_dir),
+            torch_threads=threads,
+            placement=placement,
+            placement_group=group,
         )
         base_url = wait_for(
             self.generation.base_url.remote(),
@@ -249,10 +257,10 @@ class GRPOLoop:
             what="starting the generation server",
         )
         print(f"policy server (OpenAI base URL for Gym agents): {base_url}", flush=True)
-        self.trainer = build_trainer_role(config, output_dir, threads)
+        self.trainer = build_trainer_role(config, output_dir, threads, placement, group)
         self.actor_configs = gym_actor_configs(config)
         self.shards = {
-            actor.shard: GymShard.remote(
+            actor.shard: GymShard.options(**actor_options(placement.gym_shards, 0, group)).remote(
                 actor,
                 config.env.rollout,
                 policy_base_url=base_url,
@@ -273,7 +281,9 @@ class GRPOLoop:
         }
         grpo = config.grpo
         capacity = (grpo.max_trajectory_age_steps + 2) * grpo.num_prompts_per_step
-        self.buffer = ReplayBufferActor.remote(grpo.max_trajectory_age_steps, capacity)
+        self.buffer = ReplayBufferActor.options(**actor_options(placement.buffer, 0, group)).remote(
+            grpo.max_trajectory_age_steps, capacity
+        )
 
     def run(self) -> None:
         config, grpo = self.config, self.config.grpo

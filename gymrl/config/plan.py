@@ -7,7 +7,8 @@ GPUs per role, Gym shards with their agents and the truncation setting of each s
 from __future__ import annotations
 
 from gymrl.config.schema import RecipeConfig, SGLangGenerationConfig, TorchTrainerConfig
-from gymrl.config.validate import generation_gpus, gym_actor_configs, trainer_gpus
+from gymrl.config.validate import gym_actor_configs
+from gymrl.placement import generation_gpus, shares_one_gpu, trainer_gpus
 
 
 def render_plan(config: RecipeConfig, output_dir: str) -> str:
@@ -67,7 +68,7 @@ def _generation_line(config: RecipeConfig) -> str:
             f"sglang: {generation.num_engines} engine(s) x TP {generation.tensor_parallel_size} "
             f"(EP {generation.expert_parallel_size}) = {generation_gpus(config)} GPUs; {server}"
         )
-    device = "GPU" if config.cluster.total_gpus else "CPU"
+    device = _torch_device(config, generation_gpus(config))
     return f"torch on {device}: batches of {generation.max_batch_size}; {server}"
 
 
@@ -75,7 +76,7 @@ def _trainer_line(config: RecipeConfig) -> str:
     trainer = config.trainer
     lr = f"AdamW lr {trainer.optimizer.lr:g}"
     if isinstance(trainer, TorchTrainerConfig):
-        device = f"{trainer_gpus(config)} GPU(s)" if config.cluster.total_gpus else "CPU"
+        device = _torch_device(config, trainer_gpus(config))
         return f"torch on {device}, micro-batch {trainer.micro_batch_size}; {lr}"
     gpus = trainer_gpus(config)
     data_parallel = gpus // trainer.model_parallel_size
@@ -85,3 +86,9 @@ def _trainer_line(config: RecipeConfig) -> str:
         f"{data_parallel}, EP {trainer.expert_model_parallel_size}, sequence parallel "
         f"{'on' if trainer.sequence_parallel else 'off'}; {lr}"
     )
+
+
+def _torch_device(config: RecipeConfig, gpus: int) -> str:
+    if not gpus:
+        return "CPU"
+    return "1 GPU (shared by engine and trainer)" if shares_one_gpu(config) else "1 GPU"

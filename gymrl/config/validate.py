@@ -23,10 +23,11 @@ from pydantic import BaseModel, ValidationError
 from gymrl.config.schema import (
     MegatronTrainerConfig,
     RecipeConfig,
-    SGLangGenerationConfig,
     TorchGenerationConfig,
     TorchTrainerConfig,
 )
+from gymrl.placement import generation_gpus, trainer_gpus
+from gymrl.trainer.capabilities import unsupported_by_trainer
 from nemo_gym_ext.config import (
     ConfigError,
     ConfigIssue,
@@ -61,18 +62,6 @@ def gym_actor_configs(config: RecipeConfig) -> list[GymActorConfig]:
     return build_all_gym_actor_configs(
         config.env.nemo_gym, router_replay_enabled=config.policy.router_replay.enabled
     )
-
-
-def trainer_gpus(config: RecipeConfig) -> int:
-    """GPUs left for training once generation has its own (roles are not colocated)."""
-    if config.trainer.backend == "torch" and config.cluster.total_gpus == 0:
-        return 0
-    return config.cluster.total_gpus - generation_gpus(config)
-
-
-def generation_gpus(config: RecipeConfig) -> int:
-    generation = config.generation
-    return generation.num_gpus if isinstance(generation, SGLangGenerationConfig) else 0
 
 
 # ------------------------------------------------------------------------------------ pass 1
@@ -374,44 +363,6 @@ def _generation_issues(generation: Any, total_gpus: int) -> list[ConfigIssue]:
                 f"{generation.num_engines} engines x TP {generation.tensor_parallel_size} = "
                 f"{generation.num_gpus} GPUs, but the cluster has {total_gpus}",
                 "lower generation.num_engines or raise cluster.num_nodes / cluster.gpus_per_node",
-            )
-        )
-    return issues
-
-
-def unsupported_by_trainer(config: RecipeConfig) -> list[ConfigIssue]:
-    """Settings the configured trainer cannot honour. Reported at composition time, and checked
-    again by the trainers themselves before they touch a GPU."""
-    issues = []
-    if config.policy.router_replay.enabled:
-        issues.append(
-            ConfigIssue(
-                "policy.router_replay.enabled",
-                True,
-                f"the {config.trainer.backend} trainer does not replay MoE routing (trajectories "
-                "carry no routing decisions yet)",
-                "set policy.router_replay.enabled=false",
-            )
-        )
-    if not isinstance(config.trainer, MegatronTrainerConfig):
-        return issues
-    if config.loss.kl_coef > 0:
-        issues.append(
-            ConfigIssue(
-                "loss.kl_coef",
-                config.loss.kl_coef,
-                "the Megatron trainer holds no reference model (a second copy of the weights "
-                "on every rank)",
-                "set loss.kl_coef=0",
-            )
-        )
-    if config.policy.source != "pretrained" or not config.policy.path:
-        issues.append(
-            ConfigIssue(
-                "policy.source",
-                config.policy.source,
-                "the Megatron trainer builds the model from a Hugging Face checkpoint",
-                "set policy.source=pretrained and policy.path",
             )
         )
     return issues

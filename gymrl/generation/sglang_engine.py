@@ -48,7 +48,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -61,8 +60,11 @@ import httpx
 import torch
 from safetensors.torch import save_file
 
+from gymrl.atomic import atomic_folder
 from gymrl.config.schema import PolicyConfig, SGLangGenerationConfig
 from gymrl.generation.types import FinishReason, GenerationOutput, GenerationRequest
+from gymrl.net import free_port
+from gymrl.placement import RolePlacement, actor_options
 
 ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
 HEALTH_POLL_INTERVAL_S = 2.0  # the longest pause between health checks (they start at 50 ms)
@@ -128,13 +130,6 @@ def server_command(
     if generation.expert_parallel_size > 1:
         command += ["--ep-size", str(generation.expert_parallel_size)]
     return command
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago (the server binds it shortly after)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("", 0))
-        return probe.getsockname()[1]
 
 
 class SGLangServerProcess:
@@ -240,8 +235,9 @@ class SGLangServerProcess:
 class SGLangServerActor:
     """Body of a Ray actor that owns one SGLang server on the GPUs Ray gave it.
 
-    Started as `ray.remote(num_gpus=tensor_parallel_size)(SGLangServerActor)`, so Ray places the
-    whole TP group on one node and sets `CUDA_VISIBLE_DEVICES`, which the server inherits.
+    Started by :class:`SGLangServerGroup` with `tensor_parallel_size` GPUs of one placement
+    bundle, so the whole TP group is on one node; Ray sets `CUDA_VISIBLE_DEVICES`, which the
+    server inherits.
     """
 
     def __init__(
@@ -272,12 +268,12 @@ class SGLangServerActor:
 
 
 class SGLangServerGroup:
-    """`generation.num_engines` SGLang servers as Ray actors, packed onto as few nodes as possible.
+    """`generation.num_engines` SGLang servers as Ray actors, where `gymrl.placement` puts them.
 
-    A `PACK` placement group of one `tensor_parallel_size`-GPU bundle per engine fills whole
-    nodes (two TP-4 engines per 8-GPU node), which leaves whole nodes for the trainer's
-    placement group. Needs a running Ray cluster with the GPUs. Each engine gets its own seed
-    (`seed + index`), so engines do not sample identical continuations of identical prompts.
+    The run's placement group holds one `tensor_parallel_size`-GPU bundle per engine, so Ray
+    places each TP group on one node. Needs a running Ray cluster with the GPUs. Each engine gets
+    its own seed (`seed + index`), so engines do not sample identical continuations of identical
+    prompts.
     """
 
     def __init__(
@@ -288,24 +284,15 @@ class SGLangServerGroup:
         model_path: str,
         seed: int,
         log_dir: str | os.PathLike[str],
+        placement_group: Any,
+        engines: RolePlacement,
     ) -> None:
         import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self._ray = ray
-        bundle = {"GPU": float(generation.tensor_parallel_size), "CPU": 1.0}
-        self._group = placement_group([bundle] * generation.num_engines, strategy="PACK")
-        ray.get(self._group.ready(), timeout=generation.server_start_timeout_s)
-        actor_class = ray.remote(num_gpus=generation.tensor_parallel_size, num_cpus=1)(
-            SGLangServerActor
-        )
+        actor_class = ray.remote(SGLangServerActor)
         self._actors = [
-            actor_class.options(
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self._group, placement_group_bundle_index=index
-                )
-            ).remote(
+            actor_class.options(**actor_options(engines, index, placement_group)).remote(
                 generation,
                 policy,
                 model_path=model_path,
@@ -321,12 +308,10 @@ class SGLangServerGroup:
         )
 
     def shutdown(self, timeout_s: float = STOP_GRACE_S * 2) -> None:
-        from ray.util.placement_group import remove_placement_group
-
+        """Stop the servers and end their actors; the placement group is the run's."""
         self._ray.get([actor.stop.remote() for actor in self._actors], timeout=timeout_s)
         for actor in self._actors:
             self._ray.kill(actor)
-        remove_placement_group(self._group)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -605,18 +590,14 @@ class SGLangEngine:
                 "SGLang server can read); pass it to SGLangEngine(..., refit_dir=...)"
             )
         target = self._refit_dir / f"weights_v{version}"
-        staging = self._refit_dir / f".tmp-weights_v{version}"
         with self._refit_lock:
-            shutil.rmtree(staging, ignore_errors=True)
-            staging.mkdir(parents=True)
-            # Cloning breaks shared storage (tied embeddings), which safetensors refuses to write.
-            tensors = {
-                name: tensor.detach().to("cpu").contiguous().clone()
-                for name, tensor in state_dict.items()
-            }
-            save_file(tensors, str(staging / _WEIGHTS_FILE))
-            shutil.rmtree(target, ignore_errors=True)
-            staging.rename(target)
+            with atomic_folder(target, durable=False) as staging:
+                # Cloning breaks shared storage (tied embeddings), which safetensors refuses.
+                tensors = {
+                    name: tensor.detach().to("cpu").contiguous().clone()
+                    for name, tensor in state_dict.items()
+                }
+                save_file(tensors, str(staging / _WEIGHTS_FILE))
             self.refit_from_disk(target, version)
             # The servers have loaded `target`; the checkpoints this engine wrote before are unused.
             for old in self._written:

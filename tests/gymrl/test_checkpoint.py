@@ -1,12 +1,22 @@
-"""Checkpoint round trip with a tiny tied-weight model and AdamW, pruning, and partial saves."""
+"""Checkpoint round trip with a tiny tied-weight model and AdamW, pruning, and partial saves;
+the state schema both trainers share, with its RNG restore."""
 
 import json
 import random
 
+import numpy as np
 import pytest
 import torch
 
-from gymrl.checkpoint import COMPLETE_MARKER, latest_checkpoint, load_checkpoint, save_checkpoint
+from gymrl.checkpoint import (
+    COMPLETE_MARKER,
+    TrainerState,
+    capture_rng_state,
+    latest_checkpoint,
+    load_checkpoint,
+    restore_rng_state,
+    save_checkpoint,
+)
 
 
 class TinyLM(torch.nn.Module):
@@ -35,16 +45,19 @@ def _trained(seed):
     return model, optimizer
 
 
+def _state(step, data_state=None):
+    return TrainerState(
+        step=step,
+        weight_version=step,
+        data_state=data_state if data_state is not None else {"epoch": 1, "index": step},
+        rng=[capture_rng_state()],
+        extra={"seed": 7},
+    )
+
+
 def _save(directory, step, model, optimizer, keep_last=3, data_state=None):
     return save_checkpoint(
-        directory,
-        step,
-        model,
-        optimizer,
-        data_state=data_state if data_state is not None else {"epoch": 1, "index": step},
-        extra={"seed": 7},
-        weight_version=step,
-        keep_last=keep_last,
+        directory, model, optimizer, _state(step, data_state), keep_last=keep_last
     )
 
 
@@ -55,7 +68,7 @@ def test_round_trip_restores_weights_optimizer_counters_and_rng(tmp_path):
     expected_python, expected_torch = random.random(), torch.rand(3)
 
     fresh_model, fresh_optimizer = _trained(seed=1)
-    state = load_checkpoint(path, fresh_model, fresh_optimizer)
+    state = load_checkpoint(path, fresh_model, fresh_optimizer).resume_info()
 
     assert state == {
         "step": 5,
@@ -112,7 +125,46 @@ def test_saving_an_existing_step_replaces_it(tmp_path):
 def test_no_checkpoint_and_unserialisable_state(tmp_path):
     assert latest_checkpoint(tmp_path / "missing") is None
     assert latest_checkpoint(tmp_path) is None
-    model, optimizer = _trained(seed=0)
     with pytest.raises(ValueError, match="data_state must be JSON-serialisable"):
-        _save(tmp_path, 1, model, optimizer, data_state={"position": torch.tensor(3)})
-    assert list(tmp_path.iterdir()) == []
+        _state(1, data_state={"position": torch.tensor(3)})
+    with pytest.raises(ValueError, match="step must be >= 0"):
+        _state(-1)
+
+
+def test_a_failed_save_leaves_no_folder_and_keeps_the_previous(tmp_path):
+    model, optimizer = _trained(seed=0)
+    _save(tmp_path, 3, model, optimizer, data_state={"index": 1})
+
+    class Unsaveable(torch.optim.AdamW):
+        def state_dict(self):
+            raise OSError("disk full")
+
+    broken = Unsaveable(model.parameters())
+    with pytest.raises(OSError, match="disk full"):
+        _save(tmp_path, 3, model, broken, data_state={"index": 2})
+    with pytest.raises(OSError, match="disk full"):
+        _save(tmp_path, 4, model, broken)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_3"]
+    assert TrainerState.read(tmp_path / "step_3").data_state == {"index": 1}
+
+
+def test_state_schema_round_trips_and_rng_restore_repeats_the_draws(tmp_path):
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    state = TrainerState(
+        step=4,
+        weight_version=9,
+        data_state={"position": 12},
+        rng=[capture_rng_state(), {"rank": "another rank's states"}],
+        extra={"scheduler": {"num_steps": 4}},
+    )
+    draws = (random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist())
+    state.write(tmp_path)
+    assert (tmp_path / COMPLETE_MARKER).read_text() == "4\n"
+
+    random.random(), np.random.rand(5), torch.rand(5)  # move every generator on
+    read = TrainerState.read(tmp_path)
+    assert read == state
+    restore_rng_state(read.rng[0])
+    assert (random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist()) == draws

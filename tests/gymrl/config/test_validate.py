@@ -3,7 +3,8 @@
 import pytest
 
 from gymrl.config.compose import compose_raw
-from gymrl.config.validate import generation_gpus, trainer_gpus, validate_config
+from gymrl.config.validate import validate_config
+from gymrl.placement import generation_gpus, trainer_gpus
 from nemo_gym_ext.config import ConfigError
 
 

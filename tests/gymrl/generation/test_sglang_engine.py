@@ -36,10 +36,10 @@ from gymrl.generation.sglang_engine import (
     SGLangError,
     SGLangServerProcess,
     SGLangTimeoutError,
-    free_port,
     server_command,
 )
 from gymrl.generation.types import GenerationRequest, SamplingParams
+from gymrl.net import free_port
 from nemo_gym_ext.http_server import serve_in_thread
 
 WEIGHT_OFFSET = 1000
@@ -564,15 +564,25 @@ def test_real_sglang_logprobs_match_temperature_scaled_softmax_and_refit(tmp_pat
 def test_real_sglang_server_group_on_ray(tmp_path):
     checkpoint = _real_sglang_checkpoint()
     import ray
+    from ray.util.placement_group import placement_group
 
     from gymrl.generation.sglang_engine import SGLangServerGroup
+    from gymrl.placement import RolePlacement
 
     generation = SGLangGenerationConfig(num_engines=1, mem_fraction_static=0.3)
     policy = _policy(path=str(checkpoint), dtype="bfloat16", max_total_sequence_length=2048)
     ray.init(num_gpus=1, num_cpus=4, include_dashboard=False)
     try:
+        bundles = placement_group([{"GPU": 1.0, "CPU": 1.0}])
+        ray.get(bundles.ready(), timeout=120)
         group = SGLangServerGroup(
-            generation, policy, model_path=str(checkpoint), seed=0, log_dir=tmp_path
+            generation,
+            policy,
+            model_path=str(checkpoint),
+            seed=0,
+            log_dir=tmp_path,
+            placement_group=bundles,
+            engines=RolePlacement(gpus_per_actor=1.0, cpus_per_actor=1.0, bundle_of_actor=(0,)),
         )
         with SGLangEngine.from_config(generation, group.urls) as engine:
             [out] = engine.generate([_request([1, 504, 3458], 8, temperature=1.0)])

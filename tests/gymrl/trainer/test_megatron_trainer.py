@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,29 +16,30 @@ from gymrl.algo.loss import grpo_loss
 from gymrl.algo.trajectory import Trajectory
 from gymrl.config.compose import compose_raw
 from gymrl.config.schema import RouterReplayConfig
-from gymrl.config.validate import trainer_gpus, validate_config
-from gymrl.trainer.megatron_trainer import (
-    PAD_TOKEN_ID,
-    MegatronPolicyTrainer,
-    MicroBatch,
-    build_micro_batch,
-    context_parallel_positions,
-    context_parallel_unshard,
+from gymrl.config.validate import validate_config
+from gymrl.placement import trainer_gpus
+from gymrl.trainer.grpo_step import loss_normalizer
+from gymrl.trainer.megatron.arguments import (
     data_parallel_size,
     ddp_config_kwargs,
-    distributed_env,
-    loss_normalizer,
     megatron_loss_scale,
-    node_bundles,
     optimizer_config_kwargs,
     parallel_state_kwargs,
-    plan_micro_batches,
     provider_overrides,
-    reduce_loss_metrics,
     scheduler_kwargs,
     sequence_multiple,
     unsupported_settings,
 )
+from gymrl.trainer.megatron.batches import (
+    PAD_TOKEN_ID,
+    MicroBatch,
+    build_micro_batch,
+    context_parallel_positions,
+    context_parallel_unshard,
+    plan_micro_batches,
+)
+from gymrl.trainer.megatron.distributed import distributed_env
+from gymrl.trainer.megatron.worker import MegatronPolicyTrainer
 
 
 @pytest.fixture(scope="module")
@@ -304,43 +306,8 @@ def test_megatron_reduction_of_scaled_losses_gives_the_full_batch_gradient(
     torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-7)
 
 
-def test_loss_normalizer_counts_tokens_or_sequences():
-    trajectories = [_trajectory(2, 3), _trajectory(4, 0), _trajectory(1, 2)]
-    assert loss_normalizer(trajectories, token_level=True) == 5.0
-    assert loss_normalizer(trajectories, token_level=False) == 2.0
-
-
-def test_reduce_loss_metrics_sums_losses_weights_means_and_ignores_fillers():
-    base = {"loss": 0.25, "pg_loss": 0.25, "kl": 0.0, "clip_fraction": 0.5}
-    first = base | {
-        "importance_ratio/mean": 1.2,
-        "importance_ratio/max": 0.9,
-        "approx_entropy": 2.0,
-        "num_tokens": 3.0,
-    }
-    second = base | {
-        "clip_fraction": 0.0,
-        "importance_ratio/mean": 0.8,
-        "importance_ratio/max": 0.95,
-        "approx_entropy": 1.0,
-        "num_tokens": 1.0,
-    }
-    filler = {key: 0.0 for key in first} | {
-        "importance_ratio/max": 1.0,
-        "importance_ratio/mean": 1.0,
-    }
-    merged = reduce_loss_metrics([first, second, filler])
-    assert merged["loss"] == 0.5 and merged["num_tokens"] == 4.0
-    assert math.isclose(merged["clip_fraction"], 0.375)
-    assert math.isclose(merged["importance_ratio/mean"], 1.1)
-    assert math.isclose(merged["approx_entropy"], 1.75)
-    assert merged["importance_ratio/max"] == 0.95
-    with pytest.raises(ValueError, match="no metrics"):
-        reduce_loss_metrics([])
-
-
 # ------------------------------------------------------------------------------ Ray group
-def test_distributed_env_and_node_bundles():
+def test_distributed_env():
     assert distributed_env(3, 8, "10.0.0.1", 29500) == {
         "MASTER_ADDR": "10.0.0.1",
         "MASTER_PORT": "29500",
@@ -350,10 +317,6 @@ def test_distributed_env_and_node_bundles():
     }
     with pytest.raises(ValueError, match="rank=8"):
         distributed_env(8, 8, "h", 1)
-    assert node_bundles(64, 8) == [{"GPU": 8.0, "CPU": 8.0}] * 8
-    assert node_bundles(2, 8) == [{"GPU": 2.0, "CPU": 2.0}]
-    with pytest.raises(ValueError, match="do not fill nodes of 8 GPUs"):
-        node_bundles(12, 8)
 
 
 # ------------------------------------------------------------------------- real Megatron
@@ -376,14 +339,18 @@ def _tiny_megatron_setup(tmp_path_factory):
     )
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    # Megatron trains next to SGLang engines (torch generation cannot refit from Megatron): one
+    # GPU each in the config; these tests build only the trainer, on the one GPU they have.
     raw = compose_raw(
         [
-            "+experiment=smoke",
             "trainer=megatron",
+            "generation=sglang",
+            "generation.num_engines=1",
+            "generation.server.max_tokens_per_turn=256",
             "policy.source=pretrained",
             f"++policy.path={folder}",
             "policy.dtype=float32",
-            "cluster.gpus_per_node=1",
+            "cluster.gpus_per_node=2",
             "trainer.activation_checkpointing=false",
             "trainer.micro_batch_size=2",
             "loss.kl_coef=0.0",
@@ -397,7 +364,7 @@ def _tiny_megatron_setup(tmp_path_factory):
 def tiny_trainer(tmp_path_factory):
     import os
 
-    from gymrl.generation.sglang_engine import free_port
+    from gymrl.net import free_port
 
     config, folder, hf_model = _tiny_megatron_setup(tmp_path_factory)
     env = distributed_env(0, 1, "127.0.0.1", free_port())
@@ -469,7 +436,8 @@ def test_megatron_train_step_checkpoint_and_export(tiny_trainer, tmp_path):
     checkpoint = trainer.save_checkpoint(tmp_path / "ckpt", 1, {"position": 7})
     trainer.train_step(trajectories, advantages)
     state = trainer.load_checkpoint(checkpoint)
-    assert state == {"step": 1, "data_state": {"position": 7}}
+    assert state["step"] == 1 and state["data_state"] == {"position": 7}
+    assert state["weight_version"] == 1 and trainer.weight_version == 1
     restored = trainer.export_weights()
     assert all(torch.equal(after[name], restored[name]) for name in after)
 
@@ -491,13 +459,25 @@ def test_megatron_skips_a_step_without_generated_tokens(tiny_trainer):
 def test_megatron_trainer_group_on_ray(tmp_path_factory):
     config, _, hf_model = _tiny_megatron_setup(tmp_path_factory)
     import ray
+    from ray.util.placement_group import placement_group
 
-    from gymrl.trainer.megatron_trainer import MegatronTrainerGroup
+    from gymrl.placement import plan_placement
+    from gymrl.trainer.megatron.group import MegatronTrainerGroup
 
+    ranks = plan_placement(config).trainer
+    assert ranks.gpus_per_actor == 1.0 and len(ranks.bundle_of_actor) == 1
     ray.init(num_gpus=1, num_cpus=4, include_dashboard=False)
     try:
+        # Only the trainer's bundle: the config's SGLang engine is not started here.
+        group_of_one = placement_group([{"GPU": 1.0, "CPU": 1.0}])
+        ray.get(group_of_one.ready(), timeout=120)
         group = MegatronTrainerGroup(
-            config, world_size=1, temperature=0.8, start_timeout_s=900, call_timeout_s=900
+            config,
+            placement_group=group_of_one,
+            ranks=replace(ranks, bundle_of_actor=(0,)),
+            temperature=0.8,
+            start_timeout_s=900,
+            call_timeout_s=900,
         )
         trajectories, advantages = _batch(hf_model.config.vocab_size)
         before = group.compute_logprobs(trajectories)

@@ -1,0 +1,149 @@
+"""Config -> Megatron arguments: pure functions, checked on the CPU (and bound to the real
+signatures of megatron-core in the GPU tests)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gymrl.config.schema import MegatronTrainerConfig, RecipeConfig
+from gymrl.trainer.capabilities import unsupported_by_trainer
+
+
+def parallel_state_kwargs(trainer: MegatronTrainerConfig) -> dict[str, Any]:
+    """Arguments of `megatron.core.parallel_state.initialize_model_parallel`."""
+    return {
+        "tensor_model_parallel_size": trainer.tensor_model_parallel_size,
+        "pipeline_model_parallel_size": trainer.pipeline_model_parallel_size,
+        "virtual_pipeline_model_parallel_size": None,
+        "context_parallel_size": trainer.context_parallel_size,
+        "expert_model_parallel_size": trainer.expert_model_parallel_size,
+        "expert_tensor_parallel_size": trainer.expert_tensor_parallel_size,
+    }
+
+
+def provider_overrides(config: RecipeConfig) -> dict[str, Any]:
+    """Attributes set on the Megatron-Bridge model provider (a `TransformerConfig`).
+
+    Parallelism must match `parallel_state`; `calculate_per_token_loss=False` because the GRPO
+    loss does its own normalisation (:func:`megatron_loss_scale`); full uniform recomputation of
+    every layer when activation checkpointing is on (long agentic episodes dominate memory).
+    """
+    trainer = megatron_config(config)
+    bf16 = config.policy.dtype == "bfloat16"
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    overrides = parallel_state_kwargs(trainer) | {
+        "sequence_parallel": trainer.sequence_parallel,
+        "bf16": bf16,
+        "fp16": False,
+        "params_dtype": dtype,
+        "pipeline_dtype": dtype,
+        "seq_length": config.policy.max_total_sequence_length,
+        "calculate_per_token_loss": False,
+        "variable_seq_lengths": False,
+    }
+    if trainer.activation_checkpointing:
+        overrides |= {
+            "recompute_granularity": "full",
+            "recompute_method": "uniform",
+            "recompute_num_layers": 1,
+        }
+    return overrides
+
+
+def ddp_config_kwargs(trainer: MegatronTrainerConfig) -> dict[str, Any]:
+    """Arguments of `megatron.core.distributed.DistributedDataParallelConfig`.
+
+    `average_in_collective=False` keeps Megatron's "scale by 1/DP, sum over DP x CP" reduction,
+    which :func:`megatron_loss_scale` undoes; gradients are reduced in fp32.
+    """
+    del trainer  # the same for every layout; the parameter keeps the call sites uniform
+    return {
+        "grad_reduce_in_fp32": True,
+        "overlap_grad_reduce": False,
+        "overlap_param_gather": False,
+        "use_distributed_optimizer": True,
+        "average_in_collective": False,
+        "check_for_nan_in_grad": True,
+    }
+
+
+def optimizer_config_kwargs(config: RecipeConfig) -> dict[str, Any]:
+    """Arguments of `megatron.core.optimizer.OptimizerConfig` (Adam = AdamW in Megatron)."""
+    optimizer = megatron_config(config).optimizer
+    bf16 = config.policy.dtype == "bfloat16"
+    return {
+        "optimizer": "adam",
+        "lr": optimizer.lr,
+        "min_lr": optimizer.lr,
+        "weight_decay": optimizer.weight_decay,
+        "adam_beta1": optimizer.betas[0],
+        "adam_beta2": optimizer.betas[1],
+        "adam_eps": optimizer.eps,
+        "clip_grad": optimizer.max_grad_norm,
+        "bf16": bf16,
+        "fp16": False,
+        "params_dtype": torch.bfloat16 if bf16 else torch.float32,
+        "use_distributed_optimizer": True,
+    }
+
+
+def scheduler_kwargs(config: RecipeConfig) -> dict[str, Any]:
+    """Arguments of `megatron.core.optimizer_param_scheduler.OptimizerParamScheduler`: a
+    constant learning rate and weight decay (it also applies the no-decay groups' `wd_mult`)."""
+    optimizer = megatron_config(config).optimizer
+    steps = max(config.grpo.num_steps, 1)
+    return {
+        "init_lr": optimizer.lr,
+        "max_lr": optimizer.lr,
+        "min_lr": optimizer.lr,
+        "lr_warmup_steps": 0,
+        "lr_decay_steps": steps,
+        "lr_decay_style": "constant",
+        "start_wd": optimizer.weight_decay,
+        "end_wd": optimizer.weight_decay,
+        "wd_incr_steps": steps,
+        "wd_incr_style": "constant",
+    }
+
+
+def unsupported_settings(config: RecipeConfig) -> list[str]:
+    """What the Megatron trainer cannot do for `config`, each with its fix (empty: fine). The
+    rules live with the config validator, which reports them at composition time."""
+    return [issue.render() for issue in unsupported_by_trainer(config)]
+
+
+def sequence_multiple(trainer: MegatronTrainerConfig) -> int:
+    """Sequence lengths must be a multiple of this: `2 x CP` chunks under context parallelism,
+    times `TP` under sequence parallelism (each TP rank holds an equal slice)."""
+    multiple = 2 * trainer.context_parallel_size if trainer.context_parallel_size > 1 else 1
+    if trainer.sequence_parallel:
+        multiple *= trainer.tensor_model_parallel_size
+    return multiple
+
+
+def data_parallel_size(world_size: int, trainer: MegatronTrainerConfig) -> int:
+    if world_size % trainer.model_parallel_size:
+        raise ValueError(
+            f"{world_size} trainer GPUs are not a multiple of TP x PP x CP = "
+            f"{trainer.model_parallel_size}; change the parallel sizes or the GPU count"
+        )
+    return world_size // trainer.model_parallel_size
+
+
+def megatron_loss_scale(
+    num_microbatches: int, data_parallel_size: int, context_parallel_size: int
+) -> float:
+    """Factor that turns a micro-batch's share of the full-batch loss into what Megatron expects.
+
+    Megatron divides each micro-batch loss by `num_microbatches`, scales gradients by `1/DP` and
+    sums them over DP x CP ranks; every CP rank computes the whole-sequence loss.
+    """
+    return num_microbatches * data_parallel_size / context_parallel_size
+
+
+def megatron_config(config: RecipeConfig) -> MegatronTrainerConfig:
+    if not isinstance(config.trainer, MegatronTrainerConfig):
+        raise ValueError(f"trainer.backend is {config.trainer.backend!r}, not 'megatron'")
+    return config.trainer

@@ -1,0 +1,112 @@
+"""Checkpoints and the Hugging Face export of the Megatron trainer (collective: every rank calls).
+
+The folder layout and the resume state are `gymrl.checkpoint`'s, shared with the torch trainer;
+the weights and the distributed optimizer's state are a Megatron distributed checkpoint under
+`megatron/`. Rank 0 creates the staging folder, every rank writes its shards into it, rank 0
+writes the state and the marker and renames it into place (`gymrl.atomic`); barriers separate the
+phases.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gymrl.atomic import begin, publish, staging_folder
+from gymrl.checkpoint import (
+    TrainerState,
+    check_keep_last,
+    prune_checkpoints,
+    remove_leftover_staging,
+)
+
+MEGATRON_CKPT_DIR = "megatron"
+
+
+def save_distributed_checkpoint(
+    directory: str | os.PathLike[str],
+    model: list[Any],
+    optimizer: Any,
+    state: TrainerState,
+    *,
+    keep_last: int,
+) -> str:
+    """Write `directory/step_<step>/` (collective) and keep the newest `keep_last`."""
+    from megatron.core import dist_checkpointing
+
+    check_keep_last(keep_last)
+    root = Path(directory)
+    target = root / f"step_{state.step}"
+    rank = torch.distributed.get_rank()
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        remove_leftover_staging(root)
+        (begin(target) / MEGATRON_CKPT_DIR).mkdir()
+    torch.distributed.barrier()
+    staging = staging_folder(target)
+    dist_checkpointing.save(
+        _sharded_state_dict(model, optimizer, is_loading=False), str(staging / MEGATRON_CKPT_DIR)
+    )
+    torch.distributed.barrier()
+    if rank == 0:
+        state.write(staging)
+        publish(staging, target, durable=True)
+        prune_checkpoints(root, keep_last)
+    torch.distributed.barrier()
+    return str(target)
+
+
+def load_distributed_checkpoint(
+    path: str | os.PathLike[str], model: list[Any], optimizer: Any
+) -> TrainerState:
+    """Restore model and optimizer from a complete checkpoint (collective); return its state."""
+    from megatron.core import dist_checkpointing
+
+    state = TrainerState.read(path)
+    loaded = dist_checkpointing.load(
+        _sharded_state_dict(model, optimizer, is_loading=True),
+        str(Path(path) / MEGATRON_CKPT_DIR),
+    )
+    unwrap(model[0]).load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optimizer"])
+    return state
+
+
+def export_hf_checkpoint(bridge: Any, model: list[Any], directory: str | os.PathLike[str]) -> str:
+    """Write a Hugging Face checkpoint to `directory` (collective; staged and renamed, so a
+    reader never sees a partial checkpoint)."""
+    target = Path(directory)
+    rank = torch.distributed.get_rank()
+    if rank == 0:
+        begin(target)
+    torch.distributed.barrier()
+    staging = staging_folder(target)
+    bridge.save_hf_pretrained(model, staging, show_progress=False)
+    torch.distributed.barrier()
+    if rank == 0:
+        publish(staging, target, durable=False)
+    torch.distributed.barrier()
+    return str(target)
+
+
+def _sharded_state_dict(model: list[Any], optimizer: Any, *, is_loading: bool) -> dict[str, Any]:
+    if len(model) != 1:
+        raise RuntimeError("checkpointing supports one model chunk (no virtual pipeline)")
+    model_state = unwrap(model[0]).sharded_state_dict(prefix="")
+    return {
+        "model": model_state,
+        "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading),
+    }
+
+
+def unwrap(chunk: Any) -> Any:
+    """The `GPTModel` inside Megatron's DDP and mixed-precision wrappers."""
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.transformer.module import Float16Module
+
+    while isinstance(chunk, DistributedDataParallel | Float16Module):
+        chunk = chunk.module
+    return chunk

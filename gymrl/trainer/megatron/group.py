@@ -1,0 +1,126 @@
+"""The Megatron trainer as one Ray actor per trainer GPU, placed where `gymrl.placement` says."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gymrl.algo.trajectory import Trajectory
+from gymrl.config.schema import RecipeConfig
+from gymrl.net import free_port
+from gymrl.placement import RolePlacement, actor_options
+from gymrl.trainer.grpo_step import reduce_loss_metrics
+from gymrl.trainer.megatron.arguments import (
+    data_parallel_size,
+    megatron_config,
+    unsupported_settings,
+)
+from gymrl.trainer.megatron.distributed import distributed_env
+from gymrl.trainer.megatron.worker import NOTHING_TRAINED, MegatronPolicyTrainer
+
+
+def _node_address() -> tuple[str, int]:
+    """Rank 0's node address and a free port there: the rendezvous of torch.distributed."""
+    import ray
+
+    return ray.util.get_node_ip_address(), free_port()
+
+
+class MegatronTrainerGroup:
+    """The Megatron trainer as one Ray actor per trainer GPU (see `gymrl.roles`).
+
+    Needs a running Ray cluster with the GPUs. Every call goes to all ranks (Megatron's
+    collectives need them all) and waits at most `call_timeout_s`; metrics come from the
+    reporting ranks (one per data-parallel replica), combined by :func:`reduce_loss_metrics`.
+    """
+
+    def __init__(
+        self,
+        config: RecipeConfig,
+        *,
+        placement_group: Any,
+        ranks: RolePlacement,
+        temperature: float,
+        start_timeout_s: float,
+        call_timeout_s: float,
+    ) -> None:
+        """`ranks` is the trainer's part of the run's placement (`gymrl.placement`): one bundle
+        index of `placement_group` per rank."""
+        import ray
+
+        problems = unsupported_settings(config)
+        if problems:
+            raise ValueError("cannot train with Megatron: " + "; ".join(problems))
+        world_size = len(ranks.bundle_of_actor)
+        data_parallel_size(world_size, megatron_config(config))
+        self._ray = ray
+        self._timeout = call_timeout_s
+        probe = actor_options(replace(ranks, gpus_per_actor=0.0), 0, placement_group)
+        address = ray.remote(_node_address).options(**probe)
+        master_addr, master_port = ray.get(address.remote(), timeout=start_timeout_s)
+        worker = ray.remote(MegatronPolicyTrainer)
+        self._actors = [
+            worker.options(
+                **actor_options(ranks, rank, placement_group),
+                runtime_env={
+                    "env_vars": distributed_env(rank, world_size, master_addr, master_port)
+                },
+            ).remote(config, temperature=temperature)
+            for rank in range(world_size)
+        ]
+        # Construction (rendezvous, model load) runs in every actor at once; wait for all.
+        started = ray.get([actor.ready.remote() for actor in self._actors], timeout=start_timeout_s)
+        if started != list(range(world_size)):
+            raise RuntimeError(
+                f"trainer actors report ranks {started}, expected 0..{world_size - 1}"
+            )
+
+    def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        calls = [getattr(actor, method).remote(*args, **kwargs) for actor in self._actors]
+        return self._ray.get(calls, timeout=self._timeout)
+
+    def train_step(
+        self, trajectories: Sequence[Trajectory], advantages: torch.Tensor
+    ) -> dict[str, float]:
+        shared_trajectories = self._ray.put(list(trajectories))
+        shared_advantages = self._ray.put(advantages)
+        reports = self._all("train_step", shared_trajectories, shared_advantages)
+        reporting = [report for report in reports if report]
+        if not reporting:
+            raise RuntimeError("no trainer rank reported metrics (no last pipeline stage?)")
+        if reporting[0] == NOTHING_TRAINED:
+            return dict(NOTHING_TRAINED)
+        merged = reduce_loss_metrics(reporting)
+        merged["num_sequences"] = sum(report["num_sequences"] for report in reporting)
+        merged["grad_norm"] = reporting[0]["grad_norm"]  # global norm: the same on every rank
+        merged["lr"] = reporting[0]["lr"]
+        return merged
+
+    def compute_logprobs(self, trajectories: Sequence[Trajectory]) -> list[list[float] | None]:
+        """Per trajectory (None for masked ones)."""
+        found: dict[int, list[float]] = {}
+        for part in self._all("compute_logprobs", self._ray.put(list(trajectories))):
+            found |= part
+        return [found.get(index) for index in range(len(trajectories))]
+
+    def export_weights(self) -> Mapping[str, torch.Tensor]:
+        return self._all("export_weights")[0]
+
+    def export_hf_checkpoint(self, directory: str | os.PathLike[str]) -> str:
+        return self._all("export_hf_checkpoint", str(directory))[0]
+
+    def save_checkpoint(self, directory: Path, step: int, data_state: Mapping[str, Any]) -> Path:
+        return Path(self._all("save_checkpoint", str(directory), step, dict(data_state))[0])
+
+    def load_checkpoint(self, path: Path) -> dict[str, Any]:
+        return self._all("load_checkpoint", str(path))[0]
+
+    def shutdown(self) -> None:
+        """End the ranks; the placement group belongs to whoever reserved it."""
+        for actor in self._actors:
+            self._ray.kill(actor)
