@@ -489,3 +489,46 @@ def test_megatron_trainer_group_on_ray(tmp_path_factory):
         group.shutdown()
     finally:
         ray.shutdown()
+
+
+@pytest.mark.gpu
+def test_megatron_arguments_bind_to_the_real_signatures(swe_config):
+    """Every argument dict the trainer builds binds to what megatron-core really takes, so a
+    renamed or misspelt keyword fails here rather than on a cluster."""
+    import dataclasses
+    import inspect
+
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed ('.[gpu]')")
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.transformer import TransformerConfig
+
+    for config in (swe_config, _replace(swe_config, trainer={"activation_checkpointing": False})):
+        trainer = config.trainer
+        inspect.signature(parallel_state.initialize_model_parallel).bind(
+            **parallel_state_kwargs(trainer)
+        )
+        inspect.signature(DistributedDataParallelConfig).bind(**ddp_config_kwargs(trainer))
+        inspect.signature(OptimizerConfig).bind(**optimizer_config_kwargs(config))
+        inspect.signature(OptimizerParamScheduler).bind(object(), **scheduler_kwargs(config))
+        # The provider is a TransformerConfig dataclass; the overrides are set as attributes.
+        fields = {field.name for field in dataclasses.fields(TransformerConfig)}
+        assert set(provider_overrides(config)) <= fields, set(provider_overrides(config)) - fields
+        inspect.signature(TransformerConfig).bind_partial(**provider_overrides(config))
+
+
+@pytest.mark.gpu
+def test_megatron_provider_overrides_are_fields_of_the_bridge_provider(tiny_trainer):
+    """The overrides land on Megatron-Bridge's provider class of a real model, not only on the
+    base TransformerConfig."""
+    import dataclasses
+
+    from megatron.bridge import AutoBridge
+
+    trainer, folder, _ = tiny_trainer
+    provider = AutoBridge.from_hf_pretrained(str(folder)).to_megatron_provider(load_weights=False)
+    fields = {field.name for field in dataclasses.fields(provider)}
+    overrides = provider_overrides(trainer._config)
+    assert set(overrides) <= fields, set(overrides) - fields

@@ -21,9 +21,13 @@ def trainer(tokenizer):
     )
 
 
+def _device(trainer):
+    return next(trainer.model.parameters()).device
+
+
 def _trajectory(trainer, prompt, generation, reward, group="g"):
     """A trajectory whose generation log-probabilities are the current policy's (on-policy)."""
-    ids = torch.tensor([prompt + generation])
+    ids = torch.tensor([prompt + generation], device=_device(trainer))
     mask = [0] * len(prompt) + [1] * len(generation)
     with torch.no_grad():
         logprobs = sequence_logprobs(trainer.model(input_ids=ids).logits, ids, 1.0)[0].tolist()
@@ -32,9 +36,9 @@ def _trajectory(trainer, prompt, generation, reward, group="g"):
 
 
 def _sequence_logprob(trainer, trajectory):
-    ids = torch.tensor([trajectory.token_ids])
+    ids = torch.tensor([trajectory.token_ids], device=_device(trainer))
     with torch.no_grad():
-        logprobs = sequence_logprobs(trainer.model(input_ids=ids).logits, ids, 1.0)[0]
+        logprobs = sequence_logprobs(trainer.model(input_ids=ids).logits, ids, 1.0)[0].cpu()
     return float((logprobs * torch.tensor(trajectory.loss_mask)).sum())
 
 
@@ -88,3 +92,38 @@ def test_checkpoint_round_trip_restores_weights_optimizer_and_version(trainer, t
     assert trainer.weight_version == 1
     for name, tensor in trainer.export_weights().items():
         torch.testing.assert_close(tensor, saved[name])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_step_on_cuda_trains_where_the_model_is(tokenizer, dtype):
+    """The torch trainer on a GPU: batches follow the model to cuda, the step moves the policy
+    the right way, and exported weights come back on the CPU for the engine."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    from gymrl.policy import DTYPES
+
+    model = build_tiny_llama(
+        tokenizer,
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        intermediate_size=64,
+        seed=0,
+        dtype=DTYPES[dtype],
+    ).to("cuda")
+    config = TorchTrainerConfig(micro_batch_size=1, optimizer=OptimizerConfig(lr=1e-2))
+    on_gpu = TorchPolicyTrainer(
+        model, config, LossConfig(), temperature=1.0, pad_token_id=0, keep_last_checkpoints=1
+    )
+    good = _trajectory(on_gpu, [5, 6, 7, 8], [100, 101, 102], reward=1.0)
+    bad = _trajectory(on_gpu, [5, 6, 7, 8], [200, 201, 202], reward=0.0)
+    before = (_sequence_logprob(on_gpu, good), _sequence_logprob(on_gpu, bad))
+    metrics = on_gpu.train_step([good, bad], torch.tensor([1.0, -1.0]))
+    after = (_sequence_logprob(on_gpu, good), _sequence_logprob(on_gpu, bad))
+    assert after[0] > before[0] and after[1] < before[1]
+    assert metrics["num_tokens"] == 6.0 and metrics["grad_norm"] > 0
+    assert next(on_gpu.model.parameters()).device.type == "cuda"
+    weights = on_gpu.export_weights()
+    assert all(tensor.device.type == "cpu" for tensor in weights.values())
+    assert next(iter(weights.values())).dtype == DTYPES[dtype]
