@@ -183,7 +183,7 @@ def capture_rng_state() -> dict[str, Any]:
         "python": {"version": version, "state": list(internal), "gauss_next": gauss_next},
         "numpy": {
             "kind": kind,
-            "keys": keys.tolist(),
+            "keys": np.asarray(keys).tolist(),
             "position": int(position),
             "has_gauss": int(has_gauss),
             "cached_gaussian": float(cached_gauss),

@@ -94,7 +94,7 @@ class TorchPolicyTrainer:
     def _micro_batch_loss(
         self, batch: dict[str, torch.Tensor], normalizer: float
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        device = self.model.get_output_embeddings().weight.device
+        device = next(self.model.parameters()).device
         batch = {name: tensor.to(device, non_blocking=True) for name, tensor in batch.items()}
         logprobs = self._logprobs(self.model, batch)
         reference = None
