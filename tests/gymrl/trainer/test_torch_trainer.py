@@ -112,7 +112,7 @@ def test_a_step_on_cuda_trains_where_the_model_is(tokenizer, dtype):
         seed=0,
         dtype=DTYPES[dtype],
     ).to("cuda")
-    config = TorchTrainerConfig(micro_batch_size=1, optimizer=OptimizerConfig(lr=1e-2))
+    config = TorchTrainerConfig(micro_batch_size=1, optimizer=TorchOptimizerConfig(lr=1e-2))
     on_gpu = TorchPolicyTrainer(
         model, config, LossConfig(), temperature=1.0, pad_token_id=0, keep_last_checkpoints=1
     )
