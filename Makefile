@@ -2,7 +2,7 @@
 # commands a fresh machine needs; both install first (a no-op when already installed).
 PYTHON ?= python
 
-.PHONY: install train test test-slow test-gpu lint format bench
+.PHONY: install train test test-slow test-gpu test-gpu-quick lint format bench
 
 # Installing is skipped while the stamp is newer than what defines the environment.
 INSTALL_STAMP := .make/installed
@@ -28,6 +28,10 @@ test-slow:
 
 test-gpu:
 	$(PYTHON) -m pytest -m gpu
+
+# One GPU machine without network: wheels it lacks come from $(WHEELS) (launch/gpu_check/run.sh).
+test-gpu-quick:
+	bash launch/gpu_check/run.sh
 
 lint:
 	$(PYTHON) -m ruff check .

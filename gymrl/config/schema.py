@@ -224,6 +224,11 @@ class MegatronTrainerConfig(Strict):
     sequence_parallel: bool = Field(default=False, description="Megatron sequence parallelism.")
     micro_batch_size: int = Field(default=1, gt=0, description="Sequences per micro-batch.")
     activation_checkpointing: bool = Field(default=True, description="Recompute activations.")
+    transformer_impl: Literal["transformer_engine", "local"] = Field(
+        default="transformer_engine",
+        description="Layer implementation: Transformer Engine (fused kernels, needed for context "
+        "parallelism) or Megatron's local PyTorch layers (for machines without TE).",
+    )
     optimizer: MegatronOptimizerConfig = Field(default_factory=MegatronOptimizerConfig)
 
     @property

@@ -37,6 +37,18 @@ def unsupported_by_trainer(config: RecipeConfig) -> list[ConfigIssue]:
                 "set loss.kl_coef=0",
             )
         )
+    trainer = config.trainer
+    if trainer.transformer_impl == "local" and trainer.context_parallel_size > 1:
+        issues.append(
+            ConfigIssue(
+                "trainer.transformer_impl",
+                trainer.transformer_impl,
+                f"context parallelism (trainer.context_parallel_size="
+                f"{trainer.context_parallel_size}) needs Transformer Engine's attention",
+                "set trainer.transformer_impl=transformer_engine, or "
+                "trainer.context_parallel_size=1",
+            )
+        )
     if config.policy.source != "pretrained" or not config.policy.path:
         issues.append(
             ConfigIssue(

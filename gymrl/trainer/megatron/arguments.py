@@ -42,6 +42,7 @@ def provider_overrides(config: RecipeConfig) -> dict[str, Any]:
         "seq_length": config.policy.max_total_sequence_length,
         "calculate_per_token_loss": False,
         "variable_seq_lengths": False,
+        "transformer_impl": trainer.transformer_impl,
     }
     if trainer.activation_checkpointing:
         overrides |= {

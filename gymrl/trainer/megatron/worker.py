@@ -80,6 +80,11 @@ class MegatronPolicyTrainer:
         provider = self._bridge.to_megatron_provider(load_weights=True)
         for name, value in provider_overrides(config).items():
             setattr(provider, name, value)
+        if self._trainer.transformer_impl == "local":
+            # Bridge's providers default to TE layers, whatever transformer_impl says.
+            from megatron.bridge.models.gpt_provider import local_layer_spec
+
+            provider.transformer_layer_spec = local_layer_spec
         provider.finalize()
         self._model = provider.provide_distributed_model(
             ddp_config=DistributedDataParallelConfig(**ddp_config_kwargs(self._trainer)),

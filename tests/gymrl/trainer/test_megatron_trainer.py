@@ -3,6 +3,7 @@ the loss scaling on the CPU; a real tiny Megatron model on one GPU in the GPU-ma
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import random
 from dataclasses import replace
@@ -86,6 +87,7 @@ def test_swe_bench_config_maps_to_megatron_arguments(swe_config):
     assert provider["recompute_granularity"] == "full"
     assert provider["calculate_per_token_loss"] is False
     assert provider["context_parallel_size"] == 2 and provider["expert_model_parallel_size"] == 8
+    assert provider["transformer_impl"] == "transformer_engine"
     optimizer = optimizer_config_kwargs(swe_config)
     assert optimizer["optimizer"] == "adam" and optimizer["use_distributed_optimizer"]
     assert (optimizer["lr"], optimizer["weight_decay"], optimizer["clip_grad"]) == (1e-6, 0.01, 1.0)
@@ -113,10 +115,15 @@ def test_unsupported_settings_name_key_and_fix(swe_config):
         swe_config,
         loss={"kl_coef": 0.1},
         policy={"router_replay": RouterReplayConfig(enabled=True)},
+        trainer={"transformer_impl": "local"},  # swe_bench_30b uses context parallelism
     )
     problems = unsupported_settings(config)
     assert any("loss.kl_coef = 0.1" in p and "set loss.kl_coef=0" in p for p in problems)
     assert any("policy.router_replay.enabled = True" in p for p in problems)
+    assert any(
+        "trainer.transformer_impl = 'local'" in p and "context_parallel_size=1" in p
+        for p in problems
+    )
     # Refused before Megatron is imported, so the CPU machine reports it too.
     with pytest.raises(ValueError, match=r"loss\.kl_coef"):
         MegatronPolicyTrainer(config, temperature=1.0)
@@ -321,8 +328,6 @@ def test_distributed_env():
 
 # ------------------------------------------------------------------------- real Megatron
 def _tiny_megatron_setup(tmp_path_factory):
-    import importlib.util
-
     if not torch.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU (Megatron-core runs on CUDA)")
     if importlib.util.find_spec("megatron.bridge") is None:
@@ -355,9 +360,16 @@ def _tiny_megatron_setup(tmp_path_factory):
             "trainer.micro_batch_size=2",
             "loss.kl_coef=0.0",
             "trainer.optimizer.lr=1e-3",
+            f"trainer.transformer_impl={_TRANSFORMER_IMPL}",
         ]
     )
     return validate_config(raw), folder, model
+
+
+# A GPU machine without Transformer Engine trains with Megatron's local layers.
+_TRANSFORMER_IMPL = (
+    "transformer_engine" if importlib.util.find_spec("transformer_engine") else "local"
+)
 
 
 @pytest.fixture(scope="module")
@@ -457,8 +469,8 @@ def test_megatron_skips_a_step_without_generated_tokens(tiny_trainer):
 
 @pytest.mark.gpu
 def test_megatron_trainer_group_on_ray(tmp_path_factory):
+    ray = pytest.importorskip("ray")
     config, _, hf_model = _tiny_megatron_setup(tmp_path_factory)
-    import ray
     from ray.util.placement_group import placement_group
 
     from gymrl.placement import plan_placement
@@ -498,12 +510,12 @@ def test_megatron_arguments_bind_to_the_real_signatures(swe_config):
     import dataclasses
     import inspect
 
-    pytest.importorskip("megatron.core", reason="megatron-core is not installed ('.[gpu]')")
+    pytest.importorskip("megatron.bridge", reason="megatron-bridge is not installed ('.[gpu]')")
+    from megatron.bridge.models.gpt_provider import GPTModelProvider
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-    from megatron.core.transformer import TransformerConfig
 
     for config in (swe_config, _replace(swe_config, trainer={"activation_checkpointing": False})):
         trainer = config.trainer
@@ -513,10 +525,11 @@ def test_megatron_arguments_bind_to_the_real_signatures(swe_config):
         inspect.signature(DistributedDataParallelConfig).bind(**ddp_config_kwargs(trainer))
         inspect.signature(OptimizerConfig).bind(**optimizer_config_kwargs(config))
         inspect.signature(OptimizerParamScheduler).bind(object(), **scheduler_kwargs(config))
-        # The provider is a TransformerConfig dataclass; the overrides are set as attributes.
-        fields = {field.name for field in dataclasses.fields(TransformerConfig)}
+        # The GPT provider is a TransformerConfig dataclass with GPT fields (`seq_length`); the
+        # overrides are set on it as attributes.
+        fields = {field.name for field in dataclasses.fields(GPTModelProvider)}
         assert set(provider_overrides(config)) <= fields, set(provider_overrides(config)) - fields
-        inspect.signature(TransformerConfig).bind_partial(**provider_overrides(config))
+        inspect.signature(GPTModelProvider).bind_partial(**provider_overrides(config))
 
 
 @pytest.mark.gpu

