@@ -44,6 +44,14 @@ def provider_overrides(config: RecipeConfig) -> dict[str, Any]:
         "variable_seq_lengths": False,
         "transformer_impl": trainer.transformer_impl,
     }
+    if trainer.transformer_impl == "local":
+        # Fused kernels that only Transformer Engine (or apex) provides.
+        overrides |= {
+            "apply_rope_fusion": False,
+            "gradient_accumulation_fusion": False,
+            "masked_softmax_fusion": False,
+            "persist_layer_norm": False,
+        }
     if trainer.activation_checkpointing:
         overrides |= {
             "recompute_granularity": "full",

@@ -70,8 +70,10 @@ def load_distributed_checkpoint(
         _sharded_state_dict(model, optimizer, is_loading=True),
         str(Path(path) / MEGATRON_CKPT_DIR),
     )
-    unwrap(model[0]).load_state_dict(loaded["model"])
-    optimizer.load_state_dict(loaded["optimizer"])
+    # Copies into parameters that require grad (the optimizer's fp32 main params among them).
+    with torch.no_grad():
+        unwrap(model[0]).load_state_dict(loaded["model"])
+        optimizer.load_state_dict(loaded["optimizer"])
     return state
 
 
@@ -92,13 +94,21 @@ def export_hf_checkpoint(bridge: Any, model: list[Any], directory: str | os.Path
     return str(target)
 
 
+# The distributed optimizer's state as one tensor per DP buffer: every rank saves and loads its
+# own shard with no gather (resume needs the same TP/PP/EP layout; DP may change). Megatron's
+# default without metadata is a deprecated format that current megatron-core refuses.
+_SHARDING_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
 def _sharded_state_dict(model: list[Any], optimizer: Any, *, is_loading: bool) -> dict[str, Any]:
     if len(model) != 1:
         raise RuntimeError("checkpointing supports one model chunk (no virtual pipeline)")
-    model_state = unwrap(model[0]).sharded_state_dict(prefix="")
+    model_state = unwrap(model[0]).sharded_state_dict(prefix="", metadata=_SHARDING_METADATA)
     return {
         "model": model_state,
-        "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading),
+        "optimizer": optimizer.sharded_state_dict(
+            model_state, is_loading=is_loading, metadata=_SHARDING_METADATA
+        ),
     }
 
 
