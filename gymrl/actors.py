@@ -11,11 +11,15 @@
 What each actor reserves (GPUs, CPUs, its placement bundle) is decided by `gymrl.placement` and
 given with `.options(...)` where the actor is created; the decorators' `num_cpus=0` is what an
 actor without options gets.
+
+:func:`close_actor` ends any of them: its own `close()` first where it has one (servers stop,
+engine subprocesses exit), then its process is killed, so nothing outlives the run.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +40,7 @@ from gymrl.generation.torch_engine import TorchGenerationEngine
 from gymrl.model.loading import load_tokenizer
 from gymrl.placement import Placement
 from gymrl.policy import build_policy, tokenizer_folder
+from gymrl.ray_calls import wait_for
 from gymrl.replay_buffer import ReplayBuffer
 from gymrl.trainer.torch_trainer import TorchPolicyTrainer
 from nemo_gym_ext.config import GymActorConfig
@@ -62,48 +67,55 @@ class GenerationServer:
         has one); SGLang servers go into bundles of `placement_group`."""
         torch.set_num_threads(torch_threads)
         policy, generation = config.policy, config.generation
-        self._sglang_servers = None
-        if isinstance(generation, SGLangGenerationConfig):
-            tokenizer = load_tokenizer(tokenizer_folder(policy))
-            self._sglang_servers = SGLangServerGroup(
-                generation,
-                policy,
-                model_path=tokenizer_folder(policy),
-                seed=config.run.seed,
-                log_dir=Path(output_dir) / "logs",
-                placement_group=placement_group,
-                engines=placement.generation,
+        # What this actor starts, closed in reverse by close(); if the constructor fails
+        # half-way, the SGLang servers it started are shut down before the error leaves.
+        with ExitStack() as started:
+            if isinstance(generation, SGLangGenerationConfig):
+                tokenizer = load_tokenizer(tokenizer_folder(policy))
+                sglang_servers = SGLangServerGroup(
+                    generation,
+                    policy,
+                    model_path=tokenizer_folder(policy),
+                    seed=config.run.seed,
+                    log_dir=Path(output_dir) / "logs",
+                    placement_group=placement_group,
+                    engines=placement.generation,
+                )
+                started.callback(sglang_servers.shutdown)
+                self._engine = SGLangEngine.from_config(
+                    generation, sglang_servers.urls, refit_dir=Path(output_dir) / "refit"
+                )
+                started.callback(self._engine.close)
+                batch = generation.max_running_requests
+            else:
+                model, tokenizer = build_policy(policy, config.run.seed)
+                self._engine = TorchGenerationEngine(
+                    model.to(placement.generation.device),
+                    max_batch_size=generation.max_batch_size,
+                    eos_token_ids=[tokenizer.eos_token_id],
+                    seed=config.run.seed,
+                )
+                batch = generation.max_batch_size
+            server = generation.server
+            app = create_model_server_app(
+                self._engine,
+                tokenizer,
+                model_name=policy.name,
+                api_key=server.api_key,
+                honor_prompt_token_ids=server.honor_prompt_token_ids,
+                default_max_tokens=server.max_tokens_per_turn,
+                max_context_tokens=policy.max_total_sequence_length,
+                request_timeout_s=server.request_timeout_s,
+                max_batch_size=batch,
+                max_concurrent_batches=server.max_concurrent_batches,
             )
-            self._engine = SGLangEngine.from_config(
-                generation, self._sglang_servers.urls, refit_dir=Path(output_dir) / "refit"
-            )
-            batch = generation.max_running_requests
-        else:
-            model, tokenizer = build_policy(policy, config.run.seed)
-            self._engine = TorchGenerationEngine(
-                model.to(placement.generation.device),
-                max_batch_size=generation.max_batch_size,
-                eos_token_ids=[tokenizer.eos_token_id],
-                seed=config.run.seed,
-            )
-            batch = generation.max_batch_size
-        server = generation.server
-        app = create_model_server_app(
-            self._engine,
-            tokenizer,
-            model_name=policy.name,
-            api_key=server.api_key,
-            honor_prompt_token_ids=server.honor_prompt_token_ids,
-            default_max_tokens=server.max_tokens_per_turn,
-            max_context_tokens=policy.max_total_sequence_length,
-            request_timeout_s=server.request_timeout_s,
-            max_batch_size=batch,
-            max_concurrent_batches=server.max_concurrent_batches,
-        )
-        # On a cluster, Gym agents on other nodes call this server: listen on every interface.
-        host = "127.0.0.1" if config.cluster.ray_address is None else "0.0.0.0"
-        self._server = serve_in_thread(app, host=host)
-        self._public_url = self._server.url.replace("0.0.0.0", ray.util.get_node_ip_address())
+            # On a cluster, Gym agents on other nodes call this server: listen on every interface.
+            host = "127.0.0.1" if config.cluster.ray_address is None else "0.0.0.0"
+            http_server = serve_in_thread(app, host=host)
+            # A running engine batch finishes first.
+            started.callback(http_server.close, timeout_s=50.0)
+            self._public_url = http_server.url.replace("0.0.0.0", ray.util.get_node_ip_address())
+            self._started = started.pop_all()
 
     def base_url(self) -> str:
         """The OpenAI base URL agents use (`.../v1`)."""
@@ -120,10 +132,8 @@ class GenerationServer:
         return self._engine.weight_version
 
     def close(self) -> None:
-        self._server.close(timeout_s=50.0)  # a running engine batch finishes first
-        if self._sglang_servers is not None:
-            self._engine.close()
-            self._sglang_servers.shutdown()
+        """Stop the HTTP server, then the SGLang engines behind it (each even if one fails)."""
+        self._started.close()
 
 
 @ray.remote(num_cpus=0)
@@ -225,3 +235,13 @@ class PolicyTrainerActor:
 
 
 ReplayBufferActor = ray.remote(num_cpus=0, max_concurrency=4)(ReplayBuffer)
+
+
+def close_actor(actor: Any, *, timeout_s: float | None = None) -> None:
+    """End `actor`: with `timeout_s`, first its `close()` within that deadline; then, whether or
+    not that worked (an actor whose constructor failed cannot close), kill its process."""
+    try:
+        if timeout_s is not None:
+            wait_for(actor.close.remote(), timeout_s=timeout_s, what="closing an actor")
+    finally:
+        ray.kill(actor)

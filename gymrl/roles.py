@@ -1,4 +1,4 @@
-"""Driver-side handles of the trainer role, one per backend, with the same four verbs.
+"""Driver-side handles of the trainer role, one per backend, with the same five verbs.
 
 The loop does not care whether the trainer is one torch actor or a group of Megatron ranks: it
 trains a step, refits the generation server to a weight version, saves and loads checkpoints.
@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
-from gymrl.actors import PolicyTrainerActor
+from gymrl.actors import PolicyTrainerActor, close_actor
 from gymrl.algo.trajectory import Trajectory
 from gymrl.config.schema import MegatronTrainerConfig, RecipeConfig
 from gymrl.placement import Placement, actor_options
@@ -30,6 +30,10 @@ class TrainerRole(Protocol):
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
         """Restore and return at least `step` and `data_state`."""
+        ...
+
+    def close(self) -> None:
+        """End every process and GPU reservation the role holds."""
         ...
 
 
@@ -64,6 +68,9 @@ class TorchTrainerRole:
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
         return self._wait(self._actor.load_checkpoint.remote(str(path)), "loading a checkpoint")
+
+    def close(self) -> None:
+        close_actor(self._actor)  # nothing to flush: checkpoints are written when asked for
 
     def _wait(self, ref: Any, what: str) -> Any:
         return wait_for(ref, timeout_s=self._timeout_s, what=what)
@@ -100,6 +107,9 @@ class MegatronTrainerRole:
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
         return self._group.load_checkpoint(path)
+
+    def close(self) -> None:
+        self._group.shutdown()
 
 
 def build_trainer_role(

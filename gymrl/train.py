@@ -1,4 +1,4 @@
-"""The async GRPO loop: a rollout producer feeding a replay buffer, a trainer draining it.
+"""The async GRPO recipe: setup, train, cleanup; a rollout producer feeding a replay buffer.
 
     producer thread ──run_group──▶ GymShard actors ──/run──▶ agents ──/chat/completions──▶
     GenerationServer;  completed groups ──put──▶ ReplayBuffer ──get_batch──▶ trainer step
@@ -19,19 +19,21 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import ray
 import torch
+from ray.util.placement_group import remove_placement_group
 
-from gymrl.actors import GenerationServer, GymShard, ReplayBufferActor
+from gymrl.actors import GenerationServer, GymShard, ReplayBufferActor, close_actor
 from gymrl.algo.advantages import grpo_advantages
 from gymrl.algo.trajectory import Trajectory
 from gymrl.checkpoint import latest_checkpoint
-from gymrl.config.schema import RecipeConfig
+from gymrl.config.schema import ClusterConfig, GRPOConfig, RecipeConfig
 from gymrl.config.validate import gym_actor_configs
 from gymrl.data import RowStream, load_rows
 from gymrl.metrics_logger import METRICS_FILENAME, build_logger
@@ -39,6 +41,7 @@ from gymrl.placement import actor_options, plan_placement, reserve
 from gymrl.plot import plot_run, read_records
 from gymrl.policy import tokenizer_folder
 from gymrl.ray_calls import wait_for
+from gymrl.replay_buffer import Group
 from gymrl.roles import build_trainer_role
 from nemo_gym_ext.metrics import per_agent_metrics
 from nemo_gym_ext.postprocess import (
@@ -47,19 +50,17 @@ from nemo_gym_ext.postprocess import (
     agent_name_of,
     row_id_of,
 )
-from nemo_gym_ext.rollout import FailureBudget, RolloutBudgetExceeded, UnknownAgentError
+from nemo_gym_ext.rollout import (
+    FailureBudget,
+    GroupOutcome,
+    RolloutBudgetExceeded,
+    UnknownAgentError,
+)
 
 _POLL_S = 0.5
 _CALL_MARGIN_S = 60.0  # on top of a callee's own deadline: Ray scheduling and transfer
-
-
-def _start_timeout_s(config: RecipeConfig) -> float:
-    """Deadline for the generation server: model loading, plus SGLang's own start deadline."""
-    generation = config.generation
-    engines = generation.server_start_timeout_s if generation.backend == "sglang" else 0.0
-    return config.cluster.ray_start_timeout_s + engines
-
-
+_SHARD_CLOSE_S = 30.0
+_GENERATION_CLOSE_S = 60.0  # the server lets a running engine batch finish first
 _ADVANTAGE_EPS = 1e-6
 
 
@@ -78,6 +79,97 @@ RUN_STOPPING_ERRORS = (
 )
 
 
+# ---------------------------------------------------------------------------------------------
+# What the producer talks to: runners of groups and a buffer, on Ray in a run
+# ---------------------------------------------------------------------------------------------
+
+
+class GroupRunner(Protocol):
+    """Runs GRPO groups somewhere (Gym shards on Ray in a run) and says when they finish.
+
+    A running group is an opaque handle; the producer only submits, waits, reads and cancels.
+    """
+
+    @property
+    def agents(self) -> Collection[str]:
+        """The agents whose rows this runner serves."""
+        ...
+
+    def submit(self, agent: str, row: dict[str, Any], num_episodes: int) -> Any:
+        """Start one group of `num_episodes` episodes of `row`; returns its handle."""
+        ...
+
+    def finished(self, running: Sequence[Any], timeout_s: float) -> list[Any]:
+        """The handles of `running` that are done, waiting up to `timeout_s` for the first."""
+        ...
+
+    def outcome(self, group: Any) -> GroupOutcome:
+        """A finished group's outcome; raises the error that ended it."""
+        ...
+
+    def cancel(self, group: Any) -> None: ...
+
+
+class GroupSink(Protocol):
+    """Where completed groups go (the replay buffer); `put` returns whether it was stored."""
+
+    def put(self, group: Group, timeout_s: float) -> bool: ...
+
+
+class RayGroupRunner:
+    """Groups run as `GymShard.run_group` calls on the shard serving the row's agent."""
+
+    def __init__(self, shards_by_agent: Mapping[str, Any]):
+        self._shards = shards_by_agent
+
+    @property
+    def agents(self) -> Collection[str]:
+        return self._shards.keys()
+
+    def submit(self, agent: str, row: dict[str, Any], num_episodes: int) -> Any:
+        return self._shards[agent].run_group.remote(row, num_episodes)
+
+    def finished(self, running: Sequence[Any], timeout_s: float) -> list[Any]:
+        done, _ = ray.wait(list(running), num_returns=1, timeout=timeout_s)
+        return done
+
+    def outcome(self, group: Any) -> GroupOutcome:
+        return wait_for(group, timeout_s=_POLL_S, what="a finished group")
+
+    def cancel(self, group: Any) -> None:
+        ray.cancel(group)
+
+
+class RemoteReplayBuffer:
+    """The driver's handle on the replay buffer actor: every call waits with a deadline, on top
+    of the buffer's own."""
+
+    def __init__(self, actor: Any):
+        self._actor = actor
+
+    def put(self, group: Group, timeout_s: float) -> bool:
+        return wait_for(
+            self._actor.put.remote(group, timeout_s),
+            timeout_s=timeout_s + _CALL_MARGIN_S,
+            what="putting a group into the replay buffer",
+        )
+
+    def get_batch(self, num_groups: int, step: int, timeout_s: float) -> list[Group]:
+        return wait_for(
+            self._actor.get_batch.remote(num_groups, step, timeout_s),
+            timeout_s=timeout_s + _CALL_MARGIN_S,
+            what=f"the replay buffer's batch for step {step}",
+        )
+
+    def stats(self) -> dict[str, int]:
+        return wait_for(self._actor.stats.remote(), timeout_s=_CALL_MARGIN_S, what="buffer stats")
+
+
+# ---------------------------------------------------------------------------------------------
+# The rollout producer
+# ---------------------------------------------------------------------------------------------
+
+
 @dataclass
 class _ProducerStats:
     retries: int = 0
@@ -86,26 +178,29 @@ class _ProducerStats:
 
 
 class RolloutProducer(threading.Thread):
-    """Submits rows to Gym shards within a credit limit and puts completed groups in the buffer.
+    """Submits rows to a group runner within a credit limit and puts completed groups in a sink.
 
     Credits: the trainer allows groups up to `(step + 1 + lookahead) * prompts_per_step`, so the
-    producer never runs further ahead than the trajectory-age bound makes useful.
+    producer never runs further ahead than the trajectory-age bound makes useful. A group that
+    comes back with fewer than two episodes (no baseline) is dropped and does not use a credit;
+    a group the buffer evicts as stale did use one, and the trainer gives it back in `advance`.
     """
 
     def __init__(
         self,
-        config: RecipeConfig,
+        grpo: GRPOConfig,
         rows: RowStream,
-        shards_by_agent: Mapping[str, Any],
-        buffer: Any,
+        runner: GroupRunner,
+        buffer: GroupSink,
+        *,
         first_step: int,
+        failure_budget: int,
     ):
         super().__init__(name="rollout-producer", daemon=True)
-        self._config = config
+        self._grpo = grpo
         self._rows = rows
-        self._shards = shards_by_agent
+        self._runner = runner
         self._buffer = buffer
-        grpo = config.grpo
         self._lookahead = grpo.max_trajectory_age_steps if grpo.async_enabled else 0
         self._condition = threading.Condition()
         self._first_step = first_step
@@ -115,14 +210,14 @@ class RolloutProducer(threading.Thread):
         self._stopping = threading.Event()
         self.fatal: BaseException | None = None
         self.stats = _ProducerStats()
-        self.failures = FailureBudget(config.env.rollout.failure_budget)
+        self.failures = FailureBudget(failure_budget)
         self.summaries: dict[str, list[dict[str, Any]]] = {}
         self._serial = 0
 
     def _credit(self, step: int) -> int:
         """Groups the buffer may have received once the trainer has taken `step` steps."""
         steps_allowed = step - self._first_step + 1 + self._lookahead
-        return steps_allowed * self._config.grpo.num_prompts_per_step
+        return steps_allowed * self._grpo.num_prompts_per_step
 
     def advance(self, step: int, evicted_total: int) -> None:
         """The trainer finished `step` steps and refit the engine: version `step` is live.
@@ -137,7 +232,8 @@ class RolloutProducer(threading.Thread):
         self._stopping.set()
         with self._condition:
             self._condition.notify_all()
-        self.join(timeout_s)
+        if self.is_alive():
+            self.join(timeout_s)
 
     def run(self) -> None:
         try:
@@ -150,11 +246,12 @@ class RolloutProducer(threading.Thread):
         try:
             self._submit_and_collect(in_flight)
         finally:
-            for future in in_flight:
-                ray.cancel(future)
+            for group in in_flight:
+                self._runner.cancel(group)
 
     def _submit_and_collect(self, in_flight: dict[Any, tuple[str, int, float]]) -> None:
-        size = self._config.grpo.num_generations_per_prompt
+        size = self._grpo.num_generations_per_prompt
+        agents = self._runner.agents
         while not self._stopping.is_set():
             with self._condition:
                 room = self._allowed - self._accepted - len(in_flight)
@@ -162,29 +259,31 @@ class RolloutProducer(threading.Thread):
             for _ in range(max(room, 0)):
                 position, row = self._rows.next()
                 agent = agent_name_of(row)
-                if agent not in self._shards:
+                if agent not in agents:
                     raise UnknownAgentError(
                         f"row {position} ({row_id_of(row)!r}) names agent {agent!r}, which no "
-                        f"shard serves (served: {sorted(self._shards)}); fix the row's "
+                        f"shard serves (served: {sorted(agents)}); fix the row's "
                         "agent_ref.name or env.nemo_gym.agents"
                     )
                 self._serial += 1
                 group_id = f"{row_id_of(row)}#{self._serial}"
-                future = self._shards[agent].run_group.remote(row, size)
-                in_flight[future] = (group_id, version, time.monotonic())
+                in_flight[self._runner.submit(agent, row, size)] = (
+                    group_id,
+                    version,
+                    time.monotonic(),
+                )
             if not in_flight:
                 with self._condition:
                     self._condition.wait(_POLL_S)
                 continue
-            done, _ = ray.wait(list(in_flight), num_returns=1, timeout=_POLL_S)
-            for future in done:
-                group_id, version, started = in_flight.pop(future)
+            for group in self._runner.finished(list(in_flight), _POLL_S):
+                group_id, version, started = in_flight.pop(group)
                 # Contiguity and malformed-result errors propagate from here.
-                outcome = wait_for(future, timeout_s=_POLL_S, what=f"group {group_id}")
+                outcome = self._runner.outcome(group)
                 self.stats.group_seconds.append(time.monotonic() - started)
                 self._accept(outcome, group_id, version)
 
-    def _accept(self, outcome: Any, group_id: str, version: int) -> None:
+    def _accept(self, outcome: GroupOutcome, group_id: str, version: int) -> None:
         stats = self.stats
         stats.retries += outcome.retries
         self.failures.record(outcome.failures)
@@ -198,20 +297,18 @@ class RolloutProducer(threading.Thread):
         self.summaries[group_id] = [_scalar_fields(e["full_result"]) for e in outcome.episodes]
         # A group the buffer finds already stale counts as delivered: the trainer's eviction
         # count, passed to `advance`, is what gives its credit back.
-        timeout_s = self._config.grpo.batch_timeout_s
-        wait_for(
-            self._buffer.put.remote(group, timeout_s),
-            timeout_s=timeout_s + _CALL_MARGIN_S,
-            what="putting a group into the replay buffer",
-        )
+        self._buffer.put(group, self._grpo.batch_timeout_s)
         with self._condition:
             self._accepted += 1
 
 
-def run_grpo(config: RecipeConfig, output_dir: Path) -> None:
-    """Run the whole training job described by `config`, writing into `output_dir`."""
-    output_dir.mkdir(parents=True, exist_ok=True)
-    cluster = config.cluster
+# ---------------------------------------------------------------------------------------------
+# The recipe
+# ---------------------------------------------------------------------------------------------
+
+
+def start_ray(cluster: ClusterConfig) -> None:
+    """Join the configured Ray cluster, or start a local one (`cluster.ray_address` null)."""
     try:
         ray.init(
             address=cluster.ray_address,
@@ -226,30 +323,64 @@ def run_grpo(config: RecipeConfig, output_dir: Path) -> None:
             "On Slurm, start the run with launch/ray.sub, which starts Ray first; on one machine, "
             "use cluster=local_cpu."
         ) from None
-    try:
-        GRPOLoop(config, output_dir).run()
-    finally:
-        ray.shutdown()
 
 
-class GRPOLoop:
+def _start_timeout_s(config: RecipeConfig) -> float:
+    """Deadline for the generation server: model loading, plus SGLang's own start deadline."""
+    generation = config.generation
+    engines = generation.server_start_timeout_s if generation.backend == "sglang" else 0.0
+    return config.cluster.ray_start_timeout_s + engines
+
+
+class GRPORecipe:
+    """One training run in the order it happens: `setup()`, `train()`, `cleanup()`.
+
+    `setup` starts Ray, then each role (generation server, trainer, Gym shards, replay buffer),
+    resumes from a checkpoint, refits the engine to the trainer's weights and starts the rollout
+    producer; every role is put on a stack of closers the moment it exists. `cleanup` closes
+    that stack in reverse order (the producer, the logger, the buffer, the shards' agents before
+    the policy server they call, the trainer, the generation server, Ray), so it undoes exactly
+    what a setup got through, also one that failed half-way. Call it in a `finally`.
+
+    Where it lives: torchtune keeps its recipe classes in recipes/*.py. Here the class lives in
+    the package and recipes/grpo.py drives its three verbs, because the same entry point serves
+    dry runs, which must import neither torch nor Ray (one deferred import keeps them out), and
+    because tests import the recipe by module name (recipes/ is not a package).
+    """
+
     def __init__(self, config: RecipeConfig, output_dir: Path):
         self.config = config
         self.output_dir = output_dir
         self.checkpoint_dir = output_dir / "checkpoints"
+        self._closers = ExitStack()
+
+    # --------------------------------------------------------------------------------- setup
+    def setup(self) -> None:
+        """Start every role; on failure, what started so far is on the stack for `cleanup`."""
+        config = self.config
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        start_ray(config.cluster)
+        self._on_cleanup("Ray", ray.shutdown)
         # Async on a CPU: generation and training overlap, one core each; sync: they alternate.
         threads = 1 if config.grpo.async_enabled else 2
         folder = tokenizer_folder(config.policy)  # converts the embedded model once, here
         placement = plan_placement(config)
         group = reserve(placement, config.cluster.ray_start_timeout_s)
+        if group is not None:
+            self._on_cleanup("the placement group", lambda: remove_placement_group(group))
+        # Generation first: SGLang engines pack onto whole nodes, the trainer takes the rest.
         self.generation = GenerationServer.options(
             **actor_options(placement.policy_server, 0, group)
         ).remote(
             config,
-            output_dir=str(output_dir),
+            output_dir=str(self.output_dir),
             torch_threads=threads,
             placement=placement,
             placement_group=group,
+        )
+        self._on_cleanup(
+            "the generation server",
+            lambda: close_actor(self.generation, timeout_s=_GENERATION_CLOSE_S),
         )
         base_url = wait_for(
             self.generation.base_url.remote(),
@@ -257,10 +388,12 @@ class GRPOLoop:
             what="starting the generation server",
         )
         print(f"policy server (OpenAI base URL for Gym agents): {base_url}", flush=True)
-        self.trainer = build_trainer_role(config, output_dir, threads, placement, group)
+        self.trainer = build_trainer_role(config, self.output_dir, threads, placement, group)
+        self._on_cleanup("the trainer", self.trainer.close)
         self.actor_configs = gym_actor_configs(config)
-        self.shards = {
-            actor.shard: GymShard.options(**actor_options(placement.gym_shards, 0, group)).remote(
+        shards_by_agent = {}
+        for actor in self.actor_configs:
+            shard = GymShard.options(**actor_options(placement.gym_shards, 0, group)).remote(
                 actor,
                 config.env.rollout,
                 policy_base_url=base_url,
@@ -268,79 +401,56 @@ class GRPOLoop:
                 policy_model=config.policy.name,
                 tokenizer_folder=folder,
             )
-            for actor in self.actor_configs
-        }
-        self.shards_by_agent = {
-            agent: shard
-            for shard in self.shards.values()
-            for agent in wait_for(
+            self._on_cleanup(
+                f"Gym shard {actor.shard!r}",
+                lambda shard=shard: close_actor(shard, timeout_s=_SHARD_CLOSE_S),
+            )
+            agents = wait_for(
                 shard.agents.remote(),
                 timeout_s=config.cluster.ray_start_timeout_s,
                 what="starting a Gym shard",
             )
-        }
+            shards_by_agent.update(dict.fromkeys(agents, shard))
         grpo = config.grpo
         capacity = (grpo.max_trajectory_age_steps + 2) * grpo.num_prompts_per_step
-        self.buffer = ReplayBufferActor.options(**actor_options(placement.buffer, 0, group)).remote(
-            grpo.max_trajectory_age_steps, capacity
-        )
-
-    def run(self) -> None:
-        config, grpo = self.config, self.config.grpo
-        first_step, position = self._resume()
-        self._refit(first_step)
-        rows = RowStream(
+        buffer_actor = ReplayBufferActor.options(
+            **actor_options(placement.buffer, 0, group)
+        ).remote(grpo.max_trajectory_age_steps, capacity)
+        self._on_cleanup("the replay buffer", lambda: close_actor(buffer_actor))
+        self.buffer = RemoteReplayBuffer(buffer_actor)
+        self.first_step, position = self._resume()
+        self._refit(self.first_step)
+        self.rows = RowStream(
             load_rows(
                 config.env.data, self.actor_configs, config.generation.sampling, config.run.seed
             ),
             position,
         )
-        producer = RolloutProducer(config, rows, self.shards_by_agent, self.buffer, first_step)
-        logger = build_logger(
+        self.logger = build_logger(
             config.logger,
             run_name=config.run.name,
             output_dir=self.output_dir,
             hparams=config.model_dump(mode="json"),
             total_steps=grpo.num_steps,
-            first_step=first_step,
+            first_step=self.first_step,
         )
-        producer.start()
-        try:
-            last = time.monotonic()
-            for step in range(first_step, grpo.num_steps):
-                metrics = self._step(step, producer)
-                now = time.monotonic()
-                metrics["timing/step_s"] = now - last
-                last = now
-                if (
-                    config.checkpoint.every_n_steps
-                    and (step + 1) % config.checkpoint.every_n_steps == 0
-                ):
-                    started = time.monotonic()
-                    self.trainer.save_checkpoint(
-                        self.checkpoint_dir, step + 1, {"position": rows.position}
-                    )
-                    metrics["timing/checkpoint_s"] = time.monotonic() - started
-                logger.log(step + 1, metrics)
-        finally:
-            producer.stop()
-            logger.close()
-            self._close_servers()
-        if config.logger.jsonl:
-            metrics = self.output_dir / METRICS_FILENAME
-            picture = plot_run(read_records(metrics), metrics.with_suffix(".png"), config.run.name)
-            print(f"metrics: {metrics}\npicture: {picture}", flush=True)
+        self._on_cleanup("the metrics logger", self.logger.close)
+        self.producer = RolloutProducer(
+            grpo,
+            self.rows,
+            RayGroupRunner(shards_by_agent),
+            self.buffer,
+            first_step=self.first_step,
+            failure_budget=config.env.rollout.failure_budget,
+        )
+        self.producer.start()
+        self._on_cleanup("the rollout producer", self.producer.stop)
 
-    def _close_servers(self) -> None:
-        """Agents first (they call the policy server), then the policy server. Best effort: a
-        failure here must not mask the error that ended the run."""
-        try:
-            ray.get([shard.close.remote() for shard in self.shards.values()], timeout=30)
-            ray.get(self.generation.close.remote(), timeout=60)
-        except Exception as error:  # reported; ray.shutdown() then ends the actors
-            print(f"warning: servers did not close cleanly: {error}", flush=True)
+    def _on_cleanup(self, what: str, close: Callable[[], object]) -> None:
+        self._closers.callback(_close_reporting_failure, what, close)
 
     def _resume(self) -> tuple[int, int]:
+        """The step and row position to start from: 0, 0, or a checkpoint's."""
         if not self.config.resume:
             return 0, 0
         checkpoint = latest_checkpoint(self.checkpoint_dir)
@@ -353,15 +463,40 @@ class GRPOLoop:
         print(f"resumed from {checkpoint} at step {state['step']}", flush=True)
         return state["step"], state["data_state"]["position"]
 
+    # --------------------------------------------------------------------------------- train
+    def train(self) -> None:
+        """Every step from the first (0, or the resumed one) to `grpo.num_steps`."""
+        config = self.config
+        every = config.checkpoint.every_n_steps
+        last = time.monotonic()
+        for step in range(self.first_step, config.grpo.num_steps):
+            metrics = self._step(step)
+            now = time.monotonic()
+            metrics["timing/step_s"] = now - last
+            last = now
+            if every and (step + 1) % every == 0:
+                started = time.monotonic()
+                self.trainer.save_checkpoint(
+                    self.checkpoint_dir, step + 1, {"position": self.rows.position}
+                )
+                metrics["timing/checkpoint_s"] = time.monotonic() - started
+            self.logger.log(step + 1, metrics)
+        if config.logger.jsonl:
+            metrics_path = self.output_dir / METRICS_FILENAME
+            picture = plot_run(
+                read_records(metrics_path), metrics_path.with_suffix(".png"), config.run.name
+            )
+            print(f"metrics: {metrics_path}\npicture: {picture}", flush=True)
+
     def _refit(self, version: int) -> float:
         started = time.monotonic()
         self.trainer.refit(self.generation, version)
         return time.monotonic() - started
 
-    def _step(self, step: int, producer: RolloutProducer) -> dict[str, float]:
-        loss = self.config.loss
+    def _step(self, step: int) -> dict[str, float]:
+        loss, producer = self.config.loss, self.producer
         started = time.monotonic()
-        groups = self._wait_for_batch(step, producer)
+        groups = self._wait_for_batch(step)
         waited = time.monotonic() - started
         trajectories = [t for group in groups for t in group]
         rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
@@ -375,9 +510,7 @@ class GRPOLoop:
         train_metrics = self.trainer.train_step(trajectories, advantages)
         trained = time.monotonic() - started
         refit_s = self._refit(step + 1)
-        buffer_stats = wait_for(
-            self.buffer.stats.remote(), timeout_s=_CALL_MARGIN_S, what="replay buffer stats"
-        )
+        buffer_stats = self.buffer.stats()
         producer.advance(step + 1, buffer_stats["evicted_stale"])
         results = [r for group in groups for r in producer.summaries.pop(group[0].group_id)]
         metrics = self._metrics(step, trajectories, results, train_metrics, producer)
@@ -393,7 +526,9 @@ class GRPOLoop:
         )
         return metrics
 
-    def _wait_for_batch(self, step: int, producer: RolloutProducer) -> list[list[Trajectory]]:
+    def _wait_for_batch(self, step: int) -> list[Group]:
+        """The step's groups, waiting in short slices so a producer error surfaces at once."""
+        producer = self.producer
         deadline = time.monotonic() + self.config.grpo.batch_timeout_s
         needed = self.config.grpo.num_prompts_per_step
         while True:
@@ -401,11 +536,7 @@ class GRPOLoop:
                 raise producer.fatal
             slice_s = max(min(deadline - time.monotonic(), 5.0), 0.01)
             try:
-                return wait_for(
-                    self.buffer.get_batch.remote(needed, step, slice_s),
-                    timeout_s=slice_s + _CALL_MARGIN_S,
-                    what=f"the replay buffer's batch for step {step}",
-                )
+                return self.buffer.get_batch(needed, step, slice_s)
             except TimeoutError:
                 if time.monotonic() >= deadline:
                     if producer.fatal is not None:
@@ -441,6 +572,20 @@ class GRPOLoop:
             }
         )
         return metrics
+
+    # ------------------------------------------------------------------------------- cleanup
+    def cleanup(self) -> None:
+        """Close, in reverse order, whatever `setup` started; safe after a failed setup and
+        when called twice. A role that does not close cleanly is reported, not raised: it must
+        not mask the error that ended the run, nor keep the roles before it from closing."""
+        self._closers.close()
+
+
+def _close_reporting_failure(what: str, close: Callable[[], object]) -> None:
+    try:
+        close()
+    except Exception as error:
+        print(f"warning: {what} did not close cleanly: {type(error).__name__}: {error}", flush=True)
 
 
 def _scalar_fields(result: Mapping[str, Any]) -> dict[str, Any]:

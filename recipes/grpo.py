@@ -9,7 +9,8 @@
 Hydra composes conf/ over the schema's defaults (`--cfg job` shows the result); the first line of
 `main` validates the whole tree into a typed `RecipeConfig` (gymrl/config/schema.py), reporting
 every problem at once. Nothing starts before that: a bad config fails in a second, not after the
-cluster came up.
+cluster came up. Then the run is `GRPORecipe` (gymrl/train.py) in three verbs: setup, train, and
+cleanup, which always runs and closes whatever setup started.
 """
 
 from __future__ import annotations
@@ -41,13 +42,17 @@ def main(cfg: DictConfig) -> None:
     if config.dry_run:
         print("dry run: config valid, nothing started")
         return
-    from gymrl.train import RUN_STOPPING_ERRORS, run_grpo  # torch and ray: real runs only
+    from gymrl.train import RUN_STOPPING_ERRORS, GRPORecipe  # torch and ray: real runs only
 
+    recipe = GRPORecipe(config, output_dir)
     try:
-        run_grpo(config, output_dir)
+        recipe.setup()
+        recipe.train()
     except RUN_STOPPING_ERRORS as error:
         print(f"run stopped: {type(error).__name__}: {error}", file=sys.stderr)
         sys.exit(1)
+    finally:
+        recipe.cleanup()
 
 
 if __name__ == "__main__":

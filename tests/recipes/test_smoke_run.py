@@ -1,7 +1,8 @@
 """End to end through the real entry point: `python recipes/grpo.py +experiment=smoke...`.
 
 Real Ray, real HTTP servers on loopback, a real (tiny) model and optimizer steps. Every key the
-run logs must be documented in docs/metrics.md.
+run logs must be documented in docs/metrics.md. Each run takes minutes on two cores: the whole
+module is `slow` (`python -m pytest -m slow`, which .ci/run runs after `make test`).
 """
 
 import json
@@ -11,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 PLACEHOLDERS = {
