@@ -52,12 +52,18 @@ class RecordedActors:
         return handle
 
 
-def _alive(handle) -> bool:
-    try:
-        ray.get(handle.__ray_ready__.remote(), timeout=30)
-    except ray.exceptions.RayActorError:
-        return False
-    return True
+def _alive(handle, grace_s: float = 10.0) -> bool:
+    """Whether the actor still answers after `grace_s`: `ray.kill` returns before the actor's
+    process is gone, so a call right after it may still be served."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        try:
+            ray.get(handle.__ray_ready__.remote(), timeout=30)
+        except ray.exceptions.RayActorError:
+            return False
+        if time.monotonic() > deadline:
+            return True
+        time.sleep(0.5)
 
 
 def _marked_processes(marker: str) -> list[psutil.Process]:
