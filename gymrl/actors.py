@@ -35,6 +35,7 @@ from gymrl.config.schema import (
     SGLangGenerationConfig,
     TorchTrainerConfig,
 )
+from gymrl.generation.policy_server import create_policy_server_app
 from gymrl.generation.sglang_engine import SGLangEngine, SGLangServerGroup
 from gymrl.generation.torch_engine import TorchGenerationEngine
 from gymrl.model.loading import load_tokenizer
@@ -46,7 +47,6 @@ from gymrl.trainer.torch_trainer import TorchPolicyTrainer
 from nemo_gym_ext.config import GymActorConfig
 from nemo_gym_ext.envs.registry import start_builtin_environment
 from nemo_gym_ext.http_server import serve_in_thread
-from nemo_gym_ext.model_server import create_model_server_app
 from nemo_gym_ext.rollout import GroupOutcome, RolloutCollector, RolloutSettings
 
 
@@ -97,7 +97,7 @@ class GenerationServer:
                 )
                 batch = generation.max_batch_size
             server = generation.server
-            app = create_model_server_app(
+            app = create_policy_server_app(
                 self._engine,
                 tokenizer,
                 model_name=policy.name,

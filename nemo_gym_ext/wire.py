@@ -1,9 +1,14 @@
 """The NeMo-Gym wire format, as this project speaks it: rows, output items, chat messages.
 
+This is the one module that models the wire: the Gym agents (built-in or remote) and the policy
+server in `gymrl.generation` both read and write these types, so a field is declared once.
+
 Two vocabularies meet here. A Gym *row* and its *result* use OpenAI Responses items (`message`,
-`function_call`, `function_call_output`); the policy server speaks OpenAI Chat Completions. An
-agent therefore converts in both directions on every model call, the way NeMo-Gym's `vllm_model`
-adapter does in training mode:
+`function_call`, `function_call_output`); the policy server speaks OpenAI Chat Completions
+(:class:`ChatCompletionRequest`, :class:`ChatMessage`, :class:`ChatCompletion`), with the token
+bundle (`prompt_token_ids`, `generation_token_ids`, `generation_log_probs`) on assistant messages.
+An agent therefore converts in both directions on every model call, the way NeMo-Gym's
+`vllm_model` adapter does in training mode:
 
 * Responses items -> chat `messages` (:func:`items_to_chat_messages`): consecutive assistant
   items of one model call become one assistant message, closed by the item that carries the token
@@ -12,10 +17,10 @@ adapter does in training mode:
   keep the exact tokens it sampled instead of re-tokenising text.
 * a `ChatCompletion` -> output items (:func:`completion_to_items`): assistant text becomes a
   `message` item, each tool call a `function_call` item, and the token bundle goes on the *last*
-  item of the call (design.md §1), where the postprocessor looks for it.
+  item of the call, where the postprocessor looks for it.
 
-Only the fields these conversions need are modelled; everything else passes through (rows keep
-their task fields, completions may carry vendor extras).
+Only the fields these conversions and the policy server need are modelled; everything else passes
+through (rows keep their task fields) or is ignored (vendor extras of a message).
 """
 
 from __future__ import annotations
@@ -24,7 +29,15 @@ import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 AGENT_REF_TYPE = "responses_api_agents"
@@ -80,63 +93,235 @@ class Row(BaseModel):
     agent_ref: AgentRef
 
 
-class ChatFunction(BaseModel):
+def agent_name_of(source: Mapping[str, Any]) -> str:
+    """`agent_ref.name` of a row or a result: the one reader of that field.
+
+    Rows are routed by it and results are attributed by it (metrics, GRPO groups), so its absence
+    is an error here, naming what the object holds instead.
+    """
+    ref = source.get("agent_ref")
+    if isinstance(ref, Mapping) and isinstance(ref.get("name"), str) and ref["name"]:
+        return ref["name"]
+    raise ValueError(
+        f"no agent_ref.name (agent_ref = {ref!r}), so it cannot be routed to or attributed to an "
+        f"agent; top-level fields: {sorted(source)[:12]}. A row names its agent in "
+        "agent_ref.name and a Gym result echoes its row's agent_ref"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# OpenAI Chat Completions, with the token bundle
+# ---------------------------------------------------------------------------------------------
+
+
+class TextPart(BaseModel):
+    """One text part of a list-shaped message content (NeMo-Gym sends user input this way)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(BaseModel):
     """The function part of a chat tool call; `arguments` is a JSON string, as OpenAI sends it."""
 
     name: str
     arguments: str
 
 
-class ChatToolCall(BaseModel):
+class ToolCall(BaseModel):
     id: str = Field(min_length=1)
     type: Literal["function"] = "function"
-    function: ChatFunction
+    function: FunctionCall
 
 
-class ChatAssistantMessage(BaseModel):
-    """`choices[0].message` of a completion, with the policy server's token bundle."""
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="ignore")
 
-    model_config = ConfigDict(extra="allow")
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
 
-    role: Literal["assistant"]
-    content: str | None = None
-    tool_calls: list[ChatToolCall] | None = None
-    prompt_token_ids: list[int] | None = None
-    generation_token_ids: list[int] | None = None
+
+class ToolSpec(BaseModel):
+    """A Chat Completions tool (`{type: "function", function: {...}}`); see :func:`chat_tools`."""
+
+    type: Literal["function"] = "function"
+    function: FunctionSpec
+
+
+class ChatMessage(BaseModel):
+    """One chat message, in a request's `messages` or as a completion's `choices[0].message`.
+
+    Assistant messages may carry the token bundle (`prompt_token_ids`, `generation_token_ids`,
+    `generation_log_probs`): the policy server returns it with every answer, and clients send it
+    back on earlier turns so that the server can keep the exact tokens instead of re-tokenising
+    text. Other roles may not carry it. `weight_version` is the policy server's other extra on an
+    answer: the engine weights that produced it. Unknown fields (`name`, `reasoning_content`,
+    `routed_experts`, vendor extras, ...) are ignored.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    prompt_token_ids: list[StrictInt] | None = None
+    generation_token_ids: list[StrictInt] | None = None
     generation_log_probs: list[float] | None = None
+    weight_version: int | None = None
 
     @model_validator(mode="after")
-    def _bundle_is_complete(self) -> ChatAssistantMessage:
-        present = [getattr(self, name) is not None for name in TOKEN_FIELDS]
-        if any(present) and not all(present):
-            missing = [name for name, there in zip(TOKEN_FIELDS, present, strict=True) if not there]
-            raise ValueError(f"token bundle is incomplete: {missing} missing")
-        if all(present) and len(self.generation_token_ids) != len(self.generation_log_probs):
+    def _check_fields_for_role(self) -> ChatMessage:
+        if self.role != "assistant":
+            if self.content is None:
+                raise ValueError(
+                    f"a {self.role!r} message needs `content` (only assistant may be null)"
+                )
+            if self.tool_calls:
+                raise ValueError(
+                    f"`tool_calls` is only allowed on assistant messages, not {self.role!r}"
+                )
+            carried = [name for name in TOKEN_FIELDS if getattr(self, name) is not None]
+            if carried:
+                raise ValueError(
+                    f"{carried} are only allowed on assistant messages, not {self.role!r}"
+                )
+        if self.role == "tool" and not self.tool_call_id:
             raise ValueError(
-                f"generation_token_ids has {len(self.generation_token_ids)} entries but "
-                f"generation_log_probs has {len(self.generation_log_probs)}"
+                "a 'tool' message needs `tool_call_id` (the id of the call it answers)"
             )
+        if (self.prompt_token_ids is None) != (self.generation_token_ids is None):
+            raise ValueError(
+                "send `prompt_token_ids` and `generation_token_ids` together (both as the server "
+                "returned them) or neither"
+            )
+        if self.generation_log_probs is not None and self.generation_token_ids is not None:
+            ids, logprobs = len(self.generation_token_ids), len(self.generation_log_probs)
+            if ids != logprobs:
+                raise ValueError(
+                    f"`generation_log_probs` has {logprobs} entries but `generation_token_ids` has "
+                    f"{ids}; send both lists unchanged from the server's answer"
+                )
         return self
+
+    @property
+    def text(self) -> str:
+        """The content as one string (text parts joined; null content is empty)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+    @property
+    def carries_token_ids(self) -> bool:
+        return self.prompt_token_ids is not None and self.generation_token_ids is not None
+
+
+class ChatCompletionRequest(BaseModel):
+    """A non-streaming chat completion request: the fields OpenAI clients commonly send.
+
+    A null sampling field means OpenAI's default. Any other field is ignored. What a server
+    cannot honour it refuses in its own subclass.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolSpec] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    seed: int | None = None
+    n: int = 1
+    stream: bool = False
+    stop: str | list[str] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    return_tokens_as_token_ids: bool = False
+
+    @field_validator("temperature", "top_p", "n", "stream", "logprobs", mode="before")
+    @classmethod
+    def _null_means_default(cls, value: Any, info: ValidationInfo) -> Any:
+        return cls.model_fields[info.field_name].default if value is None else value
+
+
+class TokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[Any] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob]
 
 
 class ChatChoice(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    """One choice of a completion: an assistant message whose token bundle is whole or absent."""
+
+    model_config = ConfigDict(extra="ignore")
 
     index: int
     finish_reason: str
-    message: ChatAssistantMessage
+    message: ChatMessage
+    logprobs: ChoiceLogprobs | None = None
+
+    @field_validator("message")
+    @classmethod
+    def _an_answer_with_a_whole_bundle(cls, message: ChatMessage) -> ChatMessage:
+        if message.role != "assistant":
+            raise ValueError(f"a completion's message must be an assistant's, not {message.role!r}")
+        present = [getattr(message, name) is not None for name in TOKEN_FIELDS]
+        if any(present) and not all(present):
+            missing = [name for name, there in zip(TOKEN_FIELDS, present, strict=True) if not there]
+            raise ValueError(f"token bundle is incomplete: {missing} missing")
+        return message
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
 
 
 class ChatCompletion(BaseModel):
-    """A non-streaming OpenAI `ChatCompletion`; the fields design.md §4 makes required."""
+    """A non-streaming OpenAI `ChatCompletion`: what the policy server answers, what agents read.
 
-    model_config = ConfigDict(extra="allow")
+    `id`, `object`, `created`, `model` and at least one choice are required, as in OpenAI's API;
+    `usage` is optional for readers and always sent by the policy server.
+    """
+
+    model_config = ConfigDict(extra="ignore")
 
     id: str
     object: Literal["chat.completion"]
     created: int
     model: str
     choices: list[ChatChoice] = Field(min_length=1)
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    """One entry of `GET /v1/models`; `max_model_len` is vLLM's extra, the context limit."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
 
 
 def chat_tools(tools: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:

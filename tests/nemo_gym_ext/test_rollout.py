@@ -5,12 +5,12 @@ import asyncio
 
 import pytest
 
+from gymrl.generation.policy_server import create_policy_server_app
 from gymrl.generation.torch_engine import TorchGenerationEngine
 from gymrl.model.loading import build_tiny_llama
 from nemo_gym_ext.config import NemoGymPostprocessConfig
 from nemo_gym_ext.envs.registry import make_rows, start_builtin_environment
 from nemo_gym_ext.http_server import serve_in_thread
-from nemo_gym_ext.model_server import create_model_server_app
 from nemo_gym_ext.postprocess import NonContiguousEpisodeError
 from nemo_gym_ext.rollout import (
     FailureBudget,
@@ -30,7 +30,7 @@ def policy_url(tokenizer):
         tokenizer, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, seed=0
     )
     engine = TorchGenerationEngine(model, max_batch_size=8, seed=0)
-    app = create_model_server_app(
+    app = create_policy_server_app(
         engine,
         tokenizer,
         model_name="tiny",

@@ -4,6 +4,7 @@ from pydantic import ValidationError
 from nemo_gym_ext.wire import (
     TOKEN_FIELDS,
     ChatCompletion,
+    ChatMessage,
     Row,
     assistant_message_item,
     chat_tools,
@@ -124,8 +125,9 @@ def test_a_completion_without_text_or_tool_calls_still_carries_its_tokens():
 @pytest.mark.parametrize(
     ("message", "error"),
     [
-        ({"role": "assistant", "prompt_token_ids": [1]}, "token bundle is incomplete"),
-        ({"role": "assistant"} | BUNDLE_1 | {"generation_log_probs": [-1.0]}, "has 2 entries"),
+        ({"role": "assistant", "prompt_token_ids": [1], "generation_token_ids": [2]},
+         "token bundle is incomplete"),
+        ({"role": "assistant"} | BUNDLE_1 | {"generation_log_probs": [-1.0]}, "has 1 entries"),
         ({"role": "user", "content": "x"}, "assistant"),
     ],
 )  # fmt: skip
@@ -176,3 +178,39 @@ def test_final_assistant_text_is_the_text_after_the_last_tool_output():
     items.append(assistant_message_item("It is 5.") | BUNDLE_2)
     assert final_assistant_text(items) == "It is 5."
     assert final_assistant_text(items[:6]) == ""
+
+
+@pytest.mark.parametrize(
+    ("message", "fragment"),
+    [
+        ({"role": "tool", "content": "5"}, "tool_call_id"),
+        ({"role": "user", "content": None}, "needs `content`"),
+        (
+            {"role": "user", "content": "q", "prompt_token_ids": [1], "generation_token_ids": [2]},
+            "assistant",
+        ),
+        ({"role": "assistant", "content": "a", "prompt_token_ids": [1]}, "together"),
+        (
+            {
+                "role": "assistant",
+                "content": "a",
+                "prompt_token_ids": [1],
+                "generation_token_ids": [2, 3],
+                "generation_log_probs": [-0.1],
+            },
+            "has 1 entries",
+        ),
+        (
+            {
+                "role": "assistant",
+                "content": "a",
+                "prompt_token_ids": [1, "2"],
+                "generation_token_ids": [],
+            },
+            "integer",
+        ),
+    ],
+)
+def test_malformed_chat_messages_are_rejected(message, fragment):
+    with pytest.raises(ValidationError, match=fragment):
+        ChatMessage.model_validate(message)

@@ -19,12 +19,12 @@ import httpx
 import pytest
 import torch
 
+from gymrl.generation.chat_template import ChatMLFormat
+from gymrl.generation.policy_server import create_policy_server_app
 from gymrl.generation.torch_engine import TorchGenerationEngine
 from gymrl.generation.types import GenerationOutput, GenerationRequest
 from gymrl.model.loading import build_tiny_llama
-from nemo_gym_ext.chat_format import ChatMLFormat
 from nemo_gym_ext.http_server import serve_in_thread
-from nemo_gym_ext.model_server import create_model_server_app
 
 MODEL = "smollm2-policy"
 KEY = "test-key"
@@ -97,7 +97,7 @@ def served(engine, tokenizer, **overrides) -> Iterator[httpx.Client]:
         "request_timeout_s": 10.0,
     }
     settings.update(overrides)
-    app = create_model_server_app(engine, tokenizer, **settings)
+    app = create_policy_server_app(engine, tokenizer, **settings)
     with (
         serve_in_thread(app) as server,
         httpx.Client(

@@ -1,6 +1,6 @@
 """Render OpenAI chat messages (and tools) to ChatML token ids; parse tool calls out of generations.
 
-The policy model server is token-in / token-out towards its engine, so this module decides the
+The policy server is token-in / token-out towards its engine, so this module decides the
 exact prompt tokens of every model call. Two rules matter for training:
 
 * The rendering is ChatML as SmolLM2's own template writes it (`<|im_start|>{role}\\n{content}
@@ -14,8 +14,7 @@ exact prompt tokens of every model call. Two rules matter for training:
   boundary differently, tool-call JSON re-serialised with other whitespace) gives a prompt that
   does not start with what the sampler saw, and the episode stops being contiguous.
 
-The message models here are the wire vocabulary of a chat message; the model server embeds them in
-its request model.
+The message types are the wire vocabulary of `nemo_gym_ext.wire`, shared with the Gym agents.
 """
 
 from __future__ import annotations
@@ -25,10 +24,10 @@ import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, StrictInt, model_validator
 from transformers import PreTrainedTokenizerBase
+
+from nemo_gym_ext.wire import ChatMessage, FunctionCall, ToolCall, ToolSpec
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -49,9 +48,6 @@ _TOOL_CALL_PATTERN = re.compile(
     re.DOTALL,
 )
 
-Role = Literal["system", "developer", "user", "assistant", "tool"]
-_TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
-
 
 class ChatFormatError(ValueError):
     """A request the chat format cannot render; `param` names the offending field."""
@@ -59,104 +55,6 @@ class ChatFormatError(ValueError):
     def __init__(self, message: str, *, param: str):
         super().__init__(message)
         self.param = param
-
-
-class TextPart(BaseModel):
-    """One text part of a list-shaped message content (NeMo-Gym sends user input this way)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    type: Literal["text"]
-    text: str
-
-
-class FunctionCall(BaseModel):
-    name: str
-    arguments: str  # a JSON object, serialised, as OpenAI sends and expects it
-
-
-class ToolCall(BaseModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class FunctionSpec(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-
-
-class ToolSpec(BaseModel):
-    type: Literal["function"] = "function"
-    function: FunctionSpec
-
-
-class ChatMessage(BaseModel):
-    """One chat message as OpenAI clients (and NeMo-Gym's `vllm_model` adapter) send it.
-
-    Assistant messages may carry the token bundle the server returned for them; the other roles
-    may not. Unknown fields (`name`, `reasoning_content`, `routed_experts`, ...) are ignored.
-    """
-
-    model_config = ConfigDict(extra="ignore")
-
-    role: Role
-    content: str | list[TextPart] | None = None
-    tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = None
-    prompt_token_ids: list[StrictInt] | None = None
-    generation_token_ids: list[StrictInt] | None = None
-    generation_log_probs: list[float] | None = None
-
-    @model_validator(mode="after")
-    def _check_fields_for_role(self) -> ChatMessage:
-        if self.role != "assistant":
-            if self.content is None:
-                raise ValueError(
-                    f"a {self.role!r} message needs `content` (only assistant may be null)"
-                )
-            if self.tool_calls:
-                raise ValueError(
-                    f"`tool_calls` is only allowed on assistant messages, not {self.role!r}"
-                )
-            carried = [name for name in _TOKEN_FIELDS if getattr(self, name) is not None]
-            if carried:
-                raise ValueError(
-                    f"{carried} are only allowed on assistant messages, not {self.role!r}"
-                )
-        if self.role == "tool" and not self.tool_call_id:
-            raise ValueError(
-                "a 'tool' message needs `tool_call_id` (the id of the call it answers)"
-            )
-        if (self.prompt_token_ids is None) != (self.generation_token_ids is None):
-            raise ValueError(
-                "send `prompt_token_ids` and `generation_token_ids` together (both as the server "
-                "returned them) or neither"
-            )
-        if self.generation_log_probs is not None and self.generation_token_ids is not None:
-            ids, logprobs = len(self.generation_token_ids), len(self.generation_log_probs)
-            if ids != logprobs:
-                raise ValueError(
-                    f"`generation_log_probs` has {logprobs} entries but `generation_token_ids` has "
-                    f"{ids}; send both lists unchanged from the server's answer"
-                )
-        return self
-
-    @property
-    def text(self) -> str:
-        """The content as one string (text parts joined; null content is empty)."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
-
-    @property
-    def carries_token_ids(self) -> bool:
-        return self.prompt_token_ids is not None and self.generation_token_ids is not None
 
 
 @dataclass(frozen=True)
@@ -185,7 +83,7 @@ class ChatMLFormat:
     """ChatML rendering and tokenisation with one tokenizer.
 
     Not thread-safe (Hugging Face fast tokenizers may fail when used from several threads at
-    once); the model server calls it from a single worker thread.
+    once); the policy server calls it from a single worker thread.
     """
 
     def __init__(

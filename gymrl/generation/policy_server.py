@@ -5,15 +5,18 @@ NeMo-Gym agents call the policy through its `vllm_model` adapter, which posts no
 `/v1` routes exist) and reads the token bundle (`prompt_token_ids`, `generation_token_ids`,
 `generation_log_probs`) from `choices[0].message`. This server:
 
-* renders messages and tools to ChatML token ids (:mod:`nemo_gym_ext.chat_format`), keeping the
-  exact ids clients send back on earlier assistant turns (the on-policy prefix fix) when
-  `honor_prompt_token_ids` is set;
+* renders messages and tools to ChatML token ids (:mod:`gymrl.generation.chat_template`),
+  keeping the exact ids clients send back on earlier assistant turns (the on-policy prefix fix)
+  when `honor_prompt_token_ids` is set;
 * batches requests from many concurrent clients into single `engine.generate` calls on a
   background thread (:class:`RequestBatcher`), since an engine decodes a batch for about the cost
   of one request;
 * parses `<tool_call>` blocks into `message.tool_calls` and answers a full OpenAI
   `ChatCompletion`, plus two extras on the message: the token bundle and `weight_version` (the
   engine's weight version that produced the answer, so rollouts can be aged in the replay buffer).
+
+Requests and answers are the wire types of `nemo_gym_ext.wire`, the module the Gym agents read
+them with; this module adds only what the server refuses (:class:`PolicyServerRequest`).
 
 Errors use OpenAI's `{"error": {"message", "type", "param", "code"}}` shape. A prompt that leaves
 no room in the context is a 400 whose message contains "maximum context length", which the
@@ -32,29 +35,37 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import field_validator
 from transformers import PreTrainedTokenizerBase
 
+from gymrl.generation.chat_template import (
+    ChatFormatError,
+    ChatMLFormat,
+    PromptTokens,
+    build_prompt_token_ids,
+    parse_generation,
+)
 from gymrl.generation.types import (
     GenerationEngine,
     GenerationOutput,
     GenerationRequest,
     SamplingParams,
 )
-from nemo_gym_ext.chat_format import (
-    ChatFormatError,
+from nemo_gym_ext.wire import (
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionRequest,
     ChatMessage,
-    ChatMLFormat,
-    PromptTokens,
-    ToolCall,
-    ToolSpec,
-    build_prompt_token_ids,
-    parse_generation,
+    ChoiceLogprobs,
+    ModelCard,
+    ModelList,
+    TokenLogprob,
+    Usage,
 )
 
 _OWNER = "gym-grpo-recipes"
@@ -63,41 +74,17 @@ _MAX_REPORTED_VALUE_CHARS = 80
 
 
 # ---------------------------------------------------------------------------------------------
-# Wire models
+# The request this server accepts (the wire types are nemo_gym_ext.wire's)
 # ---------------------------------------------------------------------------------------------
 
 
-class ChatCompletionRequest(BaseModel):
-    """A non-streaming chat completion request.
+class PolicyServerRequest(ChatCompletionRequest):
+    """A chat completion request, refusing what this server cannot honour.
 
-    Fields OpenAI clients commonly send are declared (and checked where this server cannot honour
-    them: `stream`, `n`, `top_logprobs`, `stop`, `tool_choice`); any other field is ignored.
-    `parallel_tool_calls` is accepted and not enforced: every parsed tool call is returned.
+    Refused: `stream`, `n > 1`, `top_logprobs`, `stop` strings and a forced `tool_choice`, each
+    with the fix. `parallel_tool_calls` is accepted and not enforced: every parsed tool call is
+    returned.
     """
-
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
-    tools: list[ToolSpec] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    temperature: float = Field(default=1.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    seed: int | None = None
-    n: int = 1
-    stream: bool = False
-    stop: str | list[str] | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    return_tokens_as_token_ids: bool = False
-
-    @field_validator("temperature", "top_p", "n", "stream", "logprobs", mode="before")
-    @classmethod
-    def _null_means_default(cls, value: Any, info: ValidationInfo) -> Any:
-        return cls.model_fields[info.field_name].default if value is None else value
 
     @field_validator("stream")
     @classmethod
@@ -142,68 +129,6 @@ class ChatCompletionRequest(BaseModel):
                 "tool, so send tool_choice='auto' or leave it out"
             )
         return value
-
-
-class AssistantMessage(BaseModel):
-    """`choices[0].message`: OpenAI's assistant message plus the token bundle and weight version.
-
-    `weight_version` is the engine's weight version that generated the answer (a project extra;
-    OpenAI clients ignore it).
-    """
-
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    tool_calls: list[ToolCall] | None
-    prompt_token_ids: list[int]
-    generation_token_ids: list[int]
-    generation_log_probs: list[float]
-    weight_version: int
-
-
-class TokenLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-    top_logprobs: list[Any] = Field(default_factory=list)
-
-
-class ChoiceLogprobs(BaseModel):
-    content: list[TokenLogprob]
-
-
-class Choice(BaseModel):
-    index: int
-    finish_reason: Literal["stop", "length", "tool_calls"]
-    message: AssistantMessage
-    logprobs: ChoiceLogprobs | None
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[Choice]
-    usage: Usage
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -417,7 +342,7 @@ def _describe_validation_error(error: RequestValidationError) -> str:
     return "invalid request: " + "; ".join(problems) + suffix
 
 
-def create_model_server_app(
+def create_policy_server_app(
     engine: GenerationEngine,
     tokenizer: PreTrainedTokenizerBase,
     *,
@@ -489,10 +414,8 @@ def create_model_server_app(
         )
         return ModelList(data=[card])
 
-    @app.post(
-        "/v1/chat/completions", response_model=ChatCompletionResponse, dependencies=dependencies
-    )
-    async def chat_completions(body: ChatCompletionRequest) -> Response:
+    @app.post("/v1/chat/completions", response_model=ChatCompletion, dependencies=dependencies)
+    async def chat_completions(body: PolicyServerRequest) -> Response:
         if body.model is not None and body.model != model_name:
             raise _ApiError(
                 404,
@@ -564,7 +487,7 @@ def _bearer_check(api_key: str):
 
 
 def _max_new_tokens(
-    body: ChatCompletionRequest, prompt_len: int, default_max_tokens: int, max_context_tokens: int
+    body: PolicyServerRequest, prompt_len: int, default_max_tokens: int, max_context_tokens: int
 ) -> int:
     room = max_context_tokens - prompt_len
     if room < 1:
@@ -581,15 +504,16 @@ def _max_new_tokens(
 
 
 def _build_response(
-    body: ChatCompletionRequest,
+    body: PolicyServerRequest,
     prompt: PromptTokens,
     output: GenerationOutput,
     chat_format: ChatMLFormat,
     model_name: str,
-) -> ChatCompletionResponse:
+) -> ChatCompletion:
     parsed = parse_generation(chat_format.decode(output.token_ids))
     finish_reason = "tool_calls" if parsed.tool_calls else output.finish_reason
-    message = AssistantMessage(
+    message = ChatMessage(
+        role="assistant",
         content=parsed.content,
         tool_calls=parsed.tool_calls or None,
         prompt_token_ids=prompt.token_ids,
@@ -603,11 +527,14 @@ def _build_response(
         else None
     )
     completion_tokens = len(output.token_ids)
-    return ChatCompletionResponse(
+    return ChatCompletion(
         id=f"chatcmpl-{uuid.uuid4().hex}",
+        object="chat.completion",
         created=int(time.time()),
         model=model_name,
-        choices=[Choice(index=0, finish_reason=finish_reason, message=message, logprobs=logprobs)],
+        choices=[
+            ChatChoice(index=0, finish_reason=finish_reason, message=message, logprobs=logprobs)
+        ],
         usage=Usage(
             prompt_tokens=len(prompt.token_ids),
             completion_tokens=completion_tokens,
@@ -617,7 +544,7 @@ def _build_response(
 
 
 def _token_logprobs(
-    body: ChatCompletionRequest, output: GenerationOutput, chat_format: ChatMLFormat
+    body: PolicyServerRequest, output: GenerationOutput, chat_format: ChatMLFormat
 ) -> list[TokenLogprob]:
     """OpenAI's per-token entries; `token_id:<id>` strings under `return_tokens_as_token_ids`."""
     tokens: Sequence[str]
