@@ -151,16 +151,16 @@ class GymShard:
         tokenizer = load_tokenizer(tokenizer_folder)
         self._environments = []
         agent_urls: dict[str, str] = {}
-        for name, spec in actor_config.gym_config["agents"].items():
-            if "url" in spec:
-                agent_urls[name] = str(spec["url"]).rstrip("/")
+        for name, spec in actor_config.agents.items():
+            if spec.url is not None:
+                agent_urls[name] = spec.url
                 continue
             environment = start_builtin_environment(
-                spec["environment"],
+                spec.environment,
                 agent_name=name,
                 policy_base_url=policy_base_url,
                 policy_api_key=policy_api_key,
-                options={"policy_model": policy_model, **(spec.get("options") or {})},
+                options=spec.agent_options(policy_model=policy_model),
             )
             self._environments.append(environment)
             agent_urls[name] = environment.agent_url

@@ -37,11 +37,11 @@ def _builtin_rows(
 ) -> list[dict[str, Any]]:
     per_agent = []
     for actor in actors:
-        for name, spec in actor.gym_config["agents"].items():
-            if "environment" in spec:
+        for name, spec in actor.agents.items():
+            if spec.environment is not None:
                 per_agent.append(
                     make_rows(
-                        spec["environment"], data.num_builtin_rows_per_agent, seed, agent_name=name
+                        spec.environment, data.num_builtin_rows_per_agent, seed, agent_name=name
                     )
                 )
     if not per_agent:

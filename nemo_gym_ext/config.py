@@ -6,7 +6,8 @@
   defaults live) and never forwarded to Gym;
 * the sharding key `shards`: each shard's overrides are merged over the base to form one Gym
   actor's config;
-* everything else, which is Gym's own global config and is forwarded untouched.
+* everything else, which is Gym's own global config and is forwarded untouched. The recipe reads
+  one key of it, `agents`, typed by :class:`AgentSpec` (a built-in environment or a remote agent).
 
 :func:`build_gym_actor_config` is the single builder of a shard's actor config. It runs at
 composition time (from the recipe's validator) so that an incompatible combination fails before
@@ -19,11 +20,16 @@ import copy
 import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from nemo_gym_ext.envs.agent import AgentOptions
+from nemo_gym_ext.envs.registry import ENVIRONMENTS
 
 SHARDS_KEY = "shards"
+AGENTS_KEY = "agents"
 DEFAULT_SHARD_NAME = "default"
 ROUTER_REPLAY_KEY = "policy.router_replay.enabled"
 RECEIPT_MODE_KEY = "token_capture.receipt_mode"
@@ -57,6 +63,83 @@ class NemoGymPostprocessConfig(BaseModel):
 
 
 RECIPE_ONLY_KEYS = frozenset(NemoGymPostprocessConfig.model_fields)
+_AGENT_FIX = (
+    "set environment: <built-in> (with optional options), or url: http://host:port (a running "
+    "NeMo-Gym agent)"
+)
+
+
+class AgentSpec(BaseModel):
+    """One entry of `env.nemo_gym.agents`: a built-in environment, or a remote NeMo-Gym agent.
+
+    The one reading of an agent entry: the validator, the dry-run plan, the row generator and
+    the Gym shard actor all take this model, never the raw mapping.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    environment: str | None = Field(
+        default=None,
+        description="A built-in environment the Gym shard serves on loopback "
+        "(nemo_gym_ext.envs.registry.ENVIRONMENTS); rows are generated for it when "
+        "env.data.train_jsonl is null.",
+    )
+    options: AgentOptions | None = Field(
+        default=None, description="Options of a built-in environment's agent (AgentOptions)."
+    )
+    url: str | None = Field(
+        default=None,
+        description="Base URL of a running NeMo-Gym agent server; rows are posted to {url}/run.",
+    )
+
+    @field_validator("environment")
+    @classmethod
+    def _known_environment(cls, value: str | None) -> str | None:
+        if value is None or value in ENVIRONMENTS:
+            return value
+        close = difflib.get_close_matches(value, ENVIRONMENTS, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise PydanticCustomError(
+            "unknown_environment",
+            "no built-in environment of that name",
+            {"fix": f"{hint}choose one of {sorted(ENVIRONMENTS)}"},
+        )
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        if not value.startswith(("http://", "https://")):
+            raise PydanticCustomError(
+                "agent_url", "not an http(s) URL", {"fix": "write url: http://host:port[/path]"}
+            )
+        return value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _builtin_or_remote(self) -> AgentSpec:
+        if (self.environment is None) == (self.url is None):
+            raise PydanticCustomError(
+                "agent_kind",
+                "an agent needs exactly one of `environment` (built-in) or `url` (remote)",
+                {"fix": _AGENT_FIX},
+            )
+        if self.url is not None and self.options is not None:
+            raise PydanticCustomError(
+                "agent_options",
+                "`options` configure a built-in environment's agent; a remote agent has its own",
+                {"fix": "remove options, or replace url by environment"},
+            )
+        return self
+
+    def agent_options(self, *, policy_model: str) -> AgentOptions:
+        """A built-in agent's options, calling `policy_model` unless the spec names a model."""
+        given = self.options.model_dump(exclude_unset=True) if self.options is not None else {}
+        return AgentOptions.model_validate({"policy_model": policy_model, **given})
+
+    def describe(self) -> str:
+        """What serves the agent, for the plan: the environment's name or the agent's URL."""
+        return self.environment if self.environment is not None else str(self.url)
 
 
 @dataclass(frozen=True)
@@ -89,7 +172,8 @@ class GymActorConfig:
 
     shard: str
     postprocess: NemoGymPostprocessConfig
-    gym_config: dict[str, Any]
+    gym_config: dict[str, Any]  # Gym's own config, `agents` included, as the user wrote it
+    agents: dict[str, AgentSpec]  # the typed reading of gym_config["agents"]
     key_prefix: str  # where this shard's keys are reported: `env.nemo_gym[shard x]`
 
 
@@ -111,9 +195,10 @@ def build_gym_actor_config(
     """Build the actor config of one shard, or raise :class:`ConfigError` naming every problem.
 
     The shard's overrides (`shards.<shard>`) are merged recursively over the base; the recipe-only
-    keys are taken out and validated; compatibility with truncation is checked; the returned Gym
-    config holds neither the recipe-only keys nor `shards`. Neither `nemo_gym` nor anything in
-    it is mutated: the result is built from deep copies.
+    keys are taken out and validated; the agents are read as :class:`AgentSpec`; compatibility
+    with truncation is checked; the returned Gym config holds neither the recipe-only keys nor
+    `shards`. Neither `nemo_gym` nor anything in it is mutated: the result is built from deep
+    copies.
     """
     issues: list[ConfigIssue] = []
     merged = _merged_shard_mapping(nemo_gym, shard, key_prefix, issues)
@@ -121,7 +206,8 @@ def build_gym_actor_config(
 
     recipe_only = {key: merged.pop(key) for key in list(merged) if key in RECIPE_ONLY_KEYS}
     issues.extend(_misspelled_recipe_keys(merged, shard_prefix))
-    postprocess = _validate_postprocess(recipe_only, shard_prefix, issues)
+    postprocess = _validated(NemoGymPostprocessConfig, recipe_only, shard_prefix, issues)
+    agents = _agents(merged.get(AGENTS_KEY), f"{shard_prefix}.{AGENTS_KEY}", issues)
 
     if postprocess is not None and postprocess.truncate_noncontiguous_episodes:
         issues.extend(
@@ -131,7 +217,11 @@ def build_gym_actor_config(
         raise ConfigError(issues)
     assert postprocess is not None
     return GymActorConfig(
-        shard=shard, postprocess=postprocess, gym_config=merged, key_prefix=shard_prefix
+        shard=shard,
+        postprocess=postprocess,
+        gym_config=merged,
+        agents=agents,
+        key_prefix=shard_prefix,
     )
 
 
@@ -156,9 +246,29 @@ def build_all_gym_actor_configs(
             )
         except ConfigError as error:
             issues.extend(error.issues)
+    issues.extend(_agents_served_twice(actors))
     if issues:
         raise ConfigError(issues)
     return actors
+
+
+def _agents_served_twice(actors: list[GymActorConfig]) -> list[ConfigIssue]:
+    """A row's agent_ref must route to exactly one shard."""
+    issues = []
+    owner: dict[str, str] = {}
+    for actor in actors:
+        for name in actor.agents:
+            if name in owner:
+                issues.append(
+                    ConfigIssue(
+                        f"{actor.key_prefix}.{AGENTS_KEY}.{name}",
+                        actor.gym_config[AGENTS_KEY][name],
+                        f"agent {name!r} is served by shards {owner[name]!r} and {actor.shard!r}",
+                        "serve each agent from one shard so rows route unambiguously",
+                    )
+                )
+            owner.setdefault(name, actor.shard)
+    return issues
 
 
 def deep_merge(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
@@ -225,33 +335,69 @@ def _shard_key_prefix(nemo_gym: Mapping[str, Any], shard: str, key_prefix: str) 
     return key_prefix
 
 
-def _validate_postprocess(
-    recipe_only: dict[str, Any], shard_prefix: str, issues: list[ConfigIssue]
-) -> NemoGymPostprocessConfig | None:
+def _agents(raw: Any, key: str, issues: list[ConfigIssue]) -> dict[str, AgentSpec]:
+    """Each agent of a shard as an :class:`AgentSpec`; what is wrong goes to `issues`."""
+    if not isinstance(raw, Mapping) or not raw:
+        issues.append(
+            ConfigIssue(
+                key,
+                raw,
+                "a shard must serve at least one agent",
+                "add env.nemo_gym.agents.<name>: {environment: <built-in>} or {url: <agent "
+                "server>}",
+            )
+        )
+        return {}
+    agents = {}
+    for name, spec in raw.items():
+        agent = _validated(AgentSpec, spec, f"{key}.{name}", issues)
+        if agent is not None:
+            agents[str(name)] = agent
+    return agents
+
+
+_Model = TypeVar("_Model", bound=BaseModel)
+
+
+def _validated(
+    model: type[_Model], raw: Any, prefix: str, issues: list[ConfigIssue]
+) -> _Model | None:
+    """`model` validated from `raw`, or None with one issue per pydantic error in `issues`."""
     try:
-        return NemoGymPostprocessConfig.model_validate(recipe_only)
+        return model.model_validate(raw)
     except ValidationError as error:
         for detail in error.errors():
-            field = ".".join(str(part) for part in detail["loc"])
+            loc = tuple(str(part) for part in detail["loc"])
+            unknown = detail["type"] == "extra_forbidden"
             issues.append(
                 ConfigIssue(
-                    f"{shard_prefix}.{field}",
+                    ".".join((prefix, *loc)),
                     detail.get("input"),
-                    detail["msg"],
-                    _postprocess_fix(field),
+                    "unknown key" if unknown else detail["msg"],
+                    _fix(model, loc, detail),
                 )
             )
         return None
 
 
-def _postprocess_fix(field: str) -> str:
-    info = NemoGymPostprocessConfig.model_fields.get(field)
+def _fix(model: type[BaseModel], loc: tuple[str, ...], detail: Mapping[str, Any]) -> str:
+    """The fix of one pydantic error: the validator's own, a near name, or the field's meaning."""
+    own = (detail.get("ctx") or {}).get("fix")
+    if own:
+        return own
+    owner = (
+        AgentOptions if model is AgentSpec and loc[:1] == ("options",) and len(loc) > 1 else model
+    )
+    if detail["type"] == "extra_forbidden":
+        known = list(owner.model_fields)
+        close = difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.6)
+        return f"did you mean {close[0]!r}?" if close else f"known keys: {sorted(known)}"
+    info = owner.model_fields.get(loc[-1]) if loc else None
     if info is None:
-        return f"use one of {sorted(RECIPE_ONLY_KEYS)}"
-    annotation = info.annotation
-    if annotation is bool:
+        return _AGENT_FIX if model is AgentSpec else f"use one of {sorted(owner.model_fields)}"
+    if info.annotation is bool:
         return "set true or false"
-    return f"use a value of type {getattr(annotation, '__name__', annotation)}"
+    return info.description or f"use a value of type {info.annotation}"
 
 
 def _misspelled_recipe_keys(gym_keys: Mapping[str, Any], shard_prefix: str) -> list[ConfigIssue]:

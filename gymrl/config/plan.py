@@ -47,11 +47,7 @@ def render_plan(config: RecipeConfig, output_dir: str) -> str:
     actors = gym_actor_configs(config)
     lines.append(f"  gym shards  {len(actors)}")
     for actor in actors:
-        agents = actor.gym_config["agents"]
-        described = ", ".join(
-            f"{name} ({spec['environment'] if 'environment' in spec else spec['url']})"
-            for name, spec in agents.items()
-        )
+        described = ", ".join(f"{name} ({spec.describe()})" for name, spec in actor.agents.items())
         lines.append(
             f"    {actor.shard}: truncate_noncontiguous_episodes="
             f"{str(actor.postprocess.truncate_noncontiguous_episodes).lower()}; agents: {described}"

@@ -5,9 +5,9 @@ Two passes, both always run so that one error message lists everything wrong wit
 1. structure and types: pydantic (`extra="forbid"`) over the whole tree;
 2. cross-field rules that no single field can check: backend pairs that cannot refit, GPU budget
    and parallelism, async GRPO's need for importance sampling, and, per Gym shard, the recipe-only
-   keys and their incompatibilities (built by `nemo_gym_ext.config.build_gym_actor_config`, the
-   same builder the Gym actors use). The Gym rules read the raw tree, so they report even when an
-   unrelated field fails pass 1.
+   keys and their incompatibilities and the agents (built by
+   `nemo_gym_ext.config.build_gym_actor_config`, the same builder the Gym actors use). The Gym
+   rules read the raw tree, so they report even when an unrelated field fails pass 1.
 """
 
 from __future__ import annotations
@@ -34,8 +34,6 @@ from nemo_gym_ext.config import (
     GymActorConfig,
     build_all_gym_actor_configs,
 )
-from nemo_gym_ext.envs.agent import AgentOptions
-from nemo_gym_ext.envs.registry import ENVIRONMENTS
 
 _SCHEMA_HINT = "see the field descriptions in gymrl/config/schema.py"
 
@@ -155,101 +153,10 @@ def _gym_issues(raw: Mapping[str, Any]) -> list[ConfigIssue]:
     replay = policy.get("router_replay") if isinstance(policy, Mapping) else None
     router_replay_enabled = isinstance(replay, Mapping) and replay.get("enabled") is True
     try:
-        actors = build_all_gym_actor_configs(nemo_gym, router_replay_enabled=router_replay_enabled)
+        build_all_gym_actor_configs(nemo_gym, router_replay_enabled=router_replay_enabled)
     except ConfigError as error:
         return list(error.issues)
-    return _agent_issues(actors)
-
-
-def _agent_issues(actors: list[GymActorConfig]) -> list[ConfigIssue]:
-    """Each shard serves named agents; a row's agent_ref must route to exactly one shard."""
-    issues = []
-    owner: dict[str, str] = {}
-    for actor in actors:
-        key = f"{actor.key_prefix}.agents"
-        agents = actor.gym_config.get("agents")
-        if not isinstance(agents, Mapping) or not agents:
-            issues.append(
-                ConfigIssue(
-                    key,
-                    agents,
-                    "a shard must serve at least one agent",
-                    "add env.nemo_gym.agents.<name>: {environment: <built-in>} or {url: <agent "
-                    "server>}",
-                )
-            )
-            continue
-        for name, spec in agents.items():
-            if not isinstance(spec, Mapping) or ("environment" in spec) == ("url" in spec):
-                issues.append(
-                    ConfigIssue(
-                        f"{key}.{name}",
-                        spec,
-                        "an agent needs exactly one of `environment` (built-in) or `url` (remote)",
-                        "set environment: calculator|guess_number, or url: http://host:port",
-                    )
-                )
-            elif "environment" in spec:
-                issues.extend(_builtin_agent_issues(f"{key}.{name}", spec))
-            if name in owner and owner[name] != actor.shard:
-                issues.append(
-                    ConfigIssue(
-                        f"{key}.{name}",
-                        spec,
-                        f"agent {name!r} is served by shards {owner[name]!r} and {actor.shard!r}",
-                        "serve each agent from one shard so rows route unambiguously",
-                    )
-                )
-            owner.setdefault(name, actor.shard)
-    return issues
-
-
-def _builtin_agent_issues(key: str, spec: Mapping[str, Any]) -> list[ConfigIssue]:
-    """A built-in agent names a known environment and valid AgentOptions."""
-    environment = spec["environment"]
-    if environment not in ENVIRONMENTS:
-        close = difflib.get_close_matches(str(environment), ENVIRONMENTS, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        return [
-            ConfigIssue(
-                f"{key}.environment",
-                environment,
-                "no built-in environment of that name",
-                f"{hint}choose one of {sorted(ENVIRONMENTS)}",
-            )
-        ]
-    unknown = set(spec) - {"environment", "options"}
-    if unknown:
-        return [
-            ConfigIssue(
-                f"{key}.{sorted(unknown)[0]}",
-                spec[sorted(unknown)[0]],
-                "unknown key",
-                "a built-in agent takes `environment` and `options` only",
-            )
-        ]
-    try:
-        AgentOptions.model_validate(spec.get("options") or {})
-    except ValidationError as error:
-        return [
-            ConfigIssue(
-                f"{key}.options.{'.'.join(str(p) for p in detail['loc'])}",
-                detail.get("input"),
-                detail["msg"],
-                _options_fix(detail),
-            )
-            for detail in error.errors()
-        ]
     return []
-
-
-def _options_fix(detail: Mapping[str, Any]) -> str:
-    known = list(AgentOptions.model_fields)
-    if detail["type"] == "extra_forbidden":
-        close = difflib.get_close_matches(str(detail["loc"][-1]), known, n=1)
-        return f"did you mean {close[0]!r}?" if close else f"known options: {sorted(known)}"
-    field = AgentOptions.model_fields.get(str(detail["loc"][0]))
-    return field.description if field is not None and field.description else _SCHEMA_HINT
 
 
 def _cross_field_issues(config: RecipeConfig) -> list[ConfigIssue]:

@@ -7,6 +7,7 @@ import pytest
 
 from nemo_gym_ext.config import (
     RECIPE_ONLY_KEYS,
+    AgentSpec,
     ConfigError,
     NemoGymPostprocessConfig,
     build_all_gym_actor_configs,
@@ -14,6 +15,7 @@ from nemo_gym_ext.config import (
     deep_merge,
     shard_names,
 )
+from nemo_gym_ext.envs.agent import AgentOptions
 
 AGENTS = {"calc": {"environment": "calculator", "options": {"max_turns": 3}}}
 
@@ -164,3 +166,105 @@ def test_deep_merge_returns_new_containers():
     merged["a"]["b"].append(3)
     assert base == {"a": {"b": [1, 2], "c": 1}}
     assert merged == {"a": {"b": [1, 2, 3], "c": 2}}
+
+
+def _agent_issues(agents):
+    with pytest.raises(ConfigError) as raised:
+        build_gym_actor_config({"agents": agents}, router_replay_enabled=False)
+    return {issue.key: issue for issue in raised.value.issues}
+
+
+def test_agents_are_read_once_as_typed_specs():
+    actor = build_gym_actor_config(
+        {"agents": {**AGENTS, "swe": {"url": "http://gym-head:8000/swe/"}}},
+        router_replay_enabled=False,
+    )
+    assert actor.agents == {
+        "calc": AgentSpec(environment="calculator", options=AgentOptions(max_turns=3)),
+        "swe": AgentSpec(url="http://gym-head:8000/swe"),
+    }
+    assert [spec.describe() for spec in actor.agents.values()] == [
+        "calculator",
+        "http://gym-head:8000/swe",
+    ]
+    assert actor.gym_config["agents"]["swe"] == {"url": "http://gym-head:8000/swe/"}
+
+
+def test_a_builtin_agent_calls_the_recipe_policy_unless_its_options_name_one():
+    (spec,) = build_gym_actor_config(
+        {"agents": AGENTS}, router_replay_enabled=False
+    ).agents.values()
+    options = spec.agent_options(policy_model="smollm2")
+    assert (options.policy_model, options.max_turns) == ("smollm2", 3)
+    assert options.send_token_ids is AgentOptions().send_token_ids
+    named = AgentSpec(environment="calculator", options={"policy_model": "mine"})
+    assert named.agent_options(policy_model="smollm2").policy_model == "mine"
+    assert AgentSpec(environment="calculator").agent_options(policy_model="p") == AgentOptions(
+        policy_model="p"
+    )
+
+
+@pytest.mark.parametrize(
+    ("spec", "key", "problem", "fix"),
+    [
+        ({}, "", "exactly one of `environment` (built-in) or `url`", "set environment: <built-in>"),
+        (
+            {"environment": "calculator", "url": "http://a"},
+            "",
+            "exactly one of",
+            "or url: http://host:port",
+        ),
+        (
+            {"url": "http://a", "options": {"max_turns": 2}},
+            "",
+            "a remote agent has its own",
+            "remove options",
+        ),
+        ({"url": "gym-head:8000"}, ".url", "not an http(s) URL", "write url: http://"),
+        ({"url": "http://a", "urll": 1}, ".urll", "unknown key", "did you mean 'url'?"),
+        ({"environment": "guess_numbr"}, ".environment", "no built-in", "did you mean 'guess_"),
+        (
+            {"environment": "calculator", "options": {"send_token_ids": "often"}},
+            ".options.send_token_ids",
+            "valid boolean",
+            "set true or false",
+        ),
+        (None, "", "valid dictionary", "set environment: <built-in>"),
+    ],
+    ids=[
+        "neither",
+        "both",
+        "remote-with-options",
+        "url-without-scheme",
+        "remote-typo",
+        "environment-typo",
+        "option-type",
+        "null-spec",
+    ],
+)
+def test_an_invalid_agent_spec_is_one_issue_with_key_and_fix(spec, key, problem, fix):
+    issues = _agent_issues({**AGENTS, "bad": spec})
+    (issue,) = issues.values()
+    assert issue.key == f"env.nemo_gym.agents.bad{key}"
+    assert problem in issue.problem
+    assert fix in issue.fix
+
+
+@pytest.mark.parametrize("agents", [None, {}, ["calc"]])
+def test_a_shard_without_agents_is_refused(agents):
+    issues = _agent_issues(agents)
+    assert issues["env.nemo_gym.agents"].problem == "a shard must serve at least one agent"
+
+
+def test_an_agent_served_by_two_shards_is_refused():
+    nemo_gym = {
+        "shards": {
+            "a": {"agents": {"x": {"url": "http://a"}}},
+            "b": {"agents": {"x": {"url": "http://b"}, "y": {"url": "http://c"}}},
+        }
+    }
+    with pytest.raises(ConfigError) as raised:
+        build_all_gym_actor_configs(nemo_gym, router_replay_enabled=False)
+    (issue,) = raised.value.issues
+    assert issue.key == "env.nemo_gym[shard b].agents.x"
+    assert issue.problem == "agent 'x' is served by shards 'a' and 'b'"
