@@ -44,18 +44,14 @@ from gymrl.ray_calls import wait_for
 from gymrl.replay_buffer import Group
 from gymrl.roles import build_trainer_role
 from nemo_gym_ext.metrics import per_agent_metrics
-from nemo_gym_ext.postprocess import (
-    MalformedGymResultError,
-    NonContiguousEpisodeError,
-    agent_name_of,
-    row_id_of,
-)
+from nemo_gym_ext.postprocess import MalformedGymResultError, NonContiguousEpisodeError, row_id_of
 from nemo_gym_ext.rollout import (
     FailureBudget,
     GroupOutcome,
     RolloutBudgetExceeded,
     UnknownAgentError,
 )
+from nemo_gym_ext.wire import agent_name_of
 
 _POLL_S = 0.5
 _CALL_MARGIN_S = 60.0  # on top of a callee's own deadline: Ray scheduling and transfer

@@ -14,6 +14,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from nemo_gym_ext.wire import agent_name_of
+
 REDUCTIONS = ("mean", "min", "max")
 
 
@@ -21,7 +23,7 @@ def per_agent_metrics(results: Iterable[Mapping[str, Any]]) -> dict[str, float]:
     """`{"<agent>/<field>/<mean|min|max>": value}` over `results` (Gym `full_result` dicts)."""
     values: dict[tuple[str, str], list[float]] = defaultdict(list)
     for result in results:
-        agent = _agent(result)
+        agent = agent_name_of(result)
         for field, value in result.items():
             number = _scalar(value)
             if number is not None:
@@ -33,16 +35,6 @@ def per_agent_metrics(results: Iterable[Mapping[str, Any]]) -> dict[str, float]:
         metrics[f"{prefix}/min"] = min(numbers)
         metrics[f"{prefix}/max"] = max(numbers)
     return metrics
-
-
-def _agent(result: Mapping[str, Any]) -> str:
-    ref = result.get("agent_ref")
-    if isinstance(ref, Mapping) and isinstance(ref.get("name"), str):
-        return ref["name"]
-    raise ValueError(
-        "a Gym result has no agent_ref.name, so its metrics cannot be attributed to an agent; "
-        f"top-level fields: {sorted(result)[:12]}"
-    )
 
 
 def _scalar(value: Any) -> float | None:

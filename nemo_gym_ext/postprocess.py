@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from nemo_gym_ext.config import NemoGymPostprocessConfig
+from nemo_gym_ext.wire import agent_name_of
 
 TRUNCATED_FLAG = "noncontiguous_truncated"
 DROPPED_TURNS_FIELD = "noncontiguous_dropped_turns"
@@ -86,11 +87,18 @@ def postprocess_gym_result(
     `overlong` is the result's own overlong flag, kept even when the turn that hit the limit
     was dropped, so overlong filtering still sees the episode.
 
+    This is where a result enters the recipe, so it is the one place that checks what everything
+    downstream relies on: a finite reward and `agent_ref.name` (both required even when the tokens
+    are masked, since the result still joins its agent's GRPO group and metrics).
+
     `vocab_size` enables the id range check; `decode` adds text to the divergence message.
     Neither `row` nor `result` is mutated.
     """
-    agent = agent_name_of(row, result)
     row_id = row_id_of(row, result)
+    try:
+        agent = agent_name_of(result)
+    except ValueError as error:
+        raise MalformedGymResultError(f"row {row_id!r}: the result has {error}") from error
     full_result = dict(result)
     full_result[TRUNCATED_FLAG] = False
     full_result[DROPPED_TURNS_FIELD] = 0
@@ -309,15 +317,6 @@ def _seen_window(prompt: list[int], generation: list[int], start: int, stop: int
     head = prompt[start:stop]
     tail_start, tail_stop = max(0, start - len(prompt)), max(0, stop - len(prompt))
     return head + generation[tail_start:tail_stop]
-
-
-def agent_name_of(row: Mapping[str, Any], result: Mapping[str, Any] | None = None) -> str:
-    """The agent of a result (or of a row): `agent_ref.name`, the result's first."""
-    for source in (result or {}, row):
-        ref = source.get("agent_ref")
-        if isinstance(ref, Mapping) and isinstance(ref.get("name"), str):
-            return ref["name"]
-    return "<unknown agent>"
 
 
 def row_id_of(row: Mapping[str, Any], result: Mapping[str, Any] | None = None) -> str:

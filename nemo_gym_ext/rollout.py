@@ -18,7 +18,8 @@ from typing import Any
 import httpx
 
 from nemo_gym_ext.config import NemoGymPostprocessConfig
-from nemo_gym_ext.postprocess import Decode, agent_name_of, postprocess_gym_result, row_id_of
+from nemo_gym_ext.postprocess import Decode, postprocess_gym_result, row_id_of
+from nemo_gym_ext.wire import agent_name_of
 
 
 class UnknownAgentError(ValueError):

@@ -16,12 +16,13 @@ prompt token.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from nemo_gym_ext.wire import agent_name_of
 
 
 @dataclass(frozen=True)
@@ -73,27 +74,12 @@ class Trajectory:
     ) -> Trajectory:
         """Flatten one `postprocess_gym_result` output.
 
-        The reward and the agent are read from `full_result` (`reward`, `agent_ref.name`).
+        The reward and the agent are read from `full_result` (`reward`, `agent_ref.name`); the
+        postprocessor has already checked both (a finite number, a name), so they are not checked
+        again here.
         """
         full_result = out["full_result"]
-        reward = full_result.get("reward")
-        if isinstance(reward, bool) or not isinstance(reward, int | float):
-            raise ValueError(
-                f"group {group_id!r}: full_result.reward must be a number, got {reward!r}; a "
-                "result without a usable reward cannot join a GRPO group (drop or retry it "
-                "during rollout collection)"
-            )
-        if not math.isfinite(reward):
-            raise ValueError(
-                f"group {group_id!r}: full_result.reward is {reward!r}; a non-finite reward would "
-                "poison its group's baseline (drop or retry the rollout instead)"
-            )
-        agent_ref = full_result.get("agent_ref")
-        if not isinstance(agent_ref, Mapping) or not isinstance(agent_ref.get("name"), str):
-            raise ValueError(
-                f"group {group_id!r}: full_result.agent_ref.name is missing (agent_ref = "
-                f"{agent_ref!r}); the Gym result must echo the row's agent_ref"
-            )
+        agent = agent_name_of(full_result)
         token_ids: list[int] = []
         loss_mask: list[int] = []
         logprobs: list[float] = []
@@ -122,8 +108,8 @@ class Trajectory:
             token_ids=token_ids,
             loss_mask=loss_mask,
             generation_logprobs=[float(value) for value in logprobs],
-            reward=float(reward),
-            agent=agent_ref["name"],
+            reward=float(full_result["reward"]),
+            agent=agent,
             group_id=group_id,
             weight_version=weight_version,
             overlong=bool(out["overlong"]),

@@ -6,7 +6,7 @@ or a call stops at the token limit (`finish_reason == "length"`, the result is m
 `overlong`; with `continue_after_length` the episode goes on). Then `/verify` scores it.
 
 Each model call is a `POST {policy_base_url}/chat/completions` in the shape NeMo-Gym's
-`vllm_model` adapter uses for training (design.md §4): non-streaming, bearer key, the row's
+`vllm_model` adapter uses for training: non-streaming, bearer key, the row's
 sampling parameters, always `logprobs: true, top_logprobs: 0, return_tokens_as_token_ids: true`,
 and - with `send_token_ids` - every earlier assistant turn carrying the exact tokens it was
 sampled as, so the server can keep them instead of re-tokenising text. With
@@ -18,6 +18,10 @@ appended; arguments the model got wrong (bad JSON, wrong types, an unknown tool)
 output the model can read, never a failed episode. After a call without tool calls, the
 environment's `/user_turn` decides whether to follow up with a user message or end.
 
+The result is the row's fields, `response.output`, `/verify`'s fields as they are (the reward is
+checked where a result enters the recipe, by the postprocessor, as for any Gym agent's result)
+and the turn counts.
+
 Failures that are not the model's (the policy or resources server unreachable, slow, or
 answering garbage) fail the `/run` request with 502/504 and a message naming the server, the URL
 and the option to change; the rollout collector retries those.
@@ -26,7 +30,6 @@ and the option to change; the rollout collector retries those.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -156,10 +159,6 @@ class ToolAgent:
         verified = await self._post(
             client, "/verify", {"session_id": session_id, "response": {"output": output}}
         )
-        reward = verified.get("reward")
-        is_number = isinstance(reward, int | float) and not isinstance(reward, bool)
-        if not is_number or not math.isfinite(reward):
-            raise AgentError(f"resources server /verify returned reward {reward!r}, not a number")
         return {
             **raw_row,
             "response": {"output": output},

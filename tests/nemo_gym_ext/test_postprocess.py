@@ -451,6 +451,16 @@ def test_a_result_without_a_usable_reward_is_never_masked(well_formed, mutate, f
         postprocess_gym_result(well_formed.row, result, MASK, vocab_size=49152)
 
 
+@pytest.mark.parametrize("agent_ref", [None, {}, {"type": "responses_api_agents", "name": ""}])
+def test_a_result_without_its_agent_name_is_never_masked(well_formed, agent_ref):
+    """The result's agent names its GRPO group and metrics, so the row's is not enough."""
+    result = copy.deepcopy(well_formed.result)
+    result["agent_ref"] = agent_ref
+    assert well_formed.row["agent_ref"]["name"]
+    with pytest.raises(MalformedGymResultError, match=r"'astropy-12907'.*agent_ref\.name"):
+        postprocess_gym_result(well_formed.row, result, MASK, vocab_size=49152)
+
+
 def test_ids_over_vocab_pass_without_a_vocab_size(episode_builder, turn_maker):
     """The upper bound needs the tokenizer's size; without it only negative ids are rejected."""
     episode = episode_builder([([5, 60_000], [70_000]), ([1], [2])])
