@@ -1,4 +1,4 @@
-"""Tests of `per_agent_metrics`: the per-agent scalars the trainer logs (design.md §2, §5).
+"""Tests of `per_agent_metrics`: the per-agent scalars the trainer logs (keys in docs/metrics.md).
 
 `<agent>/noncontiguous_truncated/mean` is the truncation rate the PR surfaces; these tests pin
 its exact name, its value over mixed batches in any order, and that stale flags on reused

@@ -1,4 +1,4 @@
-"""Tests of `postprocess_gym_result`: the contiguity contract of design.md §2.
+"""Tests of `postprocess_gym_result`: the contiguity contract (nemo_gym_ext/postprocess.py).
 
 Episodes come from the `episode_builder` fixture (tests/nemo_gym_ext/conftest.py), which builds
 them the way a Gym agent does and injects divergences the way re-rendering does. One test uses

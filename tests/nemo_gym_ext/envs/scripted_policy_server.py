@@ -1,6 +1,6 @@
 """A scripted policy server, for the environment tests only.
 
-The server is a real FastAPI app on loopback speaking the policy-server contract (design.md §4):
+The server is a real FastAPI app on loopback speaking the policy-server wire format:
 it returns full `ChatCompletion` bodies whose assistant message is scripted (text and/or tool
 calls) and whose token bundle is computed with the real SmolLM2 tokenizer (the ChatML prompt of
 the messages it received, the tokens of the scripted reply). It records every request, so tests
