@@ -62,7 +62,9 @@ def test_unsafe_or_invalid_expressions_are_rejected_with_a_reason(expression, me
 
 @settings(max_examples=60, deadline=None)
 @given(
-    st.lists(st.integers(-999, 999), min_size=1, max_size=6),
+    # 300**6 < 1e15: every result stays inside the evaluator's magnitude bound, which has its
+    # own test above (999**6 does not, and failed now and then).
+    st.lists(st.integers(-300, 300), min_size=1, max_size=6),
     st.lists(st.sampled_from(["+", "-", "*"]), min_size=5, max_size=5),
 )
 def test_integer_arithmetic_matches_python(numbers, operators):
