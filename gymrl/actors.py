@@ -152,8 +152,8 @@ class GymShard:
         self._environments = []
         agent_urls: dict[str, str] = {}
         for name, spec in actor_config.agents.items():
-            if spec.url is not None:
-                agent_urls[name] = spec.url
+            if spec.environment is None:
+                agent_urls[name] = str(spec.url)
                 continue
             environment = start_builtin_environment(
                 spec.environment,
