@@ -385,16 +385,18 @@ def _fix(model: type[BaseModel], loc: tuple[str, ...], detail: Mapping[str, Any]
     own = (detail.get("ctx") or {}).get("fix")
     if own:
         return own
-    owner = (
-        AgentOptions if model is AgentSpec and loc[:1] == ("options",) and len(loc) > 1 else model
-    )
+    if not loc:  # the object as a whole: only an agent entry can be wrong that way
+        return _AGENT_FIX
+    name = loc[-1]
+    # An agent entry nests one model, its options; every other field is a scalar.
+    owner = AgentOptions if model is AgentSpec and len(loc) > 1 else model
     if detail["type"] == "extra_forbidden":
         known = list(owner.model_fields)
-        close = difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.6)
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
         return f"did you mean {close[0]!r}?" if close else f"known keys: {sorted(known)}"
-    info = owner.model_fields.get(loc[-1]) if loc else None
+    info = owner.model_fields.get(name)
     if info is None:
-        return _AGENT_FIX if model is AgentSpec else f"use one of {sorted(owner.model_fields)}"
+        return f"use one of {sorted(owner.model_fields)}"
     if info.annotation is bool:
         return "set true or false"
     return info.description or f"use a value of type {info.annotation}"

@@ -26,7 +26,7 @@ through (rows keep their task fields) or is ignored (vendor extras of a message)
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 from pydantic import (
@@ -250,7 +250,9 @@ class ChatCompletionRequest(BaseModel):
     @field_validator("temperature", "top_p", "n", "stream", "logprobs", mode="before")
     @classmethod
     def _null_means_default(cls, value: Any, info: ValidationInfo) -> Any:
-        return cls.model_fields[info.field_name].default if value is None else value
+        if value is not None or info.field_name is None:
+            return value
+        return cls.model_fields[info.field_name].default
 
 
 class TokenLogprob(BaseModel):
@@ -397,8 +399,8 @@ def completion_to_items(completion: ChatCompletion) -> tuple[list[dict[str, Any]
     message = choice.message
     tool_calls = message.tool_calls or []
     items = []
-    if message.content or not tool_calls:
-        items.append(assistant_message_item(message.content or ""))
+    if message.text or not tool_calls:
+        items.append(assistant_message_item(message.text))
     items.extend(
         function_call_item(call.id, call.function.name, call.function.arguments)
         for call in tool_calls
@@ -464,7 +466,7 @@ def items_to_chat_messages(
     return messages
 
 
-def final_assistant_text(items: list[Mapping[str, Any]]) -> str:
+def final_assistant_text(items: Sequence[Mapping[str, Any]]) -> str:
     """Assistant text produced after the episode's last tool output or user message.
 
     That is the model's final answer; an episode whose last model call only called tools (or

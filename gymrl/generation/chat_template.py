@@ -174,7 +174,8 @@ def build_prompt_token_ids(
         ids = chat_format.encode(chat_format.render_conversation(messages, tools))
         return PromptTokens(token_ids=ids, reused_from_message=None, reused_token_count=0)
     message = messages[anchor]
-    prompt_ids, generation_ids = message.prompt_token_ids, message.generation_token_ids
+    # ChatMessage sends both id lists or neither, and the anchor carries them.
+    prompt_ids, generation_ids = message.prompt_token_ids, message.generation_token_ids or []
     if not prompt_ids:
         raise ChatFormatError(
             f"messages[{anchor}].prompt_token_ids is empty; send back the prompt ids the server "
