@@ -1,5 +1,5 @@
-"""Rows: the stream a checkpoint's position resumes, sampling stamped on every row, and the
-errors a user sees for a bad rows file."""
+"""Rows: built-in agents' rows or a JSONL file, the stream a checkpoint's position resumes,
+sampling stamped on every row, and the errors a user sees for a bad rows file."""
 
 import json
 
@@ -7,6 +7,13 @@ import pytest
 
 from gymrl.config.schema import DataConfig, SamplingConfig
 from gymrl.data import RowStream, load_rows
+from nemo_gym_ext.config import build_gym_actor_config
+
+SAMPLING = SamplingConfig(temperature=0.7, top_p=0.9)
+
+
+def _actors(agents):
+    return [build_gym_actor_config({"agents": agents}, router_replay_enabled=False)]
 
 
 def test_row_stream_cycles_from_its_position_and_counts_past_the_end():
@@ -24,11 +31,13 @@ def test_row_stream_cycles_from_its_position_and_counts_past_the_end():
 
 def test_jsonl_rows_get_the_sampling_temperature_the_trainer_uses(tmp_path):
     path = tmp_path / "rows.jsonl"
-    row = {"id": "r", "responses_create_params": {"input": [], "temperature": 0.1}}
+    row = {
+        "id": "r",
+        "responses_create_params": {"input": [], "temperature": 0.1},
+        "agent_ref": {"name": "remote"},
+    }
     path.write_text(json.dumps(row) + "\n\n")
-    (loaded,) = load_rows(
-        DataConfig(train_jsonl=str(path)), [], SamplingConfig(temperature=0.7, top_p=0.9), seed=0
-    )
+    (loaded,) = load_rows(DataConfig(train_jsonl=str(path)), [], SAMPLING, seed=0)
     assert loaded["responses_create_params"] == {"input": [], "temperature": 0.7, "top_p": 0.9}
     assert row["responses_create_params"]["temperature"] == 0.1  # the input is not mutated
 
@@ -53,3 +62,37 @@ def test_a_missing_rows_file_is_named(tmp_path):
         load_rows(
             DataConfig(train_jsonl=str(tmp_path / "missing.jsonl")), [], SamplingConfig(), seed=0
         )
+
+
+def test_builtin_agents_get_interleaved_rows_and_remote_agents_none():
+    actors = _actors(
+        {
+            "calc": {"environment": "calculator"},
+            "guess": {"environment": "guess_number"},
+            "remote": {"url": "http://gym-head:8000/remote"},
+        }
+    )
+    rows = load_rows(DataConfig(num_builtin_rows_per_agent=2), actors, SAMPLING, seed=0)
+    assert [row["agent_ref"]["name"] for row in rows] == ["calc", "guess", "calc", "guess"]
+    for row in rows:
+        params = row["responses_create_params"]
+        assert (params["temperature"], params["top_p"]) == (0.7, 0.9)
+
+
+def test_only_remote_agents_need_a_jsonl():
+    actors = _actors({"remote": {"url": "http://gym-head:8000/remote"}})
+    with pytest.raises(ValueError, match="no agent is a built-in environment"):
+        load_rows(DataConfig(), actors, SAMPLING, seed=0)
+
+
+def test_a_jsonl_row_without_its_agent_is_refused_with_its_line(tmp_path):
+    good = {"responses_create_params": {"input": "hi"}, "agent_ref": {"name": "remote"}}
+    bad = {"responses_create_params": {"input": "hi"}, "agent_ref": {"type": "x"}}
+    path = tmp_path / "rows.jsonl"
+    path.write_text(f"{json.dumps(good)}\n\n{json.dumps(bad)}\n", encoding="utf-8")
+    actors = _actors({"remote": {"url": "http://gym-head:8000/remote"}})
+    with pytest.raises(ValueError, match=rf"{path}:3: the row has no agent_ref\.name"):
+        load_rows(DataConfig(train_jsonl=str(path)), actors, SAMPLING, seed=0)
+    path.write_text(json.dumps(good) + "\n", encoding="utf-8")
+    (row,) = load_rows(DataConfig(train_jsonl=str(path)), actors, SAMPLING, seed=0)
+    assert row["responses_create_params"] == {"input": "hi", "temperature": 0.7, "top_p": 0.9}
