@@ -88,18 +88,19 @@ def postprocess_gym_result(
     was dropped, so overlong filtering still sees the episode.
 
     This is where a result enters the recipe, so it is the one place that checks what everything
-    downstream relies on: a finite reward and `agent_ref.name` (both required even when the tokens
-    are masked, since the result still joins its agent's GRPO group and metrics).
+    downstream relies on: a finite reward and the agent (both required even when the tokens are
+    masked, since the result still joins its agent's GRPO group and metrics). Stock Gym results
+    do not echo `agent_ref`; then the row's, which routed the episode, is stamped on
+    `full_result`.
 
     `vocab_size` enables the id range check; `decode` adds text to the divergence message.
     Neither `row` nor `result` is mutated.
     """
     row_id = row_id_of(row, result)
-    try:
-        agent = agent_name_of(result)
-    except ValueError as error:
-        raise MalformedGymResultError(f"row {row_id!r}: the result has {error}") from error
+    agent_ref = _agent_ref_of(row, result, row_id)
+    agent = agent_ref["name"]
     full_result = dict(result)
+    full_result["agent_ref"] = agent_ref
     full_result[TRUNCATED_FLAG] = False
     full_result[DROPPED_TURNS_FIELD] = 0
     full_result[MALFORMED_FLAG] = False
@@ -317,6 +318,26 @@ def _seen_window(prompt: list[int], generation: list[int], start: int, stop: int
     head = prompt[start:stop]
     tail_start, tail_stop = max(0, start - len(prompt)), max(0, stop - len(prompt))
     return head + generation[tail_start:tail_stop]
+
+
+def _agent_ref_of(row: Mapping[str, Any], result: Mapping[str, Any], row_id: str) -> Mapping:
+    """The result's `agent_ref` if it names an agent, else the row's; they must agree."""
+    try:
+        routed = agent_name_of(row)
+    except ValueError as error:
+        raise MalformedGymResultError(f"row {row_id!r}: the row has {error}") from error
+    if result.get("agent_ref") is None:
+        return row["agent_ref"]
+    try:
+        echoed = agent_name_of(result)
+    except ValueError as error:
+        raise MalformedGymResultError(f"row {row_id!r}: the result has {error}") from error
+    if echoed != routed:
+        raise MalformedGymResultError(
+            f"row {row_id!r}: the result names agent {echoed!r} but the row was sent to "
+            f"{routed!r}; a Gym agent must echo its row's agent_ref or none"
+        )
+    return result["agent_ref"]
 
 
 def row_id_of(row: Mapping[str, Any], result: Mapping[str, Any] | None = None) -> str:

@@ -451,14 +451,31 @@ def test_a_result_without_a_usable_reward_is_never_masked(well_formed, mutate, f
         postprocess_gym_result(well_formed.row, result, MASK, vocab_size=49152)
 
 
-@pytest.mark.parametrize("agent_ref", [None, {}, {"type": "responses_api_agents", "name": ""}])
-def test_a_result_without_its_agent_name_is_never_masked(well_formed, agent_ref):
-    """The result's agent names its GRPO group and metrics, so the row's is not enough."""
+def test_a_stock_result_without_agent_ref_takes_the_rows(well_formed):
+    """Stock Gym servers drop unknown fields, `agent_ref` among them: the row routed the episode
+    to its agent, so the row's agent_ref is stamped on the result, which is not mutated."""
     result = copy.deepcopy(well_formed.result)
-    result["agent_ref"] = agent_ref
-    assert well_formed.row["agent_ref"]["name"]
-    with pytest.raises(MalformedGymResultError, match=r"'astropy-12907'.*agent_ref\.name"):
-        postprocess_gym_result(well_formed.row, result, MASK, vocab_size=49152)
+    del result["agent_ref"]
+    out = postprocess_gym_result(well_formed.row, result, STRICT, vocab_size=49152)
+    assert out["full_result"]["agent_ref"] == well_formed.row["agent_ref"]
+    assert "agent_ref" not in result
+
+
+@pytest.mark.parametrize(
+    ("row_ref", "result_ref", "message"),
+    [
+        (None, None, r"'astropy-12907': the row has no agent_ref\.name"),
+        ({"name": "calculator"}, {}, r"'astropy-12907': the result has no agent_ref\.name"),
+        ({"name": "calculator"}, {"name": ""}, r"the result has no agent_ref\.name"),
+        ({"name": "calculator"}, {"name": "other"}, r"names agent 'other'.*sent to 'calculator'"),
+    ],
+)
+def test_an_episode_without_one_agent_is_never_masked(well_formed, row_ref, result_ref, message):
+    """The agent names the GRPO group and the metrics, so it is required even in mask mode."""
+    row, result = copy.deepcopy(well_formed.row), copy.deepcopy(well_formed.result)
+    row["agent_ref"], result["agent_ref"] = row_ref, result_ref
+    with pytest.raises(MalformedGymResultError, match=message):
+        postprocess_gym_result(row, result, MASK, vocab_size=49152)
 
 
 def test_ids_over_vocab_pass_without_a_vocab_size(episode_builder, turn_maker):
