@@ -1,6 +1,6 @@
 """Benchmark the Gym postprocessor against a plain list-slice contiguity walk.
 
-The project's requirement (design.md §2, §9): `postprocess_gym_result` costs at most 3x a plain
+The project's requirement: `postprocess_gym_result` costs at most 3x a plain
 walk that builds `seen` and checks `prompt[:len(seen)] == seen` for every trainable turn. The
 episode is SWE-like: 200 model calls whose prompts repeat the whole history (the final prompt is
 about 64k tokens), ~200-token deltas, ~120-token generations, ids drawn uniformly from a 49152-id

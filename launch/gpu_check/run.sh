@@ -6,7 +6,8 @@
 #
 #   WHEELS=/path/to/wheels bash launch/gpu_check/run.sh [LOG_DIR]
 #
-# WHEELS holds what the machine lacks, as wheels for its Python:
+# WHEELS holds what the machine lacks, as wheels for its Python (fetch_wheels.sh beside this
+# downloads the exact set of wheels.txt on a machine with network):
 #   base/       the recipe's own pure-Python needs (hydra-core, omegaconf, pydantic, transformers
 #               of the CPU pin, ...), installed for the torch checks
 #   megatron/   megatron-core, megatron-bridge and the transformers/tokenizers that Bridge
