@@ -127,7 +127,8 @@ class GenerationServer:
 
     def refit_from_disk(self, path: str, version: int) -> int:
         """SGLang engines load a Hugging Face checkpoint the trainer exported to shared disk."""
-        assert isinstance(self._engine, SGLangEngine), "refit_from_disk is SGLang's refit path"
+        if not isinstance(self._engine, SGLangEngine):  # the validator refuses such configs
+            raise TypeError("refit_from_disk is the SGLang engines' refit path (generation=sglang)")
         self._engine.refit_from_disk(path, version)
         return self._engine.weight_version
 
