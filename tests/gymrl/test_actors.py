@@ -9,12 +9,7 @@ from ray.exceptions import RayActorError
 
 from gymrl.actors import close_actor
 
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(num_cpus=1, include_dashboard=False, configure_logging=False)
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("local_ray")
 
 
 @ray.remote(num_cpus=0)

@@ -8,12 +8,7 @@ import ray
 from gymrl.ray_calls import wait_for
 from nemo_gym_ext.postprocess import NonContiguousEpisodeError
 
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(num_cpus=1, include_dashboard=False, configure_logging=False)
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("local_ray")
 
 
 @ray.remote(num_cpus=0)

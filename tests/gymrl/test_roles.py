@@ -21,11 +21,7 @@ def config():
     return validate_config(compose_raw(["+experiment=smoke"]))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("local_ray")
 
 
 @ray.remote(num_cpus=0)
