@@ -16,16 +16,24 @@ engine and the trainer on two GPUs, or sharing the only one (half of it each, in
 accounting); a torch trainer next to SGLang engines takes a GPU the engines leave, else the CPU.
 On a CPU-only cluster nothing is reserved and every actor asks Ray for no CPU either (`num_cpus=0`):
 on a 2-core machine four actors could never be placed otherwise; each bounds its own threads.
+
+Each role also carries its environment (`cluster.roles.<role>`: an interpreter or a container
+image), which :func:`actor_options`, the one place that builds actors' options, hands to Ray as
+the actor's `runtime_env`: one Ray cluster runs SGLang, Megatron and the core roles, each in the
+interpreter its pinned packages are installed in.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gymrl.config.schema import (
     MegatronTrainerConfig,
     RecipeConfig,
+    RoleEnvironmentConfig,
     SGLangGenerationConfig,
     TorchGenerationConfig,
 )
@@ -33,12 +41,14 @@ from gymrl.config.schema import (
 
 @dataclass(frozen=True)
 class RolePlacement:
-    """The actors of one role: how many GPUs and CPUs each asks Ray for, and in which bundle of
-    the run's placement group each one goes (empty: not in the placement group)."""
+    """The actors of one role: how many GPUs and CPUs each asks Ray for, in which bundle of the
+    run's placement group each one goes (empty: not in the placement group) and the interpreter
+    or image they run in (`cluster.roles.<role>`; unset: the driver's interpreter)."""
 
     gpus_per_actor: float
     cpus_per_actor: float
     bundle_of_actor: tuple[int, ...] = ()
+    environment: RoleEnvironmentConfig = field(default_factory=RoleEnvironmentConfig)
 
     @property
     def device(self) -> str:
@@ -140,7 +150,20 @@ def plan_placement(config: RecipeConfig) -> Placement:
         trainer_role = RolePlacement(1.0, 0.0, tuple(add([{"GPU": 1.0}])))
     else:
         trainer_role = _CPU_ROLE
-    return Placement(tuple(bundles), generation_role, server_role, trainer_role)
+
+    roles = config.cluster.roles
+    # A torch engine lives inside the policy server, so it runs in the policy server's environment.
+    sglang = isinstance(generation, SGLangGenerationConfig)
+    return Placement(
+        tuple(bundles),
+        generation=replace(
+            generation_role, environment=roles.generation if sglang else roles.policy_server
+        ),
+        policy_server=replace(server_role, environment=roles.policy_server),
+        trainer=replace(trainer_role, environment=roles.trainer),
+        gym_shards=replace(_CPU_ROLE, environment=roles.gym_shards),
+        buffer=replace(_CPU_ROLE, environment=roles.buffer),
+    )
 
 
 # ------------------------------------------------------------------------------- with Ray
@@ -160,10 +183,38 @@ def reserve(placement: Placement, timeout_s: float) -> Any:
     return group
 
 
-def actor_options(role: RolePlacement, index: int, group: Any) -> dict[str, Any]:
-    """`.options(...)` of actor `index` of `role`: its GPUs and CPUs and, when it has a bundle,
-    the scheduling strategy that puts it there."""
+def runtime_env(
+    environment: RoleEnvironmentConfig, env_vars: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """The Ray `runtime_env` of an actor running in `environment` with `env_vars` (empty: the
+    driver's interpreter, nothing to set).
+
+    `py_executable` is a command line Ray runs through `bash -c`, hence the quoting. Ray allows
+    only `env_vars` (and `config`) next to `image_uri`, which is all this adds."""
+    env: dict[str, Any] = {}
+    if environment.python is not None:
+        env["py_executable"] = shlex.quote(environment.python)
+    if environment.image is not None:
+        env["image_uri"] = environment.image
+    if env_vars:
+        env["env_vars"] = dict(env_vars)
+    return env
+
+
+def actor_options(
+    role: RolePlacement, index: int, group: Any, env_vars: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """`.options(...)` of actor `index` of `role`: its GPUs and CPUs, its role's interpreter or
+    image and `env_vars` (the actor's `runtime_env`, when there is one) and, when it has a
+    bundle, the scheduling strategy that puts it there.
+
+    An actor started by another actor inherits its parent's `runtime_env` field by field unless
+    it sets its own; the validator makes sure the SGLang servers, which the policy server starts,
+    set the same fields as their parent whenever it has any (see `gymrl.config.validate`)."""
     options: dict[str, Any] = {"num_gpus": role.gpus_per_actor, "num_cpus": role.cpus_per_actor}
+    env = runtime_env(role.environment, env_vars)
+    if env:
+        options["runtime_env"] = env
     if role.bundle_of_actor:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

@@ -4,7 +4,8 @@ Two passes, both always run so that one error message lists everything wrong wit
 
 1. structure and types: pydantic (`extra="forbid"`) over the whole tree;
 2. cross-field rules that no single field can check: backend pairs that cannot refit, GPU budget
-   and parallelism, async GRPO's need for importance sampling, and, per Gym shard, the recipe-only
+   and parallelism, async GRPO's need for importance sampling, the roles' environments, and, per
+   Gym shard, the recipe-only
    keys and their incompatibilities and the agents (built by
    `nemo_gym_ext.config.build_gym_actor_config`, the same builder the Gym actors use). The Gym
    rules read the raw tree, so they report even when an unrelated field fails pass 1.
@@ -16,6 +17,7 @@ import difflib
 import types
 import typing
 from collections.abc import Iterator, Mapping
+from pathlib import PurePosixPath
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -213,6 +215,7 @@ def _cross_field_issues(config: RecipeConfig) -> list[ConfigIssue]:
     issues.extend(_backend_pair_issues(config))
     issues.extend(_generation_issues(config.generation, cluster.total_gpus))
     issues.extend(_trainer_issues(config))
+    issues.extend(_role_environment_issues(config))
     return issues
 
 
@@ -332,6 +335,75 @@ def _trainer_issues(config: RecipeConfig) -> list[ConfigIssue]:
                 trainer.expert_model_parallel_size,
                 "expert parallelism needs an MoE policy",
                 "set trainer.expert_model_parallel_size=1 or policy.is_moe=true",
+            )
+        )
+    return issues
+
+
+def _role_environment_issues(config: RecipeConfig) -> list[ConfigIssue]:
+    """`cluster.roles`: what Ray's `runtime_env` can run (see `gymrl.placement.runtime_env`).
+
+    An interpreter is found by its absolute path on every node (a relative one would resolve
+    against each worker's directory); Ray runs an image alone, so a role has an interpreter or
+    an image. A role's environment only makes sense for a role with actors of its own: a torch
+    engine runs inside the policy server. The SGLang servers are started by the policy server,
+    and Ray hands a child actor every `runtime_env` field of its parent that it does not set
+    itself: they must set the same field, or they would run in the policy server's environment
+    (or in a mix of an interpreter and an image)."""
+    issues = []
+    roles = config.cluster.roles
+    for role in type(roles).model_fields:
+        environment = getattr(roles, role)
+        key = f"cluster.roles.{role}"
+        if environment.python is not None and not PurePosixPath(environment.python).is_absolute():
+            issues.append(
+                ConfigIssue(
+                    f"{key}.python",
+                    environment.python,
+                    "must be an absolute path: Ray starts the role's workers with it on every "
+                    "node, from their own working directories",
+                    "give the absolute path of the environment's interpreter, e.g. "
+                    "/opt/envs/sglang/bin/python",
+                )
+            )
+        if environment.python is not None and environment.image is not None:
+            issues.append(
+                ConfigIssue(
+                    f"{key}.image",
+                    environment.image,
+                    f"exclusive with {key}.python: Ray runs an image with the image's own "
+                    "interpreter",
+                    f"set one of {key}.python and {key}.image to null",
+                )
+            )
+    generation, server = roles.generation, roles.policy_server
+    torch_engine = isinstance(config.generation, TorchGenerationConfig)
+    if torch_engine and generation.kind is not None:
+        issues.append(
+            ConfigIssue(
+                f"cluster.roles.generation.{generation.kind}",
+                generation.python or generation.image,
+                "generation=torch has no generation actors: the torch engine runs inside the "
+                "policy server",
+                f"set cluster.roles.policy_server.{generation.kind} instead, or select "
+                "generation=sglang",
+            )
+        )
+    if not torch_engine and server.kind is not None and generation.kind != server.kind:
+        outcome = (
+            "in the policy server's environment"
+            if generation.kind is None
+            else "with both an interpreter and an image"
+        )
+        issues.append(
+            ConfigIssue(
+                f"cluster.roles.generation.{server.kind}",
+                None,
+                f"required when cluster.roles.policy_server.{server.kind} is set: the SGLang "
+                "servers, which the policy server starts, inherit every runtime_env field they "
+                f"do not set themselves, so they would run {outcome}",
+                f"give the SGLang environment as cluster.roles.generation.{server.kind} (and "
+                f"nothing else there), or set cluster.roles.policy_server.{server.kind}=null",
             )
         )
     return issues

@@ -1,11 +1,13 @@
 """Placement of every role, decided from the config alone (no Ray): the embedded default, the
-two GPU experiments, and the torch path on one and two GPUs."""
+two GPU experiments, the torch path on one and two GPUs, and each role's environment as the
+`runtime_env` of its actors."""
 
 import pytest
+from ray.runtime_env import RuntimeEnv
 
 from gymrl.config.compose import compose_raw
 from gymrl.config.validate import validate_config
-from gymrl.placement import actor_options, plan_placement
+from gymrl.placement import actor_options, plan_placement, runtime_env
 
 
 def _config(*overrides):
@@ -88,3 +90,51 @@ def test_a_torch_trainer_next_to_sglang_takes_a_gpu_only_when_one_is_left():
     assert left.trainer.device == "cuda" and left.trainer.bundle_of_actor == (1,)
     full = plan_placement(_config(*sglang, "generation.num_engines=2", "cluster.gpus_per_node=2"))
     assert full.trainer.device == "cpu" and full.trainer.bundle_of_actor == ()
+
+
+def test_each_role_carries_its_own_environment():
+    config = _config(
+        "+experiment=math_1p5b",
+        "cluster.roles.generation.python=/opt/envs/sglang/bin/python",
+        "cluster.roles.trainer.image=nvcr.io/megatron:1",
+    )
+    placement = plan_placement(config)
+    assert placement.generation.environment.python == "/opt/envs/sglang/bin/python"
+    assert placement.trainer.environment.image == "nvcr.io/megatron:1"
+    for role in (placement.policy_server, placement.gym_shards, placement.buffer):
+        assert role.environment.kind is None
+    assert placement.trainer.bundle_of_actor == (4, 4, 4, 4)  # the GPUs are unchanged
+
+
+def test_the_torch_engine_runs_in_the_policy_servers_environment():
+    placement = plan_placement(_config("cluster.roles.policy_server.python=/opt/core/bin/python"))
+    assert placement.generation == placement.policy_server
+    assert placement.generation.environment.python == "/opt/core/bin/python"
+
+
+def test_actor_options_hand_ray_the_interpreter_quoted_for_its_shell():
+    placement = plan_placement(_config("cluster.roles.gym_shards.python=/opt/my envs/bin/python"))
+    options = actor_options(placement.gym_shards, 0, None)
+    assert options == {
+        "num_gpus": 0.0,
+        "num_cpus": 0.0,
+        "runtime_env": {"py_executable": "'/opt/my envs/bin/python'"},
+    }
+    RuntimeEnv(**options["runtime_env"])  # Ray's own validation accepts it
+
+
+def test_an_image_takes_env_vars_beside_it_and_ray_accepts_the_pair():
+    """The Megatron ranks add their torch.distributed variables to the trainer's image."""
+    placement = plan_placement(_config("cluster.roles.trainer.image=nvcr.io/megatron:1"))
+    options = actor_options(placement.trainer, 0, None, env_vars={"RANK": "0"})
+    assert options["runtime_env"] == {
+        "image_uri": "nvcr.io/megatron:1",
+        "env_vars": {"RANK": "0"},
+    }
+    RuntimeEnv(**options["runtime_env"])
+
+
+def test_env_vars_alone_make_a_runtime_env_and_nothing_makes_none():
+    unset = plan_placement(_config()).trainer.environment
+    assert runtime_env(unset, {"RANK": "3"}) == {"env_vars": {"RANK": "3"}}
+    assert runtime_env(unset) == runtime_env(unset, {}) == {}

@@ -66,10 +66,12 @@ class MegatronTrainerGroup:
         worker = ray.remote(MegatronPolicyTrainer)
         self._actors = [
             worker.options(
-                **actor_options(ranks, rank, placement_group),
-                runtime_env={
-                    "env_vars": distributed_env(rank, world_size, master_addr, master_port)
-                },
+                **actor_options(
+                    ranks,
+                    rank,
+                    placement_group,
+                    env_vars=distributed_env(rank, world_size, master_addr, master_port),
+                )
             ).remote(config, temperature=temperature)
             for rank in range(world_size)
         ]

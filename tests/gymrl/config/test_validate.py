@@ -179,3 +179,56 @@ def test_sglang_cannot_serve_a_tiny_random_model():
     assert set(issues) == {"policy.source"}
     assert issues["policy.source"].value == "tiny_random"
     assert issues["policy.source"].fix.startswith("select generation=torch")
+
+
+def test_a_role_interpreter_must_be_an_absolute_path_and_exclusive_with_an_image():
+    issues = _issues(
+        [
+            "cluster.roles.trainer.python=envs/megatron/bin/python",
+            "cluster.roles.buffer.python=/opt/envs/core/bin/python",
+            "cluster.roles.buffer.image=nvcr.io/core:1",
+        ]
+    )
+    assert set(issues) == {"cluster.roles.trainer.python", "cluster.roles.buffer.image"}
+    assert issues["cluster.roles.trainer.python"].value == "envs/megatron/bin/python"
+    assert "absolute path" in issues["cluster.roles.trainer.python"].problem
+    assert issues["cluster.roles.buffer.image"].fix == (
+        "set one of cluster.roles.buffer.python and cluster.roles.buffer.image to null"
+    )
+
+
+def test_the_torch_engine_has_no_generation_role_to_place_in_an_environment():
+    issues = _issues(["cluster.roles.generation.image=sglang:1"])
+    (issue,) = issues.values()
+    assert issue.key == "cluster.roles.generation.image"
+    assert issue.fix.startswith("set cluster.roles.policy_server.image instead")
+
+
+@pytest.mark.parametrize(
+    "generation_override, outcome",
+    [
+        (None, "in the policy server's environment"),
+        ("cluster.roles.generation.image=sglang:1", "with both an interpreter and an image"),
+    ],
+)
+def test_sglang_servers_set_the_field_their_parent_policy_server_sets(generation_override, outcome):
+    """The policy server starts the SGLang servers; Ray would hand them its runtime_env."""
+    overrides = ["+experiment=math_1p5b", "cluster.roles.policy_server.python=/opt/core/bin/python"]
+    issues = _issues([*overrides, *([generation_override] if generation_override else [])])
+    (issue,) = issues.values()
+    assert issue.key == "cluster.roles.generation.python"
+    assert outcome in issue.problem
+
+
+def test_every_role_in_its_own_environment_is_a_valid_sglang_megatron_config():
+    roles = {
+        "generation": "python=/opt/envs/sglang/bin/python",
+        "policy_server": "python=/opt/envs/core/bin/python",
+        "trainer": "image=nvcr.io/megatron:1",
+        "gym_shards": "python=/opt/envs/core/bin/python",
+        "buffer": "image=nvcr.io/core:1",
+    }
+    overrides = [f"cluster.roles.{role}.{setting}" for role, setting in roles.items()]
+    config = validate_config(compose_raw(["+experiment=math_1p5b", *overrides]))
+    assert config.cluster.roles.trainer.kind == "image"
+    assert config.cluster.roles.generation.python == "/opt/envs/sglang/bin/python"
