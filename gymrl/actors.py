@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from gymrl.generation.policy_server import create_policy_server_app
 from gymrl.generation.sglang_engine import SGLangEngine, SGLangServerGroup
 from gymrl.generation.torch_engine import TorchGenerationEngine
 from gymrl.model.loading import load_tokenizer
+from gymrl.model.tokens import decode_text, eos_token_id, pad_token_id
 from gymrl.placement import Placement
 from gymrl.policy import build_policy, tokenizer_folder
 from gymrl.ray_calls import wait_for
@@ -89,10 +91,12 @@ class GenerationServer:
                 batch = generation.max_running_requests
             else:
                 model, tokenizer = build_policy(policy, config.run.seed)
+                # transformers' `to` is typed as unbound (see gymrl.model.loading.build_tiny_llama).
+                model.to(placement.generation.device)  # pyright: ignore[reportArgumentType]
                 self._engine = TorchGenerationEngine(
-                    model.to(placement.generation.device),
+                    model,
                     max_batch_size=generation.max_batch_size,
-                    eos_token_ids=[tokenizer.eos_token_id],
+                    eos_token_ids=[eos_token_id(tokenizer)],
                     seed=config.run.seed,
                 )
                 batch = generation.max_batch_size
@@ -174,7 +178,7 @@ class GymShard:
                 max_retries=rollout.max_retries,
             ),
             vocab_size=len(tokenizer),
-            decode=tokenizer.decode,
+            decode=partial(decode_text, tokenizer, skip_special_tokens=False),
         )
 
     def agents(self) -> list[str]:
@@ -208,14 +212,14 @@ class PolicyTrainerActor:
         torch.set_num_threads(torch_threads)
         torch.manual_seed(seed)
         model, tokenizer = build_policy(policy, seed)
+        # transformers' `to` is typed as unbound (see gymrl.model.loading.build_tiny_llama).
+        model.to(device)  # pyright: ignore[reportArgumentType]
         self._trainer = TorchPolicyTrainer(
-            model.to(device),
+            model,
             trainer,
             loss,
             temperature=temperature,
-            pad_token_id=tokenizer.pad_token_id
-            if tokenizer.pad_token_id is not None
-            else tokenizer.eos_token_id,
+            pad_token_id=pad_token_id(tokenizer),
             keep_last_checkpoints=keep_last_checkpoints,
         )
 
@@ -235,7 +239,8 @@ class PolicyTrainerActor:
         return self._trainer.load_checkpoint(Path(path))
 
 
-ReplayBufferActor = ray.remote(num_cpus=0, max_concurrency=4)(ReplayBuffer)
+# A threaded actor: Ray's typed overload of remote(...) leaves out the actor-only max_concurrency.
+ReplayBufferActor = ray.remote(num_cpus=0, max_concurrency=4)(ReplayBuffer)  # pyright: ignore[reportCallIssue]
 
 
 def close_actor(actor: Any, *, timeout_s: float | None = None) -> None:

