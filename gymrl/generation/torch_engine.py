@@ -65,7 +65,7 @@ class _BufferedLayer(DynamicLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._key_buffer is None:
+        if self._key_buffer is None or self._value_buffer is None:
             self._key_buffer, self._value_buffer = key_states, value_states
             self._length = key_states.shape[-2]
         else:
@@ -76,14 +76,20 @@ class _BufferedLayer(DynamicLayer):
             self._key_buffer[:, :, self._length : end] = key_states
             self._value_buffer[:, :, self._length : end] = value_states
             self._length = end
-        self._expose()
-        return self.keys, self.values
+        return self._expose()
 
-    def _expose(self) -> None:
-        self.keys = self._key_buffer[:, :, : self._length]
-        self.values = self._value_buffer[:, :, : self._length]
-        self.device = self._key_buffer.device
+    def cached(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values cached so far; the base class types `keys`/`values` as optional."""
+        if self._key_buffer is None or self._value_buffer is None:
+            raise RuntimeError("this cache layer was read before the model wrote to it")
+        return self._key_buffer[:, :, : self._length], self._value_buffer[:, :, : self._length]
+
+    def _expose(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Point `keys`/`values` (what the attention code reads) at the filled part."""
+        self.keys, self.values = keys, values = self.cached()
+        self.device = keys.device
         self.is_initialized = True
+        return keys, values
 
 
 def _grown(buffer: torch.Tensor, filled: int, capacity: int) -> torch.Tensor:
@@ -144,7 +150,7 @@ class _DecodeBatch:
 
     @property
     def width(self) -> int:
-        return self.layers[0].keys.shape[-2] if self.layers else 0
+        return self.layers[0].get_seq_length() if self.layers else 0
 
     def rebuild(self, keep: Sequence[int], arrivals: Sequence[_Arrival]) -> None:
         """Keep rows `keep` (indices into `self.rows`), append `arrivals`, and re-pack the cache.
@@ -297,7 +303,14 @@ class TorchGenerationEngine:
         self._max_batch_size = max_batch_size
         self._eos_ids = frozenset(int(token) for token in eos_token_ids)
         self._prefill_token_budget = prefill_token_budget
-        self._vocab_size = model.get_input_embeddings().num_embeddings
+        embeddings = model.get_input_embeddings()
+        if not isinstance(embeddings, torch.nn.Embedding):
+            raise ValueError(
+                f"TorchGenerationEngine needs a token embedding (torch.nn.Embedding) as the "
+                f"model's input layer; this model's is {type(embeddings).__name__}"
+            )
+        self._vocab_size = embeddings.num_embeddings
+        self._num_layers = model.config.get_text_config().num_hidden_layers
         self._device = next(model.parameters()).device
         self._dtype = next(model.parameters()).dtype
         # transformers renamed `past_key_values` to `cache` in 5.x; use whichever this one takes.
@@ -358,7 +371,7 @@ class TorchGenerationEngine:
             )
 
     def _serve(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
-        outputs: list[GenerationOutput | None] = [None] * len(requests)
+        outputs: dict[int, GenerationOutput] = {}
         waiting = deque(self._new_row(index, request) for index, request in enumerate(requests))
         batch = _DecodeBatch()
         keep = []
@@ -377,7 +390,7 @@ class TorchGenerationEngine:
                 continue
             self._decode_step(batch)
             keep = [i for i, row in enumerate(batch.rows) if not self._finish_if_done(row, outputs)]
-        return outputs  # every row was finished, so no entry is None
+        return [outputs[index] for index in range(len(requests))]  # every row has finished
 
     def _new_row(self, index: int, request: GenerationRequest) -> _Row:
         params = request.params
@@ -392,7 +405,7 @@ class TorchGenerationEngine:
             generator=torch.Generator().manual_seed(seed),
         )
 
-    def _finish_if_done(self, row: _Row, outputs: list[GenerationOutput | None]) -> bool:
+    def _finish_if_done(self, row: _Row, outputs: dict[int, GenerationOutput]) -> bool:
         if row.finish_reason is None:
             return False
         outputs[row.index] = GenerationOutput(
@@ -419,21 +432,22 @@ class TorchGenerationEngine:
             allowed = (segment[:, None] == segment[None, :]) & (
                 positions[:, None] >= positions[None, :]
             )
-            cache = Cache(layer_class_to_replicate=_BufferedLayer)
+            layers = [_BufferedLayer() for _ in range(self._num_layers)]
             logits = self._forward(
                 ids[None],
                 self._additive_mask(allowed[None, None]),
                 positions[None],
-                cache,
+                layers,
                 ends - 1,
             )[0]
             self._sample_into(chunk, logits)
+            cached = [layer.cached() for layer in layers]
             for row, start, end in zip(chunk, starts.tolist(), ends.tolist(), strict=True):
                 arrivals.append(
                     _Arrival(
                         row,
-                        keys=[layer.keys[0, :, start:end] for layer in cache.layers],
-                        values=[layer.values[0, :, start:end] for layer in cache.layers],
+                        keys=[keys[0, :, start:end] for keys, _ in cached],
+                        values=[values[0, :, start:end] for _, values in cached],
                     )
                 )
         return arrivals
@@ -444,9 +458,12 @@ class TorchGenerationEngine:
         cached = torch.tensor([row.cached for row in batch.rows], device=self._device)
         allowed = torch.arange(width, device=self._device) >= (width - 1 - cached)[:, None]
         last = torch.tensor([row.token_ids[-1] for row in batch.rows], device=self._device)
-        cache = Cache(layers=batch.layers)
         logits = self._forward(
-            last[:, None], self._additive_mask(allowed[:, None, None, :]), cached[:, None], cache, 1
+            last[:, None],
+            self._additive_mask(allowed[:, None, None, :]),
+            cached[:, None],
+            batch.layers,
+            1,
         )[:, -1]
         self._sample_into(batch.rows, logits)
 
@@ -455,16 +472,19 @@ class TorchGenerationEngine:
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         position_ids: torch.Tensor,
-        cache: Cache,
+        layers: Sequence[_BufferedLayer],
         logits_to_keep: int | torch.Tensor,
     ) -> torch.Tensor:
+        """Logits of one forward pass whose attention reads and extends `layers`, one per model
+        layer."""
         output = self._model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=True,
             logits_to_keep=logits_to_keep,
-            **{self._cache_argument: cache},
+            # A list of its own: Cache types `layers` as a list of any cache layer kind.
+            **{self._cache_argument: Cache(layers=list(layers))},
         )
         return output.logits
 

@@ -216,6 +216,14 @@ def test_invalid_requests_are_rejected_naming_the_field(model, bad, message):
         make_engine(model).generate([request([1, 2]), bad])
 
 
+def test_a_model_whose_input_layer_is_not_a_token_embedding_is_refused(tokenizer):
+    """The engine reads the vocabulary size off the embedding to check prompt ids."""
+    model = tiny_llama(tokenizer, seed=0)
+    model.set_input_embeddings(torch.nn.Identity())
+    with pytest.raises(ValueError, match=r"torch\.nn\.Embedding.*Identity"):
+        make_engine(model)
+
+
 def test_concurrent_calls_from_four_threads(model, prompts):
     engine = make_engine(model, max_batch_size=2)
     batches = [
