@@ -80,7 +80,8 @@ def _step_axis(axis) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # `python -OO` strips docstrings.
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("metrics", type=Path, help="a run's metrics.jsonl")
     parser.add_argument("-o", "--output", type=Path, help="PNG path (default: beside the input)")
     args = parser.parse_args()

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import ray
+from ray.exceptions import GetTimeoutError, RayTaskError
 
 
 def wait_for(ref: Any, *, timeout_s: float, what: str) -> Any:
@@ -17,9 +18,9 @@ def wait_for(ref: Any, *, timeout_s: float, what: str) -> Any:
     `what` did not finish."""
     try:
         return ray.get(ref, timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError:
+    except GetTimeoutError:
         raise TimeoutError(f"{what} did not finish within {timeout_s:g} s") from None
-    except ray.exceptions.RayTaskError as error:
+    except RayTaskError as error:
         if isinstance(error.cause, Exception):
             raise error.cause from None
         raise

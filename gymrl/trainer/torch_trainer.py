@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import PreTrainedModel
 
 from gymrl.algo.loss import masked_token_logprobs
 from gymrl.algo.trajectory import Trajectory, collate
@@ -26,7 +27,7 @@ from gymrl.trainer.grpo_step import loss_normalizer, micro_batch_loss, reduce_lo
 class TorchPolicyTrainer:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         config: TorchTrainerConfig,
         loss: LossConfig,
         *,
@@ -105,14 +106,20 @@ class TorchPolicyTrainer:
             logprobs, batch, self._loss, normalizer=normalizer, reference_logprobs=reference
         )
 
-    def _logprobs(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _logprobs(self, model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Log-probabilities of the generated tokens; the vocabulary projection runs only there."""
+        output_layer = model.get_output_embeddings()
+        if output_layer is None:
+            raise ValueError(
+                f"{type(model).__name__} has no output layer (lm_head); the torch trainer trains "
+                "causal language models"
+            )
         hidden = model.base_model(
             input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
         ).last_hidden_state
         return masked_token_logprobs(
             hidden,
-            model.get_output_embeddings(),
+            output_layer,
             batch["input_ids"],
             batch["loss_mask"],
             self._temperature,

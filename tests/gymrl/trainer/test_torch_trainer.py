@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from transformers import LlamaModel
 
 from gymrl.algo.loss import sequence_logprobs
 from gymrl.algo.trajectory import Trajectory, collate
@@ -79,6 +80,21 @@ def test_a_batch_without_generated_tokens_is_refused(trainer):
     masked = Trajectory([], [], [], 1.0, "agent", "g", 0)
     with pytest.raises(ValueError, match="no trajectory with generated tokens"):
         trainer.train_step([masked], torch.tensor([0.0]))
+
+
+def test_a_model_without_an_output_layer_is_refused(trainer):
+    """A bare decoder (no lm_head) has no vocabulary projection to train through."""
+    trajectory = _trajectory(trainer, [5, 6], [7, 8], reward=1.0)
+    bare = TorchPolicyTrainer(
+        LlamaModel(trainer.model.config),
+        TorchTrainerConfig(),
+        LossConfig(),
+        temperature=1.0,
+        pad_token_id=0,
+        keep_last_checkpoints=1,
+    )
+    with pytest.raises(ValueError, match="LlamaModel has no output layer"):
+        bare.train_step([trajectory], torch.tensor([1.0]))
 
 
 def test_checkpoint_round_trip_restores_weights_optimizer_and_version(trainer, tmp_path):
