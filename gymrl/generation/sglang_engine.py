@@ -311,7 +311,9 @@ class SGLangServerGroup:
         """Stop the servers and end their actors; the placement group is the run's."""
         self._ray.get([actor.stop.remote() for actor in self._actors], timeout=timeout_s)
         for actor in self._actors:
-            self._ray.kill(actor)
+            # Ray types a created actor as `ActorHandle | type[cls]` (so its methods type-check);
+            # kill takes the handle, which is what it is at run time.
+            self._ray.kill(actor)  # pyright: ignore[reportArgumentType]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -125,4 +125,6 @@ class MegatronTrainerGroup:
     def shutdown(self) -> None:
         """End the ranks; the placement group belongs to whoever reserved it."""
         for actor in self._actors:
-            self._ray.kill(actor)
+            # Ray types a created actor as `ActorHandle | type[cls]` (so its methods type-check);
+            # kill takes the handle, which is what it is at run time.
+            self._ray.kill(actor)  # pyright: ignore[reportArgumentType]
