@@ -21,6 +21,7 @@ train: install
 test: install
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
+	$(PYTHON) -m pyright
 	$(PYTHON) -m pytest
 
 test-slow:
@@ -33,9 +34,11 @@ test-gpu:
 test-gpu-quick:
 	bash launch/gpu_check/run.sh
 
+# pyright: basic mode over gymrl, nemo_gym_ext and recipes (`[tool.pyright]` in pyproject.toml).
 lint:
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
+	$(PYTHON) -m pyright
 
 format:
 	$(PYTHON) -m ruff check --fix .
