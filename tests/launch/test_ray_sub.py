@@ -1,7 +1,14 @@
-"""launch/ray.sub without Slurm: syntax, the dry-run plan, and the GPU wait against a stub `ray`.
+"""launch/ray.sub without Slurm: syntax, the dry-run plan, whole runs against a fake Slurm, and
+the GPU wait against a stub `ray`.
 
-The script runs its `main` only when executed, so a test can source it and call `wait_for_gpus`
-with `RAY` pointing at a stub that prints `ray status` output.
+The fake Slurm (`fake_slurm`) is a set of scripts on PATH: `srun` logs its arguments and runs the
+command as pyxis would (a `--container-image` step creates the node's named container, a
+`--container-name=NAME:exec` step must find it running), `scontrol` lists the nodes and their
+GRES, `getent`/`ip` answer the head's route, and `ray`/`python` record where they ran. With
+`FAKE_IMAGE_ONLY=1` they exist only inside a container, as on a cluster whose hosts have no Ray.
+
+The script runs its `main` only when executed, so a test can also source it and call
+`wait_for_gpus` with `RAY` pointing at a stub that prints `ray status` output.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ Demands:
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CONTAINER_"))}
     return env | extra
 
 
@@ -44,6 +51,127 @@ def _bash(command: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["bash", "-c", command], capture_output=True, text=True, timeout=60, env=_env(**env)
     )
+
+
+def _script(path: Path, body: str) -> None:
+    path.write_text("#!/bin/bash\n" + body)
+    path.chmod(0o755)
+
+
+FAKE_SRUN = r"""
+printf '%s\x1f' "$@" >>"$FAKE/srun.log"; printf '\x1e' >>"$FAKE/srun.log"  # args, record
+node='' image='' name=''
+while [[ "$1" == --* ]]; do
+  case "$1" in
+    --nodelist=*) node="${1#*=}" ;;
+    --container-image=*) image="${1#*=}" ;;
+    --container-name=*) name="${1#*=}" ;;
+  esac
+  shift
+done
+export FAKE_NODE="$node"
+unset FAKE_CONTAINER
+running="$FAKE/containers/$node/${name%%:*}" created=0
+if [[ "$name" == *:exec ]]; then
+  [[ -e "$running" ]] || { echo "pyxis: error: the container is not running" >&2; exit 1; }
+  export FAKE_CONTAINER="$node/${name%%:*}"
+elif [[ -n "$name" && -n "$image" ]]; then
+  mkdir -p "$FAKE/containers/$node" && touch "$running" && created=1
+  export FAKE_CONTAINER="$node/$name"
+fi
+"$@" &
+child=$!
+trap 'kill -TERM $child' TERM
+wait $child; code=$?
+while kill -0 $child 2>/dev/null; do wait $child; code=$?; done
+((created)) && rm -f "$running"
+exit $code
+"""
+
+FAKE_RAY = r"""
+where="${FAKE_NODE:-batch} ${FAKE_CONTAINER:-host}"
+if [[ -n "${FAKE_IMAGE_ONLY:-}" && -z "${FAKE_CONTAINER:-}" ]]; then
+  echo "ray: command not found" >&2; exit 127
+fi
+echo "$where $*" >>"$FAKE/ray.log"
+case "$1" in
+  start)
+    for arg; do [[ "$arg" == --num-gpus=* ]] && echo "${arg#*=}" >"$FAKE/gpus.$FAKE_NODE"; done
+    trap 'echo "$where stopped" >>"$FAKE/ray.log"; exit 0' TERM
+    while :; do sleep 0.05; done ;;
+  status)
+    total=$(cat "$FAKE"/gpus.* 2>/dev/null | awk '{ total += $1 } END { print total + 0 }')
+    printf 'Resources\n Usage:\n 0.0/64.0 CPU\n 0.0/%s.0 GPU\n' "$total" ;;
+esac
+"""
+
+FAKE_PYTHON = r"""
+if [[ -n "${FAKE_IMAGE_ONLY:-}" && -z "${FAKE_CONTAINER:-}" ]]; then
+  echo "python: command not found" >&2; exit 127
+fi
+echo "${FAKE_NODE:-batch} ${FAKE_CONTAINER:-host} RAY_ADDRESS=$RAY_ADDRESS $*" >>"$FAKE/recipe.log"
+"""
+
+
+@pytest.fixture
+def fake_slurm(tmp_path: Path):
+    """A three-node allocation n0..n2 with IPs 10.1.0.1..3 on ib0."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _script(bin_dir / "srun", FAKE_SRUN)
+    _script(bin_dir / "ray", FAKE_RAY)
+    _script(bin_dir / "python", FAKE_PYTHON)
+    _script(
+        bin_dir / "scontrol",
+        """case "$1 $2" in
+  "show hostnames") printf '%s\\n' $FAKE_NODES ;;
+  "show node") echo "NodeName=$4 Arch=x86_64 CoresPerSocket=32 Gres=$FAKE_GRES State=ALLOCATED" ;;
+esac
+""",
+    )
+    _script(
+        bin_dir / "getent", '[[ "$1" == ahostsv4 ]] && echo "10.1.0.$((${2#n} + 1)) STREAM $2"\n'
+    )
+    _script(
+        bin_dir / "ip",
+        '[[ "$*" == "-o -4 route get "* ]] && '
+        'echo "$5 dev ib0 src ${FAKE_SRC:-10.1.0.1} uid 1000 \\    cache"\n',
+    )
+    return tmp_path
+
+
+def _run_job(fake: Path, *overrides: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", str(SCRIPT), *overrides],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_env(
+            PATH=f"{fake / 'bin'}:{os.environ['PATH']}",
+            FAKE=str(fake),
+            FAKE_NODES="n0 n1 n2",
+            FAKE_GRES="gpu:h200:4(S:0-1)",
+            SLURM_JOB_ID="77",
+            SLURM_JOB_NODELIST="n[0-2]",
+            GPUS_PER_NODE="4",
+            CPUS_PER_NODE="8",
+            REPO_DIR=str(SCRIPT.parents[1]),
+            PYTHON=str(fake / "bin" / "python"),
+            RAY_POLL_S="0.05",
+            RAY_WAIT_TIMEOUT_S="20",
+        )
+        | env,
+    )
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def _steps(fake: Path) -> list[list[str]]:
+    """The argument lists of every `srun` call, in order."""
+    records = (fake / "srun.log").read_text().split("\x1e")[:-1]
+    return [record.split("\x1f")[:-1] for record in records]
 
 
 @pytest.fixture
@@ -65,7 +193,20 @@ sed "s/{{gpus}}/$gpus/" {status}
 """
     )
     stub.chmod(0o755)
+    _script(tmp_path / "srun", FAKE_SRUN)
     return tmp_path
+
+
+def _wait_for_gpus(stub: Path, command: str, timeout_s: str) -> subprocess.CompletedProcess[str]:
+    """`command` after sourcing the script, with the globals `main` would set (head n0)."""
+    return _bash(
+        f"source {SCRIPT}; HEAD=n0 GPU_GRES=1 GPUS_PER_NODE=8 CPUS_PER_NODE=1; {command}",
+        PATH=f"{stub}:{os.environ['PATH']}",
+        FAKE=str(stub),
+        RAY=str(stub / "ray"),
+        RAY_POLL_S="0.05",
+        RAY_WAIT_TIMEOUT_S=timeout_s,
+    )
 
 
 def test_script_is_valid_bash():
@@ -101,7 +242,8 @@ def test_dry_run_prints_the_cluster_plan_and_forwards_overrides():
         w[7:] == ["ray", "start", "--address=n0:6379", "--num-gpus=8", "--num-cpus=32", "--block"]
         for w in workers
     )
-    assert recipe[7:] == [
+    assert recipe[:6] == [*step, "--nodelist=n0", "--cpus-per-task=32"]
+    assert recipe[6:] == [
         "python",
         "recipes/grpo.py",
         "cluster.ray_address=auto",
@@ -113,7 +255,7 @@ def test_dry_run_prints_the_cluster_plan_and_forwards_overrides():
     ]
 
 
-def test_container_image_goes_on_every_step():
+def test_dry_run_creates_each_nodes_container_and_attaches_to_the_heads():
     result = subprocess.run(
         ["bash", str(SCRIPT)],
         capture_output=True,
@@ -121,44 +263,51 @@ def test_container_image_goes_on_every_step():
         timeout=60,
         env=_env(
             DRY_RUN="1",
-            DRY_RUN_NODES="n0",
+            DRY_RUN_NODES="n0 n1",
             CONTAINER_IMAGE="nvcr.io/org/gym-grpo:1",
             CONTAINER_MOUNTS="/lustre:/lustre",
             REPO_DIR=str(SCRIPT.parents[1]),
         ),
     )
     assert result.returncode == 0, result.stderr
-    for line in result.stdout.splitlines():
-        words = shlex.split(line.removeprefix("DRY_RUN: "))
-        assert "--container-image=nvcr.io/org/gym-grpo:1" in words
-        assert "--container-mounts=/lustre:/lustre" in words
-        assert f"--container-workdir={SCRIPT.parents[1]}" in words
+    head, worker, recipe = [
+        shlex.split(line.removeprefix("DRY_RUN: ")) for line in result.stdout.splitlines()
+    ]
+    workdir = f"--container-workdir={SCRIPT.parents[1]}"
+    for ray_step in (head, worker):
+        assert ray_step[7:11] == [
+            "--container-image=nvcr.io/org/gym-grpo:1",
+            "--container-name=gym-grpo-ray-dry-run",
+            "--container-mounts=/lustre:/lustre",
+            workdir,
+        ]
+    assert recipe[4:8] == [
+        "--nodelist=n0",
+        "--cpus-per-task=16",
+        "--container-name=gym-grpo-ray-dry-run:exec",
+        workdir,
+    ]
+    polls = re.findall(r"DRY_RUN: would poll (.*) until", result.stderr)
+    assert [shlex.split(poll)[:8] for poll in polls] == [recipe[:8]] * 2
 
 
 def test_wait_for_gpus_polls_until_all_are_registered(stub_ray):
-    result = _bash(
-        f"source {SCRIPT}; wait_for_gpus head:6379 16",
-        RAY=str(stub_ray / "ray"),
-        RAY_POLL_S="0.05",
-        RAY_WAIT_TIMEOUT_S="30",
-    )
+    result = _wait_for_gpus(stub_ray, "wait_for_gpus head:6379 16", timeout_s="30")
     assert result.returncode == 0, result.stderr
     assert "waiting for Ray at head:6379: 0/16 GPUs registered" in result.stderr
     assert "waiting for Ray at head:6379: 8/16 GPUs registered" in result.stderr
     assert "Ray at head:6379 has 16/16 GPUs" in result.stderr
     assert (stub_ray / "calls").read_text().strip() == "3"
+    polls = _steps(stub_ray)
+    assert len(polls) == 3
+    assert all(poll[3] == "--nodelist=n0" and "--gres=gpu:8" not in poll for poll in polls)
 
 
 def test_wait_for_gpus_fails_at_its_deadline(stub_ray):
     (stub_ray / "limit").write_text("8")
-    result = _bash(
-        f"source {SCRIPT}; wait_for_gpus head:6379 16",
-        RAY=str(stub_ray / "ray"),
-        RAY_POLL_S="0.05",
-        RAY_WAIT_TIMEOUT_S="1",
-    )
+    result = _wait_for_gpus(stub_ray, "wait_for_gpus head:6379 16", timeout_s="3")
     assert result.returncode == 1
-    assert "has 8/16 GPUs after RAY_WAIT_TIMEOUT_S=1 s" in result.stderr
+    assert "has 8/16 GPUs after RAY_WAIT_TIMEOUT_S=3 s" in result.stderr
 
 
 def test_outside_slurm_it_refuses_with_a_hint():
@@ -171,12 +320,81 @@ def test_outside_slurm_it_refuses_with_a_hint():
 
 def test_wait_for_gpus_fails_fast_when_a_ray_step_exits(stub_ray):
     (stub_ray / "limit").write_text("8")
-    result = _bash(
-        f"source {SCRIPT}; true & STEP_PIDS+=($!); STEP_NODES+=(n1); wait; "
-        "wait_for_gpus head:6379 16",
-        RAY=str(stub_ray / "ray"),
-        RAY_POLL_S="0.05",
-        RAY_WAIT_TIMEOUT_S="60",
+    result = _wait_for_gpus(
+        stub_ray,
+        "true & STEP_PIDS+=($!); STEP_NODES+=(n1); wait; wait_for_gpus head:6379 16",
+        timeout_s="60",
     )
     assert result.returncode == 1
     assert "the Ray step on n1 exited" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("image", "gres"),
+    [("", "gpu:h200:4(S:0-1)"), ("nvcr.io/org/gym-grpo:1", "(null)")],
+    ids=["bare-metal+gres", "container+no-gres"],
+)
+def test_a_job_runs_every_ray_and_python_call_where_ray_runs(fake_slurm, image, gres):
+    """Both modes end to end. In container mode `ray` and `python` exist only inside the image
+    (FAKE_IMAGE_ONLY), so a poll or a recipe outside the head's container would fail the job."""
+    result = _run_job(
+        fake_slurm,
+        "+experiment=swe_bench_30b",
+        CONTAINER_IMAGE=image,
+        FAKE_GRES=gres,
+        FAKE_IMAGE_ONLY="1" if image else "",
+    )
+    assert result.returncode == 0, result.stderr
+    # Where a call ran, as the fakes record it: "<node> <node>/<container>" or "<node> host".
+    where = {
+        node: f"{node} {node}/gym-grpo-ray-77" if image else f"{node} host"
+        for node in ("n0", "n1", "n2")
+    }
+    ray_calls = _lines(fake_slurm / "ray.log")
+    starts = [call for call in ray_calls if " start " in call]
+    assert starts[0].startswith(f"{where['n0']} start --head --node-ip-address=10.1.0.1 ")
+    assert sorted(starts[1:]) == [
+        f"{where[node]} start --address=10.1.0.1:6379 --num-gpus=4 --num-cpus=8 --block"
+        for node in ("n1", "n2")
+    ]
+    polls = [call for call in ray_calls if " status " in call]
+    assert len(polls) >= 2
+    assert set(polls) == {f"{where['n0']} status --address=10.1.0.1:6379"}
+    assert _lines(fake_slurm / "recipe.log") == [
+        f"{where['n0']} RAY_ADDRESS=10.1.0.1:6379 recipes/grpo.py cluster.ray_address=auto "
+        "cluster.num_nodes=3 cluster.gpus_per_node=4 +experiment=swe_bench_30b"
+    ]
+    assert sorted(call for call in ray_calls if call.endswith("stopped")) == [
+        f"{where[node]} stopped" for node in ("n0", "n1", "n2")
+    ]
+    steps = _steps(fake_slurm)
+    ray_steps = [step for step in steps if "start" in step]
+    assert len(ray_steps) == 3
+    assert all(("--gres=gpu:4" in step) == (not image) for step in ray_steps)
+    assert not any(
+        arg.startswith("--gres") for step in steps if "start" not in step for arg in step
+    )
+    assert any(arg.startswith("--container") for step in steps for arg in step) == bool(image)
+
+
+def test_the_head_ip_is_the_source_of_its_route_to_the_other_nodes(fake_slurm):
+    _run_job(fake_slurm, FAKE_SRC="10.1.0.9")
+    probe = _steps(fake_slurm)[0]
+    assert probe[3] == "--nodelist=n0" and probe[-1].endswith("route_source_ip n1")
+    assert _lines(fake_slurm / "ray.log")[0].startswith(
+        "n0 host start --head --node-ip-address=10.1.0.9"
+    )
+
+
+def test_ray_head_ip_overrides_the_probe(fake_slurm):
+    result = _run_job(fake_slurm, RAY_HEAD_IP="192.168.7.1")
+    assert result.returncode == 0, result.stderr
+    assert "route_source_ip" not in (fake_slurm / "srun.log").read_text()
+    assert "--node-ip-address=192.168.7.1 " in _lines(fake_slurm / "ray.log")[0]
+
+
+def test_a_loopback_head_ip_is_refused_on_several_nodes(fake_slurm):
+    result = _run_job(fake_slurm, FAKE_SRC="127.0.1.1")
+    assert result.returncode == 1
+    assert "the head's IP 127.0.1.1 is a loopback address" in result.stderr
+    assert not (fake_slurm / "ray.log").exists()
