@@ -44,6 +44,7 @@ one its sampler reported, which is what the importance-sampling correction needs
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import math
 import os
 import shutil
@@ -52,7 +53,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,7 @@ HEALTH_POLL_INTERVAL_S = 2.0  # the longest pause between health checks (they st
 STOP_GRACE_S = 30.0
 MAX_RESUMES = 8
 _LOG_TAIL_CHARS = 3000
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _WEIGHTS_FILE = "model.safetensors"
 
 
@@ -132,12 +134,37 @@ def server_command(
     return command
 
 
+def die_with_parent() -> Callable[[], None] | None:
+    """A `preexec_fn` that has the kernel SIGKILL the child when its parent dies (Linux), or None.
+
+    A server outlives its Ray actor otherwise: `ray.kill`, a crashed worker or a lost node leave
+    it holding its GPUs until the Slurm job ends, since nobody calls `stop()`. Only the direct
+    child is armed (forked children do not inherit the setting); SGLang arms its own scheduler
+    and detokenizer processes the same way (`kill_itself_when_parent_died`), so the whole server
+    follows. "Parent" is the thread that started the child: start servers from a thread that
+    lives as long as they do (a Ray actor's method thread does).
+    """
+    if sys.platform != "linux":
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork, not in the child
+    parent = os.getpid()
+
+    def arm() -> None:
+        if prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL)) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return arm
+
+
 class SGLangServerProcess:
     """One SGLang server subprocess: started on given GPUs, awaited until healthy, stopped.
 
     The server runs in its own process group (SGLang forks scheduler and detokenizer processes),
-    so :meth:`stop` can end all of them. Output goes to `log_path`; its tail is part of every
-    start-up error.
+    so :meth:`stop` can end all of them, and dies with the process that started it
+    (:func:`die_with_parent`) when that one ends without stopping it. Output goes to
+    `log_path`; its tail is part of every start-up error.
     """
 
     def __init__(
@@ -173,6 +200,7 @@ class SGLangServerProcess:
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,
+                preexec_fn=die_with_parent(),
             )
 
     def wait_healthy(self, timeout_s: float) -> None:

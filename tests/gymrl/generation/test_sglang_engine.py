@@ -16,6 +16,10 @@ weight version), so a test can tell which weights produced which token.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -503,6 +507,63 @@ def test_server_process_health_deadline_kills_it(tmp_path):
     with pytest.raises(SGLangTimeoutError, match=r"server_start_timeout_s=0\.3"):
         server.wait_healthy(timeout_s=0.3)
     assert server._process.poll() is not None
+
+
+# A stand-in for the Ray actor that owns a server: starts one, prints its pid, waits to be killed.
+_SERVER_OWNER = """
+import sys, time
+from gymrl.generation.sglang_engine import SGLangServerProcess
+server = SGLangServerProcess(
+    [sys.executable, "-c", "import time; time.sleep(600)"],
+    base_url="http://127.0.0.1:1",
+    log_path=sys.argv[1],
+)
+server.start()
+print(server.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` exists and is not a zombie (an orphan's reaper may be slow or absent)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux-only")
+def test_server_dies_with_the_process_that_started_it(tmp_path):
+    """kill -9 of the owner (as `ray.kill` or a crashed worker does) takes its server along,
+    although the server runs in its own process group and nobody calls stop()."""
+    repo = Path(__file__).resolve().parents[3]
+    env = os.environ | {
+        "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])
+    }
+    owner = subprocess.Popen(
+        [sys.executable, "-c", _SERVER_OWNER, str(tmp_path / "s.log")],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    server_pid = None
+    try:
+        assert owner.stdout is not None
+        server_pid = int(owner.stdout.readline())
+        assert _running(server_pid) and os.getpgid(server_pid) == server_pid
+        owner.kill()
+        owner.wait()
+        deadline = time.monotonic() + 10
+        while _running(server_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(server_pid)
+    finally:
+        owner.kill()
+        owner.wait()
+        if server_pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server_pid, signal.SIGKILL)  # only if the test failed
 
 
 # -------------------------------------------------------------------------------- real SGLang
