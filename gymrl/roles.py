@@ -53,6 +53,15 @@ class TorchTrainerRole:
             torch_threads=torch_threads,
             device=role.device,
         )
+        try:
+            wait_for(
+                self._actor.weight_version.remote(),  # answers once the model is built
+                timeout_s=config.trainer.start_timeout_s,
+                what="starting the torch trainer (trainer.start_timeout_s)",
+            )
+        except BaseException:
+            close_actor(self._actor)  # the recipe's cleanup never sees a role that did not start
+            raise
 
     def train_step(self, trajectories: list[Trajectory], advantages: torch.Tensor) -> dict:
         return self._wait(self._actor.train_step.remote(trajectories, advantages), "a train step")
@@ -87,7 +96,7 @@ class MegatronTrainerRole:
             placement_group=group,
             ranks=placement.trainer,
             temperature=config.generation.sampling.temperature,
-            start_timeout_s=config.cluster.ray_start_timeout_s,
+            start_timeout_s=config.trainer.start_timeout_s,
             call_timeout_s=config.grpo.batch_timeout_s,
         )
 

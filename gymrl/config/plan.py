@@ -80,17 +80,17 @@ def _generation_line(config: RecipeConfig) -> str:
 
 def _trainer_line(config: RecipeConfig) -> str:
     trainer = config.trainer
-    lr = f"AdamW lr {trainer.optimizer.lr:g}"
+    common = f"AdamW lr {trainer.optimizer.lr:g}; start-up deadline {trainer.start_timeout_s:g} s"
     if isinstance(trainer, TorchTrainerConfig):
         device = _torch_device(config, trainer_gpus(config))
-        return f"torch on {device}, micro-batch {trainer.micro_batch_size}; {lr}"
+        return f"torch on {device}, micro-batch {trainer.micro_batch_size}; {common}"
     gpus = trainer_gpus(config)
     data_parallel = gpus // trainer.model_parallel_size
     return (
         f"megatron: {gpus} GPUs, TP {trainer.tensor_model_parallel_size} x PP "
         f"{trainer.pipeline_model_parallel_size} x CP {trainer.context_parallel_size} -> DP "
         f"{data_parallel}, EP {trainer.expert_model_parallel_size}, sequence parallel "
-        f"{'on' if trainer.sequence_parallel else 'off'}; {lr}"
+        f"{'on' if trainer.sequence_parallel else 'off'}; {common}"
     )
 
 

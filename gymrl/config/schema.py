@@ -178,6 +178,14 @@ GenerationConfig = Annotated[
 
 # ----------------------------------------------------------------------------------------- trainer
 LearningRate = Annotated[float, Field(gt=0, description="AdamW learning rate.")]
+TrainerStartTimeout = Annotated[
+    float,
+    Field(
+        gt=0,
+        description="Deadline for the trainer's actors to start: placed, model loaded, process "
+        "group joined. Shown by the dry-run plan.",
+    ),
+]
 WeightDecay = Annotated[float, Field(ge=0, description="AdamW weight decay.")]
 
 
@@ -209,6 +217,8 @@ class MegatronOptimizerConfig(OptimizerConfig):
 class TorchTrainerConfig(Strict):
     backend: Literal["torch"] = "torch"
     micro_batch_size: int = Field(default=4, gt=0, description="Sequences per forward/backward.")
+    # One process loading a model that fits one device.
+    start_timeout_s: TrainerStartTimeout = 300.0
     optimizer: TorchOptimizerConfig = Field(default_factory=TorchOptimizerConfig)
 
 
@@ -229,6 +239,9 @@ class MegatronTrainerConfig(Strict):
         description="Layer implementation: Transformer Engine (fused kernels, needed for context "
         "parallelism) or Megatron's local PyTorch layers (for machines without TE).",
     )
+    # A 30B MoE on 64 ranks: rendezvous, Hugging Face-to-Megatron conversion of every rank's
+    # shard from a shared filesystem, distributed optimizer allocation.
+    start_timeout_s: TrainerStartTimeout = 1800.0
     optimizer: MegatronOptimizerConfig = Field(default_factory=MegatronOptimizerConfig)
 
     @property

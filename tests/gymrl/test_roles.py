@@ -88,3 +88,27 @@ def test_torch_role_trains_refits_checkpoints_and_closes(config, tmp_path):
         time.sleep(0.2)
     else:
         pytest.fail("the trainer actor still answers after close()")
+
+
+def test_torch_role_start_is_bounded_by_trainer_start_timeout_s(tmp_path):
+    config = validate_config(compose_raw(["+experiment=smoke", "trainer.start_timeout_s=0.001"]))
+    placement = plan_placement(config)
+    with pytest.raises(
+        TimeoutError,
+        match=r"starting the torch trainer \(trainer.start_timeout_s\) did not finish within "
+        r"0.001 s",
+    ):
+        build_trainer_role(config, tmp_path, 1, placement, reserve(placement, 30))
+
+
+def test_megatron_role_waits_trainer_start_timeout_s_for_its_ranks(tmp_path, monkeypatch):
+    """The group's constructor is where Megatron's ranks start (rendezvous, model load)."""
+    import gymrl.trainer.megatron.group as megatron_group
+
+    received = {}
+    monkeypatch.setattr(
+        megatron_group, "MegatronTrainerGroup", lambda config, **kwargs: received.update(kwargs)
+    )
+    config = validate_config(compose_raw(["+experiment=math_1p5b", "trainer.start_timeout_s=2400"]))
+    build_trainer_role(config, tmp_path, 1, plan_placement(config), group=None)
+    assert received["start_timeout_s"] == 2400.0

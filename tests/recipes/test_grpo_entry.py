@@ -43,6 +43,7 @@ def test_swe_plan_names_gpus_per_role_and_shards(tmp_path):
     assert "Qwen3-30B-A3B" in out
     assert "16 engine(s) x TP 4 (EP 4) = 64 GPUs" in out
     assert "megatron: 64 GPUs, TP 4 x PP 1 x CP 2 -> DP 8, EP 8" in out
+    assert "start-up deadline 1800 s" in out  # the Megatron default, sized for this load
     assert "openhands: truncate_noncontiguous_episodes=true" in out
     assert "mini_swe: truncate_noncontiguous_episodes=true" in out
 

@@ -14,6 +14,7 @@ from gymrl.algo.trajectory import Trajectory
 from gymrl.config.schema import RecipeConfig
 from gymrl.net import free_port
 from gymrl.placement import RolePlacement, actor_options
+from gymrl.ray_calls import wait_for
 from gymrl.trainer.grpo_step import reduce_loss_metrics
 from gymrl.trainer.megatron.arguments import (
     data_parallel_size,
@@ -62,7 +63,11 @@ class MegatronTrainerGroup:
         self._timeout = call_timeout_s
         probe = actor_options(replace(ranks, gpus_per_actor=0.0), 0, placement_group)
         address = ray.remote(_node_address).options(**probe)
-        master_addr, master_port = ray.get(address.remote(), timeout=start_timeout_s)
+        master_addr, master_port = wait_for(
+            address.remote(),
+            timeout_s=start_timeout_s,
+            what="placing the Megatron trainer's rank 0 (trainer.start_timeout_s)",
+        )
         worker = ray.remote(MegatronPolicyTrainer)
         self._actors = [
             worker.options(
@@ -76,7 +81,11 @@ class MegatronTrainerGroup:
             for rank in range(world_size)
         ]
         # Construction (rendezvous, model load) runs in every actor at once; wait for all.
-        started = ray.get([actor.ready.remote() for actor in self._actors], timeout=start_timeout_s)
+        started = wait_for(
+            [actor.ready.remote() for actor in self._actors],
+            timeout_s=start_timeout_s,
+            what=f"starting the Megatron trainer's {world_size} ranks (trainer.start_timeout_s)",
+        )
         if started != list(range(world_size)):
             raise RuntimeError(
                 f"trainer actors report ranks {started}, expected 0..{world_size - 1}"

@@ -5,6 +5,7 @@ import shutil
 import pytest
 
 from gymrl.config.compose import CONFIG_DIR, compose_raw, experiment_names
+from gymrl.config.plan import render_plan
 from gymrl.config.validate import gym_actor_configs, validate_config
 from nemo_gym_ext.config import ConfigError
 
@@ -98,3 +99,19 @@ def test_a_typo_inside_an_experiment_file_is_rejected_by_name(conf_copy):
         "truncate_noncontiguous_episodes"
         in by_key["env.nemo_gym.truncate_noncontigous_episodes"].fix
     )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "deadline"),
+    [
+        ([], "300 s"),
+        (["trainer.start_timeout_s=45"], "45 s"),
+        (["+experiment=swe_bench_30b"], "1800 s"),
+    ],
+    ids=["torch-default", "override", "megatron-default"],
+)
+def test_the_plan_shows_the_trainers_start_up_deadline(overrides, deadline):
+    """Per backend: a torch process loads one small model; 64 Megatron ranks load a 30B MoE."""
+    config = validate_config(compose_raw(overrides))
+    [training] = [line for line in render_plan(config, "out").splitlines() if "training" in line]
+    assert training.endswith(f"; start-up deadline {deadline}")
