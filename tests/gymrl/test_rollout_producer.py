@@ -14,7 +14,7 @@ import pytest
 from gymrl.config.schema import GRPOConfig
 from gymrl.data import RowStream
 from gymrl.replay_buffer import ReplayBuffer
-from gymrl.train import RolloutProducer
+from gymrl.rollout_producer import RolloutProducer
 from nemo_gym_ext.rollout import GroupOutcome, RolloutBudgetExceeded, UnknownAgentError
 
 AGENT = "calc_agent"
