@@ -2,7 +2,7 @@
 
 Offline tests read the locks and pyproject.toml. Tests marked `registry` resolve each role again
 against the package registry for its GPU platform (envs/resolve.py, uv), which needs the network:
-CI runs them (`python -m pytest -m registry`, about 50 s with a warm uv cache).
+CI runs them (`python -m pytest -m registry`, about 70 s with the conflict case).
 """
 
 from __future__ import annotations
