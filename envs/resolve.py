@@ -117,7 +117,8 @@ def read_pins(text: str) -> dict[str, str]:
 
 
 def compare(role: str, python: str, locked: dict[str, str], resolved: dict[str, str]) -> list[str]:
-    """Every difference between a role's lock and a fresh resolution, one line each."""
+    """Every difference between a role's lock and a resolution constrained by it, one line each
+    (a pinned version cannot differ: the lock is the resolver's constraints)."""
     where = f"{role} (Python {python})"
     problems = [
         f"{where}: {name}=={version} is resolved but not pinned in envs/{role}.txt"
@@ -128,11 +129,6 @@ def compare(role: str, python: str, locked: dict[str, str], resolved: dict[str, 
         f"{where}: {name}=={version} is pinned in envs/{role}.txt but nothing needs it"
         for name, version in sorted(locked.items())
         if name not in resolved
-    ]
-    problems += [
-        f"{where}: {name} resolves to {resolved[name]}, envs/{role}.txt pins {version}"
-        for name, version in sorted(locked.items())
-        if name in resolved and resolved[name] != version
     ]
     return problems
 
@@ -190,7 +186,8 @@ def _header(role: Role) -> str:
         f"# Role `{role.name}`: {role.summary}.\n"
         f"# Exact pins for CPython {' and '.join(role.pythons)}, Linux x86-64, {glibc}.\n"
         f"# Install: pip install -c envs/{role.name}.txt -e '.[{extras}]'\n"
-        f"# Built from source on install: {', '.join(role.sdists)}.\n"
+        f"# Built from source on install: {', '.join(role.sdists)}\n"
+        '# (docs/cluster.md, "Role environments", says how).\n'
         "# Written by `make envs-lock`; `make envs-check` proves it resolves.\n"
     )
 
