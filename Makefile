@@ -43,7 +43,7 @@ envs-lock: install
 envs-check: install
 	$(PYTHON) -m pytest -m registry tests/envs
 
-# pyright: basic mode over gymrl, nemo_gym_ext and recipes (`[tool.pyright]` in pyproject.toml).
+# pyright: basic mode over gymrl, nemo_gym_ext, recipes and envs (`[tool.pyright]` in pyproject.toml).
 lint:
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
