@@ -59,7 +59,8 @@ def _script(path: Path, body: str) -> None:
 
 
 FAKE_SRUN = r"""
-printf '%s\x1f' "$@" >>"$FAKE/srun.log"; printf '\x1e' >>"$FAKE/srun.log"  # args, record
+# One append per record (args, then the record end): steps started at once must not interleave.
+record=$(printf '%s\x1f' "$@"); printf '%s\x1e' "$record" >>"$FAKE/srun.log"
 node='' image='' name=''
 while [[ "$1" == --* ]]; do
   case "$1" in
