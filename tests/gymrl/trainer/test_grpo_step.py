@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from fixed_trajectories import fixed_trajectory
 
 from gymrl.algo.loss import grpo_loss
 from gymrl.algo.trajectory import Trajectory, collate
@@ -12,22 +13,9 @@ from gymrl.config.schema import LossConfig
 from gymrl.trainer.grpo_step import loss_normalizer, micro_batch_loss, reduce_loss_metrics
 
 
-def _trajectory(prompt: int, generated: int) -> Trajectory:
-    tokens = list(range(1, prompt + generated + 1))
-    return Trajectory(
-        token_ids=tokens,
-        loss_mask=[0] * prompt + [1] * generated,
-        generation_logprobs=[0.0] * prompt + [-0.5] * generated,
-        reward=1.0,
-        agent="a",
-        group_id="g",
-        weight_version=0,
-    )
-
-
 def test_loss_normalizer_counts_tokens_or_sequences():
     masked = Trajectory([], [], [], 0.0, "a", "g", 0)
-    trajectories = [_trajectory(2, 3), _trajectory(4, 0), _trajectory(1, 2), masked]
+    trajectories = [fixed_trajectory(2, 3), fixed_trajectory(4, 0), fixed_trajectory(1, 2), masked]
     assert loss_normalizer(trajectories, token_level=True) == 5.0
     assert loss_normalizer(trajectories, token_level=False) == 2.0
 
@@ -42,7 +30,9 @@ def test_micro_batch_loss_passes_every_loss_setting_and_the_step_normalizer(toke
         token_level_normalization=token_level,
     )
     batch = collate(
-        [_trajectory(2, 3), _trajectory(1, 2)], advantages=torch.tensor([1.0, -1.0]), pad_token_id=0
+        [fixed_trajectory(2, 3), fixed_trajectory(1, 2)],
+        advantages=torch.tensor([1.0, -1.0]),
+        pad_token_id=0,
     )
     generator = torch.Generator().manual_seed(0)
     logprobs = -torch.rand(batch["input_ids"].shape, generator=generator)

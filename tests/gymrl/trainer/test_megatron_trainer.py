@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from fixed_trajectories import fixed_trajectory
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -54,19 +55,6 @@ def _replace(config, **sections):
         name: getattr(config, name).model_copy(update=fields) for name, fields in sections.items()
     }
     return config.model_copy(update=updates)
-
-
-def _trajectory(prompt: int, generated: int, group: str = "g") -> Trajectory:
-    tokens = list(range(1, prompt + generated + 1))
-    return Trajectory(
-        token_ids=tokens,
-        loss_mask=[0] * prompt + [1] * generated,
-        generation_logprobs=[0.0] * prompt + [-0.5] * generated,
-        reward=1.0,
-        agent="a",
-        group_id=group,
-        weight_version=0,
-    )
 
 
 # ---------------------------------------------------------------------------- config mapping
@@ -205,7 +193,7 @@ def test_plan_of_masked_trajectories_is_one_filler_per_rank():
 
 
 def test_build_micro_batch_aligns_labels_fillers_and_advantages():
-    trajectories = [_trajectory(2, 3), _trajectory(1, 1)]
+    trajectories = [fixed_trajectory(2, 3), fixed_trajectory(1, 1)]
     batch = build_micro_batch(
         trajectories, torch.tensor([0.5, -1.0]), MicroBatch((1, None, 0), seq_length=8)
     )
@@ -249,7 +237,7 @@ def test_megatron_reduction_of_scaled_losses_gives_the_full_batch_gradient(
     all-gather sums every rank's gradient into each chunk)."""
     generator = random.Random(dp * 10 + cp + mbs)
     trajectories = [
-        _trajectory(generator.randint(1, 5), generator.randint(0, 6), group=str(i))
+        fixed_trajectory(generator.randint(1, 5), generator.randint(0, 6), group=str(i))
         for i in range(7)
     ]
     advantages = torch.tensor([generator.uniform(-1, 1) for _ in trajectories])
@@ -463,7 +451,7 @@ def test_megatron_train_step_checkpoint_and_export(tiny_trainer, tmp_path):
 @pytest.mark.gpu
 def test_megatron_skips_a_step_without_generated_tokens(tiny_trainer):
     trainer, _, _ = tiny_trainer
-    masked = [_trajectory(3, 0)]
+    masked = [fixed_trajectory(3, 0)]
     assert trainer.train_step(masked, torch.zeros(1)) == {"num_tokens": 0.0, "num_sequences": 0.0}
 
 
