@@ -36,6 +36,7 @@ from gymrl.config.schema import (
     SGLangGenerationConfig,
     TorchTrainerConfig,
 )
+from gymrl.generation.chat_template import ChatFormat
 from gymrl.generation.policy_server import create_policy_server_app
 from gymrl.generation.sglang_engine import SGLangEngine, SGLangServerGroup
 from gymrl.generation.torch_engine import TorchGenerationEngine
@@ -103,7 +104,7 @@ class GenerationServer:
             server = generation.server
             app = create_policy_server_app(
                 self._engine,
-                tokenizer,
+                ChatFormat.from_policy(policy, tokenizer),
                 model_name=policy.name,
                 api_key=server.api_key,
                 honor_prompt_token_ids=server.honor_prompt_token_ids,

@@ -158,8 +158,10 @@ class ChatMessage(BaseModel):
     `generation_log_probs`): the policy server returns it with every answer, and clients send it
     back on earlier turns so that the server can keep the exact tokens instead of re-tokenising
     text. Other roles may not carry it. `weight_version` is the policy server's other extra on an
-    answer: the engine weights that produced it. Unknown fields (`name`, `reasoning_content`,
-    `routed_experts`, vendor extras, ...) are ignored.
+    answer: the engine weights that produced it. `reasoning_content` is the model's reasoning,
+    split from the answer by the server's reasoning parser (vLLM's field), and rendered back by
+    templates that take it (Qwen3's). Unknown fields (`name`, `routed_experts`, vendor extras,
+    ...) are ignored.
     """
 
     model_config = ConfigDict(extra="ignore")
@@ -168,6 +170,7 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None
     prompt_token_ids: list[StrictInt] | None = None
     generation_token_ids: list[StrictInt] | None = None
     generation_log_probs: list[float] | None = None

@@ -81,6 +81,28 @@ class PolicyConfig(Strict):
         gt=0, description="Context limit of an episode (prompt + all generations), in tokens."
     )
     router_replay: RouterReplayConfig = Field(default_factory=RouterReplayConfig)
+    chat_template: str | None = Field(
+        default=None,
+        description="Chat template replacing the tokenizer's own: the name of one shipped in "
+        "gymrl/generation/templates/ (smollm2_tools: SmolLM2's template with tools) or a Jinja "
+        "file path. null = the tokenizer's own chat_template.",
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra variables every prompt is rendered with, as the template takes them: "
+        "{enable_thinking: false} switches Qwen3 to its non-thinking mode.",
+    )
+    tool_call_parser: str = Field(
+        default="hermes",
+        description="How tool calls are read out of a generation (gymrl.generation.parsers): "
+        'hermes (<tool_call>{"name", "arguments"}</tool_call>: Hermes, Qwen2.5, Qwen3, SmolLM2 '
+        'with smollm2_tools) or llama3_json (a bare {"name", "parameters"} answer: Llama 3.x).',
+    )
+    reasoning_parser: str | None = Field(
+        default=None,
+        description="How reasoning is split from the answer: qwen3 (a <think>...</think> block, "
+        "returned as reasoning_content). null = no reasoning parsing.",
+    )
 
 
 # -------------------------------------------------------------------------------------- generation

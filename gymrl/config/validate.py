@@ -24,10 +24,13 @@ from pydantic import BaseModel, ValidationError
 
 from gymrl.config.schema import (
     MegatronTrainerConfig,
+    PolicyConfig,
     RecipeConfig,
     TorchGenerationConfig,
     TorchTrainerConfig,
 )
+from gymrl.generation.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
+from gymrl.generation.templates import bundled_chat_templates, chat_template_path
 from gymrl.placement import generation_gpus, trainer_gpus
 from gymrl.trainer.capabilities import unsupported_by_trainer
 from nemo_gym_ext.config import (
@@ -212,10 +215,44 @@ def _cross_field_issues(config: RecipeConfig) -> list[ConfigIssue]:
                 "lower it or raise the context limit",
             )
         )
+    issues.extend(_rendering_issues(policy))
     issues.extend(_backend_pair_issues(config))
     issues.extend(_generation_issues(config.generation, cluster.total_gpus))
     issues.extend(_trainer_issues(config))
     issues.extend(_role_environment_issues(config))
+    return issues
+
+
+def _rendering_issues(policy: PolicyConfig) -> list[ConfigIssue]:
+    """The chat template and the parsers a policy names must exist in this recipe."""
+    issues = []
+    if policy.chat_template is not None:
+        try:
+            chat_template_path(policy.chat_template)
+        except FileNotFoundError as error:
+            issues.append(
+                ConfigIssue(
+                    "policy.chat_template",
+                    policy.chat_template,
+                    str(error),
+                    f"use one of {bundled_chat_templates()}, a .jinja file's path, or null for "
+                    "the tokenizer's own template",
+                )
+            )
+    for key, name, known in (
+        ("tool_call_parser", policy.tool_call_parser, TOOL_CALL_PARSERS),
+        ("reasoning_parser", policy.reasoning_parser, REASONING_PARSERS),
+    ):
+        if name is not None and name not in known:
+            issues.append(
+                ConfigIssue(
+                    f"policy.{key}",
+                    name,
+                    "this recipe has no such parser",
+                    f"set policy.{key} to one of {sorted(known)}"
+                    + (" or null" if key == "reasoning_parser" else ""),
+                )
+            )
     return issues
 
 

@@ -1,18 +1,20 @@
-"""Render OpenAI chat messages (and tools) to ChatML token ids; parse tool calls out of generations.
+"""Render OpenAI chat messages (and tools) with the model's own chat template; keep sent-back ids.
 
 The policy server is token-in / token-out towards its engine, so this module decides the
 exact prompt tokens of every model call. Two rules matter for training:
 
-* The rendering is ChatML as SmolLM2's own template writes it (`<|im_start|>{role}\\n{content}
-  <|im_end|>\\n`, SmolLM2's default system prompt when the first message is not a system message,
-  generation prompt `<|im_start|>assistant\\n`), extended with Hermes/Qwen-style tools: their JSON
-  schemas go into the system message and the model answers a call as
-  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
+* Prompts are rendered by the chat template the model was trained with: the tokenizer's own
+  `chat_template` (through transformers' `apply_chat_template`, tools and template variables such
+  as Qwen3's `enable_thinking` passed as the template takes them), or a Jinja file named by
+  `policy.chat_template` for a model whose own template lacks something the recipe needs
+  (SmolLM2's cannot render tools; the recipe ships `templates/smollm2_tools.jinja` for it). No
+  template is special-cased here: whatever the template writes is the prompt.
 * The on-policy prefix fix (:func:`build_prompt_token_ids`): when a client sends back the token
   ids of an earlier assistant turn, the prompt reuses those exact ids and renders only the
   messages after that turn. Re-rendering and re-tokenising the history instead (BPE merges a
-  boundary differently, tool-call JSON re-serialised with other whitespace) gives a prompt that
-  does not start with what the sampler saw, and the episode stops being contiguous.
+  boundary differently, tool-call JSON re-serialised with other whitespace, Qwen3's template
+  dropping earlier reasoning) gives a prompt that does not start with what the sampler saw, and
+  the episode stops being contiguous.
 
 The message types are the wire vocabulary of `nemo_gym_ext.wire`, shared with the Gym agents.
 """
@@ -20,34 +22,21 @@ The message types are the wire vocabulary of `nemo_gym_ext.wire`, shared with th
 from __future__ import annotations
 
 import json
-import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-from gymrl.model.tokens import decode_text
-from nemo_gym_ext.wire import ChatMessage, FunctionCall, ToolCall, ToolSpec
+from gymrl.generation.parsers import GenerationParser, ParsedGeneration
+from gymrl.generation.templates import bundled_chat_templates, chat_template_path
+from gymrl.model.tokens import decode_text, eos_token_id
+from nemo_gym_ext.wire import ChatMessage, ToolSpec
 
-IM_START = "<|im_start|>"
-IM_END = "<|im_end|>"
-TOOL_CALL_OPEN = "<tool_call>"
-TOOL_CALL_CLOSE = "</tool_call>"
-GENERATION_PROMPT = f"{IM_START}assistant\n"
-SMOLLM2_DEFAULT_SYSTEM_PROMPT = (
-    "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
-)
-
-# The body may not contain another opening tag, so an unclosed block cannot swallow the next one.
-_TOOL_CALL_PATTERN = re.compile(
-    re.escape(TOOL_CALL_OPEN)
-    + r"((?:(?!"
-    + re.escape(TOOL_CALL_OPEN)
-    + r").)*?)"
-    + re.escape(TOOL_CALL_CLOSE),
-    re.DOTALL,
-)
+if TYPE_CHECKING:
+    from gymrl.config.schema import PolicyConfig
 
 
 class ChatFormatError(ValueError):
@@ -72,16 +61,8 @@ class PromptTokens:
     reused_token_count: int
 
 
-@dataclass(frozen=True)
-class ParsedGeneration:
-    """An assistant answer split into free text (None when empty) and tool calls."""
-
-    content: str | None
-    tool_calls: list[ToolCall]
-
-
-class ChatMLFormat:
-    """ChatML rendering and tokenisation with one tokenizer.
+class ChatFormat:
+    """One model's chat template, its tokenizer and its output parsers.
 
     Not thread-safe (Hugging Face fast tokenizers may fail when used from several threads at
     once); the policy server calls it from a single worker thread.
@@ -91,20 +72,57 @@ class ChatMLFormat:
         self,
         tokenizer: PreTrainedTokenizerBase,
         *,
-        default_system_prompt: str | None = SMOLLM2_DEFAULT_SYSTEM_PROMPT,
+        parser: GenerationParser,
+        chat_template: str | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ):
         self.tokenizer = tokenizer
-        self.default_system_prompt = default_system_prompt
+        self.parser = parser
+        self.template_kwargs = dict(template_kwargs or {})
+        if chat_template is None:
+            own = tokenizer.chat_template
+            if not isinstance(own, str):
+                raise ValueError(
+                    f"the tokenizer {tokenizer.name_or_path!r} carries no chat template (or "
+                    "several named ones); set policy.chat_template to a Jinja file or to one of "
+                    f"the recipe's templates ({', '.join(bundled_chat_templates())})"
+                )
+            self.template = own
+            self.template_name = f"the chat template of {tokenizer.name_or_path!r}"
+        else:
+            self.template = chat_template_path(chat_template).read_text()
+            self.template_name = f"the chat template {chat_template!r}"
         self.vocab_size = len(tokenizer)
-        self.end_of_turn_id = self._special_token_id(IM_END)
-        self._special_token_id(IM_START)  # checked only: every rendered turn starts with it
+        self.end_of_turn_id = self._end_of_turn_id()
+        # The model may also end its answer with its end-of-sequence token (a base model does).
+        self.stop_token_ids = tuple(dict.fromkeys([self.end_of_turn_id, eos_token_id(tokenizer)]))
 
-    def _special_token_id(self, token: str) -> int:
-        ids = self.tokenizer.encode(token, add_special_tokens=False)
-        if len(ids) != 1:
+    @classmethod
+    def from_policy(cls, policy: PolicyConfig, tokenizer: PreTrainedTokenizerBase) -> ChatFormat:
+        return cls(
+            tokenizer,
+            parser=GenerationParser(policy.tool_call_parser, policy.reasoning_parser),
+            chat_template=policy.chat_template,
+            template_kwargs=policy.chat_template_kwargs,
+        )
+
+    def _end_of_turn_id(self) -> int:
+        """The token the template closes an assistant turn with: generation stops there."""
+        marker = _marker()
+        text = self.render_dicts(
+            [{"role": "user", "content": "ping"}, {"role": "assistant", "content": marker}],
+            None,
+            add_generation_prompt=False,
+        )
+        after = text[text.rindex(marker) + len(marker) :] if marker in text else ""
+        ids = self.encode(after)
+        if not ids or self.tokenizer.convert_ids_to_tokens(ids[0]) not in (
+            self.tokenizer.get_added_vocab()
+        ):
             raise ValueError(
-                f"the tokenizer encodes {token!r} as {ids}, not one special token: it is not a "
-                "ChatML tokenizer; use a tokenizer with <|im_start|>/<|im_end|> special tokens"
+                f"{self.template_name} does not close an assistant turn with a special token "
+                f"(after the answer it writes {after[:40]!r}), so generation has no token to stop "
+                "at; use a chat template made for this tokenizer (policy.chat_template)"
             )
         return ids[0]
 
@@ -112,30 +130,53 @@ class ChatMLFormat:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        """Text of generated ids, special tokens (the closing `<|im_end|>`) dropped."""
+        """Text of generated ids, special tokens (the closing end-of-turn token) dropped."""
         return decode_text(self.tokenizer, token_ids, skip_special_tokens=True)
 
-    def render_conversation(
-        self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec] | None
-    ) -> str:
-        """The whole conversation as ChatML text, ending with the generation prompt."""
-        parts = []
-        first_is_system = bool(messages) and messages[0].role == "system"
-        if first_is_system:
-            parts.append(_turn("system", _with_tools(messages[0].text, tools)))
-        elif self.default_system_prompt is not None or tools:
-            parts.append(_turn("system", _with_tools(self.default_system_prompt, tools)))
-        start = 1 if first_is_system else 0
-        parts.extend(self.render_messages(messages[start:], first_index=start))
-        parts.append(GENERATION_PROMPT)
-        return "".join(parts)
+    def parse(self, token_ids: Sequence[int]) -> ParsedGeneration:
+        """Reasoning, answer text and tool calls of a generation, by the model family's parsers."""
+        return self.parser.parse(self.decode(token_ids))
 
-    def render_messages(self, messages: Sequence[ChatMessage], *, first_index: int) -> list[str]:
-        """Each message as one ChatML turn; `first_index` numbers them in error messages."""
-        return [
-            _turn(message.role, _message_body(message, index))
+    def render(
+        self,
+        messages: Sequence[ChatMessage],
+        tools: Sequence[ToolSpec] | None,
+        *,
+        add_generation_prompt: bool = True,
+        first_index: int = 0,
+    ) -> str:
+        """The conversation as the template writes it; `first_index` numbers errors' messages."""
+        dicts = [
+            _template_message(message, index)
             for index, message in enumerate(messages, start=first_index)
         ]
+        return self.render_dicts(dicts, tools, add_generation_prompt=add_generation_prompt)
+
+    def render_dicts(
+        self,
+        messages: list[dict[str, Any]],
+        tools: Sequence[ToolSpec] | None,
+        *,
+        add_generation_prompt: bool,
+    ) -> str:
+        schemas = [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                tools=schemas,
+                chat_template=self.template,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                **self.template_kwargs,
+            )
+        except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as error:
+            raise ChatFormatError(
+                f"{self.template_name} cannot render this conversation: "
+                f"{type(error).__name__}: {error}",
+                param="messages",
+            ) from error
+        assert isinstance(text, str)  # tokenize=False renders one conversation to one string
+        return text
 
     def check_token_ids(self, token_ids: Sequence[int], *, param: str) -> None:
         """Raise :class:`ChatFormatError` naming `param` if an id lies outside the vocabulary."""
@@ -154,25 +195,27 @@ class ChatMLFormat:
 def build_prompt_token_ids(
     messages: Sequence[ChatMessage],
     tools: Sequence[ToolSpec] | None,
-    chat_format: ChatMLFormat,
+    chat_format: ChatFormat,
     *,
     honor_prompt_token_ids: bool,
 ) -> PromptTokens:
     """The prompt token ids of a chat request, honouring earlier token ids when asked to.
 
     With `honor_prompt_token_ids` and an assistant message carrying `prompt_token_ids` and
-    `generation_token_ids`, the prompt is the LAST such message's `prompt_token_ids +
-    generation_token_ids` verbatim, then `<|im_end|>` if that generation did not end with it, the
-    turn separator, the ChatML rendering of only the later messages, and the generation prompt.
-    Everything up to that message is already inside its prompt ids, tools included, so it is not
-    rendered again. Otherwise the whole conversation is rendered from text and tokenised.
+    `generation_token_ids` (the anchor: the LAST such message), the prompt is the anchor's
+    `prompt_token_ids + generation_token_ids` verbatim, then what the template writes after the
+    anchor: the rest of the anchor's turn (its end-of-turn token too when the generation did not
+    end with it), the later messages and the generation prompt. That text is the difference
+    between rendering the conversation with and without the later messages (see
+    :func:`_text_after_anchor`). Everything up to the anchor is inside its ids, tools included,
+    so it is not rendered again. Otherwise the whole conversation is rendered and tokenised.
 
     Only the ids that enter the prompt are range-checked; a bad one raises
     :class:`ChatFormatError` naming the message index and field.
     """
     anchor = _last_index_with_token_ids(messages) if honor_prompt_token_ids else None
     if anchor is None:
-        ids = chat_format.encode(chat_format.render_conversation(messages, tools))
+        ids = chat_format.encode(chat_format.render(messages, tools))
         return PromptTokens(token_ids=ids, reused_from_message=None, reused_token_count=0)
     message = messages[anchor]
     # ChatMessage sends both id lists or neither, and the anchor carries them.
@@ -187,14 +230,7 @@ def build_prompt_token_ids(
     chat_format.check_token_ids(generation_ids, param=f"messages[{anchor}].generation_token_ids")
     prefix = [*prompt_ids, *generation_ids]
     closed = bool(generation_ids) and generation_ids[-1] == chat_format.end_of_turn_id
-    suffix = "".join(
-        [
-            "" if closed else IM_END,
-            "\n",
-            *chat_format.render_messages(messages[anchor + 1 :], first_index=anchor + 1),
-            GENERATION_PROMPT,
-        ]
-    )
+    suffix = _text_after_anchor(messages, tools, anchor, chat_format, closed=closed)
     return PromptTokens(
         token_ids=prefix + chat_format.encode(suffix),
         reused_from_message=anchor,
@@ -202,47 +238,63 @@ def build_prompt_token_ids(
     )
 
 
-def parse_generation(text: str) -> ParsedGeneration:
-    """Split generated text into tool calls and the free text around them.
+def _text_after_anchor(
+    messages: Sequence[ChatMessage],
+    tools: Sequence[ToolSpec] | None,
+    anchor: int,
+    chat_format: ChatFormat,
+    *,
+    closed: bool,
+) -> str:
+    """What the template writes after the anchor's answer, by rendering with and without the
+    later messages and keeping the difference.
 
-    Every well-formed `<tool_call>{"name": str, "arguments": {...}}</tool_call>` becomes a tool
-    call with a fresh id and its arguments re-serialised as a JSON string. A block whose JSON is
-    malformed stays in the text, so a model's mistake reaches the agent as content instead of
-    failing the request. With no tool call the text is returned unchanged.
+    The anchor's text is replaced by a unique marker in both renderings: its ids are kept
+    verbatim, so how the template would write it does not matter, and templates do write it
+    differently by context (Qwen3's adds an empty think block to an assistant message that ends
+    the conversation, and drops reasoning once a new user message follows). Where the marker
+    appears, the renderings are compared from it on; where the template drops an answer's text
+    (Llama 3's, for a message with tool calls) they are compared whole. Either way the rendering
+    without the later messages must be a prefix of the one with them (the difference a true
+    suffix), or the request is refused naming the template.
     """
-    tool_calls: list[ToolCall] = []
-    kept: list[str] = []
-    cursor = 0
-    for match in _TOOL_CALL_PATTERN.finditer(text):
-        call = _parse_tool_call(match.group(1))
-        if call is None:
-            continue
-        kept.append(text[cursor : match.start()])
-        cursor = match.end()
-        tool_calls.append(call)
-    if not tool_calls:
-        return ParsedGeneration(content=text or None, tool_calls=[])
-    kept.append(text[cursor:])
-    content = "".join(kept).strip()
-    return ParsedGeneration(content=content or None, tool_calls=tool_calls)
-
-
-def _parse_tool_call(body: str) -> ToolCall | None:
-    try:
-        payload = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
-        return None
-    arguments = payload.get("arguments", {})
-    if not payload["name"] or not isinstance(arguments, dict):
-        return None
-    return ToolCall(
-        id=f"call_{uuid.uuid4().hex[:24]}",
-        function=FunctionCall(
-            name=payload["name"], arguments=json.dumps(arguments, ensure_ascii=False)
-        ),
+    marker = _marker()
+    anchor_message = _template_message(messages[anchor], anchor)
+    anchor_message["content"] = marker
+    anchor_message.pop("reasoning_content", None)
+    history = [_template_message(m, i) for i, m in enumerate(messages[:anchor])]
+    later = [
+        _template_message(m, i) for i, m in enumerate(messages[anchor + 1 :], start=anchor + 1)
+    ]
+    without = chat_format.render_dicts(
+        [*history, anchor_message], tools, add_generation_prompt=False
     )
+    with_later = chat_format.render_dicts(
+        [*history, anchor_message, *later], tools, add_generation_prompt=True
+    )
+    if without.count(marker) == 1 and with_later.count(marker) == 1:
+        without = without[without.index(marker) :]
+        with_later = with_later[with_later.index(marker) :]
+    end_of_turn = chat_format.tokenizer.convert_ids_to_tokens(chat_format.end_of_turn_id)
+    if not with_later.startswith(without) or end_of_turn not in without:
+        raise ChatFormatError(
+            f"{chat_format.template_name} renders the conversation up to messages[{anchor}] "
+            "differently when later messages follow, so the later messages cannot be appended "
+            f"to that turn's token ids (its turn ends {without[-60:]!r} without them, the "
+            f"rendering with them reads {with_later[len(without) - 60 : len(without) + 20]!r} "
+            "there); use a template whose earlier turns do not depend on later ones "
+            "(policy.chat_template) or set generation.server.honor_prompt_token_ids=false",
+            param=f"messages[{anchor}]",
+        )
+    closing = without[without.rindex(end_of_turn) :]
+    if closed:
+        closing = closing[len(end_of_turn) :]
+    return closing + with_later[len(without) :]
+
+
+def _marker() -> str:
+    """A string no template rewrites (no whitespace to trim) and no message contains."""
+    return f"gymrl{uuid.uuid4().hex}"
 
 
 def _last_index_with_token_ids(messages: Sequence[ChatMessage]) -> int | None:
@@ -252,45 +304,35 @@ def _last_index_with_token_ids(messages: Sequence[ChatMessage]) -> int | None:
     return None
 
 
-def _turn(role: str, body: str) -> str:
-    return f"{IM_START}{role}\n{body}{IM_END}\n"
+def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
+    """A message as chat templates take it: string content, tool-call arguments as a mapping."""
+    rendered: dict[str, Any] = {"role": message.role, "content": message.text}
+    if message.tool_calls:
+        rendered["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {
+                    "name": call.function.name,
+                    "arguments": _arguments(call.function.arguments, index, position),
+                },
+            }
+            for position, call in enumerate(message.tool_calls)
+        ]
+    if message.tool_call_id is not None:
+        rendered["tool_call_id"] = message.tool_call_id
+    if message.reasoning_content is not None:
+        rendered["reasoning_content"] = message.reasoning_content
+    return rendered
 
 
-def _with_tools(system_prompt: str | None, tools: Sequence[ToolSpec] | None) -> str:
-    if not tools:
-        return system_prompt or ""
-    schemas = "\n".join(
-        json.dumps(tool.model_dump(exclude_none=True), ensure_ascii=False) for tool in tools
-    )
-    block = (
-        "# Tools\n\n"
-        "You may call one or more of the functions below to help with the request. Their "
-        "signatures are JSON schemas inside <tools></tools>:\n"
-        f"<tools>\n{schemas}\n</tools>\n\n"
-        "To call a function, answer with one <tool_call></tool_call> block per call, each "
-        "holding a JSON object with the function's name and its arguments:\n"
-        f'{TOOL_CALL_OPEN}\n{{"name": "<function name>", "arguments": {{<arguments>}}}}\n'
-        f"{TOOL_CALL_CLOSE}"
-    )
-    return f"{system_prompt}\n\n{block}" if system_prompt else block
-
-
-def _message_body(message: ChatMessage, index: int) -> str:
-    if message.role != "assistant" or not message.tool_calls:
-        return message.text
-    blocks = [message.text] if message.text else []
-    for position, call in enumerate(message.tool_calls):
-        param = f"messages[{index}].tool_calls[{position}].function.arguments"
-        try:
-            arguments = json.loads(call.function.arguments)
-        except json.JSONDecodeError as error:
-            raise ChatFormatError(
-                f"{param} is not valid JSON ({error.msg} at position {error.pos}): "
-                f"{call.function.arguments[:80]!r}; send the arguments as a JSON object string",
-                param=param,
-            ) from error
-        payload = json.dumps(
-            {"name": call.function.name, "arguments": arguments}, ensure_ascii=False
-        )
-        blocks.append(f"{TOOL_CALL_OPEN}\n{payload}\n{TOOL_CALL_CLOSE}")
-    return "\n".join(blocks)
+def _arguments(arguments: str, index: int, position: int) -> Any:
+    param = f"messages[{index}].tool_calls[{position}].function.arguments"
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError as error:
+        raise ChatFormatError(
+            f"{param} is not valid JSON ({error.msg} at position {error.pos}): "
+            f"{arguments[:80]!r}; send the arguments as a JSON object string",
+            param=param,
+        ) from error

@@ -5,15 +5,17 @@ NeMo-Gym agents call the policy through its `vllm_model` adapter, which posts no
 `/v1` routes exist) and reads the token bundle (`prompt_token_ids`, `generation_token_ids`,
 `generation_log_probs`) from `choices[0].message`. This server:
 
-* renders messages and tools to ChatML token ids (:mod:`gymrl.generation.chat_template`),
-  keeping the exact ids clients send back on earlier assistant turns (the on-policy prefix fix)
-  when `honor_prompt_token_ids` is set;
+* renders messages and tools with the model's own chat template
+  (:mod:`gymrl.generation.chat_template`), keeping the exact ids clients send back on earlier
+  assistant turns (the on-policy prefix fix) when `honor_prompt_token_ids` is set;
 * batches requests from many concurrent clients into single `engine.generate` calls on a
   background thread (:class:`RequestBatcher`), since an engine decodes a batch for about the cost
   of one request;
-* parses `<tool_call>` blocks into `message.tool_calls` and answers a full OpenAI
-  `ChatCompletion`, plus two extras on the message: the token bundle and `weight_version` (the
-  engine's weight version that produced the answer, so rollouts can be aged in the replay buffer).
+* parses tool calls and reasoning with the model family's parsers
+  (:mod:`gymrl.generation.parsers`) into `message.tool_calls` and `reasoning_content`, and
+  answers a full OpenAI `ChatCompletion`, plus two extras on the message: the token bundle and
+  `weight_version` (the engine's weight version that produced the answer, so rollouts can be aged
+  in the replay buffer).
 
 Requests and answers are the wire types of `nemo_gym_ext.wire`, the module the Gym agents read
 them with; this module adds only what the server refuses (:class:`PolicyServerRequest`).
@@ -41,14 +43,12 @@ from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import field_validator
-from transformers import PreTrainedTokenizerBase
 
 from gymrl.generation.chat_template import (
+    ChatFormat,
     ChatFormatError,
-    ChatMLFormat,
     PromptTokens,
     build_prompt_token_ids,
-    parse_generation,
 )
 from gymrl.generation.types import (
     GenerationEngine,
@@ -115,8 +115,8 @@ class PolicyServerRequest(ChatCompletionRequest):
     def _no_stop_strings(cls, value: str | list[str] | None) -> str | list[str] | None:
         if value:
             raise ValueError(
-                f"stop={value!r} is not supported; generation stops at <|im_end|> (the end of the "
-                "assistant turn); leave `stop` out"
+                f"stop={value!r} is not supported; generation stops at the end of the assistant "
+                "turn; leave `stop` out"
             )
         return value
 
@@ -344,7 +344,7 @@ def _describe_validation_error(error: RequestValidationError) -> str:
 
 def create_policy_server_app(
     engine: GenerationEngine,
-    tokenizer: PreTrainedTokenizerBase,
+    chat_format: ChatFormat,
     *,
     model_name: str,
     api_key: str | None,
@@ -373,7 +373,6 @@ def create_policy_server_app(
     if request_timeout_s <= 0:
         raise ValueError(f"request_timeout_s={request_timeout_s} must be > 0 seconds")
 
-    chat_format = ChatMLFormat(tokenizer)
     batcher = RequestBatcher(
         engine,
         max_batch_size=max_batch_size,
@@ -447,7 +446,7 @@ def create_policy_server_app(
                 ),
                 temperature=body.temperature,
                 top_p=body.top_p,
-                stop_token_ids=(chat_format.end_of_turn_id,),
+                stop_token_ids=chat_format.stop_token_ids,
                 seed=body.seed,
             ),
         )
@@ -507,15 +506,16 @@ def _build_response(
     body: PolicyServerRequest,
     prompt: PromptTokens,
     output: GenerationOutput,
-    chat_format: ChatMLFormat,
+    chat_format: ChatFormat,
     model_name: str,
 ) -> ChatCompletion:
-    parsed = parse_generation(chat_format.decode(output.token_ids))
+    parsed = chat_format.parse(output.token_ids)
     finish_reason = "tool_calls" if parsed.tool_calls else output.finish_reason
     message = ChatMessage(
         role="assistant",
         content=parsed.content,
         tool_calls=parsed.tool_calls or None,
+        reasoning_content=parsed.reasoning_content,
         prompt_token_ids=prompt.token_ids,
         generation_token_ids=output.token_ids,
         generation_log_probs=output.logprobs,
@@ -544,7 +544,7 @@ def _build_response(
 
 
 def _token_logprobs(
-    body: PolicyServerRequest, output: GenerationOutput, chat_format: ChatMLFormat
+    body: PolicyServerRequest, output: GenerationOutput, chat_format: ChatFormat
 ) -> list[TokenLogprob]:
     """OpenAI's per-token entries; `token_id:<id>` strings under `return_tokens_as_token_ids`."""
     tokens: Sequence[str]

@@ -25,14 +25,14 @@ AGENT = "guess_number_agent"
 
 
 @pytest.fixture(scope="module")
-def policy_url(tokenizer):
+def policy_url(tokenizer, chat_format):
     model = build_tiny_llama(
         tokenizer, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, seed=0
     )
     engine = TorchGenerationEngine(model, max_batch_size=8, seed=0)
     app = create_policy_server_app(
         engine,
-        tokenizer,
+        chat_format,
         model_name="tiny",
         api_key="key",
         honor_prompt_token_ids=True,

@@ -1,4 +1,8 @@
-"""ChatML rendering, tool-call parsing and the on-policy prefix fix, with SmolLM2's tokenizer."""
+"""SmolLM2's rendering (its template with tools), Hermes tool calls and the on-policy prefix fix.
+
+The prompts of the default run: these expected strings are what the recipe rendered before prompts
+came from chat templates, and stay byte for byte the same.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gymrl.generation.chat_template import (
-    IM_END,
-    ChatFormatError,
-    ChatMLFormat,
-    build_prompt_token_ids,
-    parse_generation,
-)
+from gymrl.generation.chat_template import ChatFormatError, build_prompt_token_ids
+from gymrl.generation.parsers import GenerationParser
 from nemo_gym_ext.wire import ChatMessage, FunctionSpec, ToolSpec
+
+HERMES = GenerationParser("hermes")
 
 ADD_TOOL = ToolSpec(
     function=FunctionSpec(
@@ -24,11 +25,6 @@ ADD_TOOL = ToolSpec(
         parameters={"type": "object", "properties": {"a": {"type": "integer"}}},
     )
 )
-
-
-@pytest.fixture(scope="module")
-def chat_format(tokenizer):
-    return ChatMLFormat(tokenizer)
 
 
 def messages(*dicts):
@@ -59,24 +55,22 @@ def test_plain_conversation_matches_smollm2_template(tokenizer, chat_format, con
     expected = tokenizer.apply_chat_template(
         conversation, tokenize=False, add_generation_prompt=True
     )
-    assert chat_format.render_conversation(messages(*conversation), None) == expected
+    assert chat_format.render(messages(*conversation), None) == expected
 
 
 def test_tools_go_into_the_system_message(chat_format):
-    with_system = chat_format.render_conversation(
+    with_system = chat_format.render(
         messages({"role": "system", "content": "Be brief."}, {"role": "user", "content": "q"}),
         [ADD_TOOL],
     )
     schema = json.dumps(ADD_TOOL.model_dump(exclude_none=True))
     assert with_system.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
-    system_turn = with_system.split(IM_END)[0]
+    system_turn = with_system.split("<|im_end|>")[0]
     assert f"<tools>\n{schema}\n</tools>" in system_turn
     assert "<tool_call>" in system_turn
     assert with_system.count("<|im_start|>system") == 1
 
-    without_system = chat_format.render_conversation(
-        messages({"role": "user", "content": "q"}), [ADD_TOOL]
-    )
+    without_system = chat_format.render(messages({"role": "user", "content": "q"}), [ADD_TOOL])
     assert without_system.startswith(
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
         "\n\n# Tools\n"
@@ -84,7 +78,7 @@ def test_tools_go_into_the_system_message(chat_format):
 
 
 def test_developer_assistant_tool_calls_and_tool_roles(chat_format):
-    rendered = chat_format.render_conversation(
+    rendered = chat_format.render(
         messages(
             {"role": "system", "content": "S"},
             {"role": "developer", "content": "Use tools."},
@@ -134,13 +128,13 @@ def test_unparseable_arguments_on_an_earlier_tool_call_name_the_field(chat_forma
         },
     )
     with pytest.raises(ChatFormatError) as raised:
-        chat_format.render_conversation(conversation, None)
+        chat_format.render(conversation, None)
     assert raised.value.param == "messages[1].tool_calls[0].function.arguments"
     assert "{oops" in str(raised.value)
 
 
 def test_parse_tool_calls_into_json_string_arguments():
-    parsed = parse_generation(
+    parsed = HERMES.parse(
         '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": "é"}}\n</tool_call>\n'
         '<tool_call>{"name": "noop"}</tool_call>'
     )
@@ -153,23 +147,23 @@ def test_parse_tool_calls_into_json_string_arguments():
 
 
 def test_parse_keeps_text_and_malformed_blocks_as_content():
-    parsed = parse_generation(
+    parsed = HERMES.parse(
         'Let me add.\n<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>\n'
         "<tool_call>{not json}</tool_call>"
     )
     assert [call.function.name for call in parsed.tool_calls] == ["add"]
     assert parsed.content == "Let me add.\n\n<tool_call>{not json}</tool_call>"
 
-    only_bad = parse_generation('<tool_call>{"name": 3}</tool_call> and <tool_call>[1]</tool_call>')
+    only_bad = HERMES.parse('<tool_call>{"name": 3}</tool_call> and <tool_call>[1]</tool_call>')
     assert only_bad.tool_calls == []
     assert only_bad.content == '<tool_call>{"name": 3}</tool_call> and <tool_call>[1]</tool_call>'
 
-    assert parse_generation("  plain answer \n").content == "  plain answer \n"
-    assert parse_generation("").content is None
+    assert HERMES.parse("  plain answer \n").content == "  plain answer \n"
+    assert HERMES.parse("").content is None
 
 
 def test_unclosed_block_does_not_swallow_a_later_call():
-    parsed = parse_generation(
+    parsed = HERMES.parse(
         '<tool_call>{"name": <tool_call>{"name": "f", "arguments": {}}</tool_call>'
     )
     assert [call.function.name for call in parsed.tool_calls] == ["f"]
@@ -194,9 +188,9 @@ def test_rendered_tool_call_parses_back_to_the_same_call(chat_format, arguments)
         content=None,
         tool_calls=[{"id": "c", "function": {"name": "f", "arguments": json.dumps(arguments)}}],
     )
-    body = chat_format.render_messages([assistant], first_index=0)[0]
-    body = body.removeprefix("<|im_start|>assistant\n").removesuffix("<|im_end|>\n")
-    parsed = parse_generation(body)
+    rendered = chat_format.render([assistant], None, add_generation_prompt=False)
+    body = rendered.split("<|im_start|>assistant\n")[1].removesuffix("<|im_end|>\n")
+    parsed = HERMES.parse(body)
     assert parsed.content is None
     assert [call.function.name for call in parsed.tool_calls] == ["f"]
     assert json.loads(parsed.tool_calls[0].function.arguments) == arguments
@@ -205,7 +199,7 @@ def test_rendered_tool_call_parses_back_to_the_same_call(chat_format, arguments)
 def two_turn_conversation(tokenizer, chat_format, *, close_turn: bool):
     """Turn one's real prompt plus a char-level generation, then a user follow-up."""
     first = messages({"role": "user", "content": "Say hello world."})
-    first_prompt = chat_format.encode(chat_format.render_conversation(first, None))
+    first_prompt = chat_format.encode(chat_format.render(first, None))
     generation = char_level_ids(tokenizer, "hello world") + (
         [chat_format.end_of_turn_id] if close_turn else []
     )
@@ -229,13 +223,13 @@ def test_honoured_prefix_keeps_noncanonical_ids_exactly(tokenizer, chat_format, 
     prompt = build_prompt_token_ids(conversation, None, chat_format, honor_prompt_token_ids=True)
     assert prompt.reused_from_message == 1
     assert prompt.reused_token_count == len(earlier)
-    closing = "" if close_turn else IM_END
+    closing = "" if close_turn else "<|im_end|>"
     tail = chat_format.encode(
         f"{closing}\n<|im_start|>user\nAgain.<|im_end|>\n<|im_start|>assistant\n"
     )
     assert prompt.token_ids == earlier + tail
     # Same text, so the re-rendered prompt decodes alike; only the token ids differ.
-    rerendered = chat_format.encode(chat_format.render_conversation(conversation, None))
+    rerendered = chat_format.encode(chat_format.render(conversation, None))
     assert tokenizer.decode(prompt.token_ids) == tokenizer.decode(rerendered)
     assert prompt.token_ids != rerendered
 
@@ -283,9 +277,7 @@ def test_no_ids_to_honour_renders_everything(chat_format):
         conversation, [ADD_TOOL], chat_format, honor_prompt_token_ids=True
     )
     assert honoured.reused_from_message is None
-    assert honoured.token_ids == chat_format.encode(
-        chat_format.render_conversation(conversation, [ADD_TOOL])
-    )
+    assert honoured.token_ids == chat_format.encode(chat_format.render(conversation, [ADD_TOOL]))
 
 
 @pytest.mark.parametrize(

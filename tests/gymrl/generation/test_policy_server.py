@@ -19,7 +19,7 @@ import httpx
 import pytest
 import torch
 
-from gymrl.generation.chat_template import ChatMLFormat
+from gymrl.generation.chat_template import ChatFormat
 from gymrl.generation.policy_server import create_policy_server_app
 from gymrl.generation.torch_engine import TorchGenerationEngine
 from gymrl.generation.types import GenerationOutput, GenerationRequest
@@ -77,17 +77,12 @@ class ScriptedEngine:
         )
 
 
-@pytest.fixture(scope="module")
-def chat_format(tokenizer):
-    return ChatMLFormat(tokenizer)
-
-
-def scripted(chat_format: ChatMLFormat, text: str, **kwargs) -> ScriptedEngine:
+def scripted(chat_format: ChatFormat, text: str, **kwargs) -> ScriptedEngine:
     return ScriptedEngine([*chat_format.encode(text), chat_format.end_of_turn_id], **kwargs)
 
 
 @contextmanager
-def served(engine, tokenizer, **overrides) -> Iterator[httpx.Client]:
+def served(engine, chat_format, **overrides) -> Iterator[httpx.Client]:
     settings = {
         "model_name": MODEL,
         "api_key": KEY,
@@ -97,7 +92,7 @@ def served(engine, tokenizer, **overrides) -> Iterator[httpx.Client]:
         "request_timeout_s": 10.0,
     }
     settings.update(overrides)
-    app = create_policy_server_app(engine, tokenizer, **settings)
+    app = create_policy_server_app(engine, chat_format, **settings)
     with (
         serve_in_thread(app) as server,
         httpx.Client(
@@ -127,7 +122,7 @@ def error_message(response: httpx.Response) -> str:
 
 def test_answer_is_a_full_chat_completion_with_the_token_bundle(tokenizer, chat_format):
     engine = scripted(chat_format, "2 + 3 = 5.")
-    with served(engine, tokenizer) as client:
+    with served(engine, chat_format) as client:
         response = completion(client, USER_ONLY, temperature=0.7, top_p=0.9, seed=3)
     assert response.status_code == 200, response.text
     answer = response.json()
@@ -180,7 +175,7 @@ def test_tool_calls_are_parsed_into_message_tool_calls(tokenizer, chat_format):
             },
         }
     ]
-    with served(engine, tokenizer) as client:
+    with served(engine, chat_format) as client:
         response = completion(
             client, USER_ONLY, tools=tools, parallel_tool_calls=True, max_tokens=200
         )
@@ -205,7 +200,7 @@ def test_malformed_tool_call_comes_back_as_content(tokenizer, chat_format):
     engine = scripted(
         chat_format, 'Calling.<tool_call>{"name": "add", "arguments": {a: 1}}</tool_call>'
     )
-    with served(engine, tokenizer) as client:
+    with served(engine, chat_format) as client:
         response = completion(client, USER_ONLY)
     assert response.status_code == 200, response.text
     choice = response.json()["choices"][0]
@@ -236,7 +231,7 @@ def test_developer_assistant_tool_call_and_tool_turns_are_rendered(tokenizer, ch
         {"role": "tool", "content": "5", "tool_call_id": "call_a"},
     ]
     engine = scripted(chat_format, "5")
-    with served(engine, tokenizer) as client:
+    with served(engine, chat_format) as client:
         response = completion(client, conversation)
     assert response.status_code == 200, response.text
     expected = (
@@ -277,7 +272,7 @@ def second_turn(first_answer: dict) -> list[dict]:
 @pytest.mark.parametrize("honor", [True, False])
 def test_earlier_token_ids_are_kept_only_when_honoured(tokenizer, chat_format, honor):
     engine = ScriptedEngine(char_level_reply(tokenizer, chat_format, "five is the sum"))
-    with served(engine, tokenizer, honor_prompt_token_ids=honor) as client:
+    with served(engine, chat_format, honor_prompt_token_ids=honor) as client:
         first = completion(client, USER_ONLY).json()
         second = completion(client, second_turn(first))
     assert second.status_code == 200, second.text
@@ -301,7 +296,7 @@ def test_earlier_token_ids_are_kept_only_when_honoured(tokenizer, chat_format, h
 
 def test_concurrent_requests_are_batched(tokenizer, chat_format):
     engine = scripted(chat_format, "ok", delay_s=0.2)
-    with served(engine, tokenizer) as client, ThreadPoolExecutor(8) as pool:
+    with served(engine, chat_format) as client, ThreadPoolExecutor(8) as pool:
         questions = [[{"role": "user", "content": f"question {i}"}] for i in range(8)]
         responses = list(pool.map(lambda messages: completion(client, messages), questions))
     assert [r.status_code for r in responses] == [200] * 8
@@ -314,7 +309,7 @@ def test_concurrent_requests_are_batched(tokenizer, chat_format):
 
 
 def test_api_key_is_required(tokenizer, chat_format):
-    with served(scripted(chat_format, "ok"), tokenizer) as client:
+    with served(scripted(chat_format, "ok"), chat_format) as client:
         body = {"model": MODEL, "messages": USER_ONLY}
         missing = client.post("/chat/completions", json=body, headers={"Authorization": ""})
         wrong = client.post("/chat/completions", json=body, headers={"Authorization": "Bearer no"})
@@ -327,7 +322,7 @@ def test_api_key_is_required(tokenizer, chat_format):
 
 
 def test_models_route_lists_the_served_model(tokenizer, chat_format):
-    with served(scripted(chat_format, "ok"), tokenizer, api_key=None) as client:
+    with served(scripted(chat_format, "ok"), chat_format, api_key=None) as client:
         response = client.get("/models", headers={"Authorization": ""})
     assert response.status_code == 200
     listing = response.json()
@@ -350,7 +345,7 @@ def assistant_with_ids(prompt_ids, generation_ids) -> dict:
 def test_bad_requests_are_400_naming_the_field(tokenizer, chat_format):
     follow_up = {"role": "user", "content": "more"}
     engine = scripted(chat_format, "ok")
-    with served(engine, tokenizer) as client:
+    with served(engine, chat_format) as client:
         out_of_vocab = completion(
             client, [*USER_ONLY, assistant_with_ids([1, 2], [3, 10**6]), follow_up]
         )
@@ -383,7 +378,7 @@ def test_context_limit_clamps_max_tokens_and_rejects_full_prompts(tokenizer, cha
     prompt_len = len(
         tokenizer.apply_chat_template(USER_ONLY, add_generation_prompt=True)["input_ids"]
     )
-    with served(engine, tokenizer, max_context_tokens=prompt_len + 4) as client:
+    with served(engine, chat_format, max_context_tokens=prompt_len + 4) as client:
         clamped = completion(client, USER_ONLY, max_tokens=50)
         too_long = completion(client, [{"role": "user", "content": "word " * 40}])
     assert clamped.status_code == 200, clamped.text
@@ -398,7 +393,7 @@ def test_context_limit_clamps_max_tokens_and_rejects_full_prompts(tokenizer, cha
 
 def test_slow_engine_times_out_with_504(tokenizer, chat_format):
     engine = scripted(chat_format, "late", delay_s=0.6)
-    with served(engine, tokenizer, request_timeout_s=0.2) as client:
+    with served(engine, chat_format, request_timeout_s=0.2) as client:
         response = completion(client, USER_ONLY)
     assert response.status_code == 504
     assert "request_timeout_s=0.2" in error_message(response)
@@ -406,18 +401,18 @@ def test_slow_engine_times_out_with_504(tokenizer, chat_format):
 
 def test_engine_failure_is_a_500_with_the_cause(tokenizer, chat_format):
     engine = scripted(chat_format, "x", fail_with="the device fell over")
-    with served(engine, tokenizer) as client:
+    with served(engine, chat_format) as client:
         response = completion(client, USER_ONLY)
     assert response.status_code == 500
     assert "ValueError: the device fell over" in error_message(response)
 
 
-def test_real_torch_engine_two_turns_stay_contiguous(tokenizer):
+def test_real_torch_engine_two_turns_stay_contiguous(tokenizer, chat_format):
     model = build_tiny_llama(
         tokenizer, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, seed=0
     )
     engine = TorchGenerationEngine(model, max_batch_size=4, seed=0)
-    with served(engine, tokenizer, default_max_tokens=6) as client:
+    with served(engine, chat_format, default_max_tokens=6) as client:
         first = completion(client, USER_ONLY, seed=1)
         assert first.status_code == 200, first.text
         second = completion(client, second_turn(first.json()), seed=2)
@@ -454,7 +449,7 @@ def test_a_request_arriving_mid_batch_waits_only_without_spare_batch_slots(
 ):
     engine = ConcurrentEngine([*chat_format.encode("ok"), chat_format.end_of_turn_id], delay_s=0.5)
     with (
-        served(engine, tokenizer, max_concurrent_batches=concurrent_batches) as client,
+        served(engine, chat_format, max_concurrent_batches=concurrent_batches) as client,
         ThreadPoolExecutor(2) as pool,
     ):
         first = pool.submit(completion, client, USER_ONLY)
