@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -94,6 +94,9 @@ class ChatFormat:
             self.template_name = f"the chat template {chat_template!r}"
         self.vocab_size = len(tokenizer)
         self.end_of_turn_id = self._end_of_turn_id()
+        self.end_of_turn_text = decode_text(
+            tokenizer, [self.end_of_turn_id], skip_special_tokens=False
+        )
         # The model may also end its answer with its end-of-sequence token (a base model does).
         self.stop_token_ids = tuple(dict.fromkeys([self.end_of_turn_id, eos_token_id(tokenizer)]))
 
@@ -116,9 +119,7 @@ class ChatFormat:
         )
         after = text[text.rindex(marker) + len(marker) :] if marker in text else ""
         ids = self.encode(after)
-        if not ids or self.tokenizer.convert_ids_to_tokens(ids[0]) not in (
-            self.tokenizer.get_added_vocab()
-        ):
+        if not ids or ids[0] not in self.tokenizer.added_tokens_decoder:
             raise ValueError(
                 f"{self.template_name} does not close an assistant turn with a special token "
                 f"(after the answer it writes {after[:40]!r}), so generation has no token to stop "
@@ -159,7 +160,9 @@ class ChatFormat:
         *,
         add_generation_prompt: bool,
     ) -> str:
-        schemas = [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
+        schemas: list[dict[Any, Any] | Callable[..., Any]] | None = (
+            [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
+        )
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,
@@ -275,13 +278,18 @@ def _text_after_anchor(
     if without.count(marker) == 1 and with_later.count(marker) == 1:
         without = without[without.index(marker) :]
         with_later = with_later[with_later.index(marker) :]
-    end_of_turn = chat_format.tokenizer.convert_ids_to_tokens(chat_format.end_of_turn_id)
+    end_of_turn = chat_format.end_of_turn_text
     if not with_later.startswith(without) or end_of_turn not in without:
+        placeholder = f"<text of messages[{anchor}]>"
+        shown_without = without.replace(marker, placeholder)
+        shown_with = with_later.replace(marker, placeholder)
+        ends = shown_without[-80:]
+        reads = shown_with[max(0, len(shown_without) - 80) : len(shown_without) + 30]
         raise ChatFormatError(
             f"{chat_format.template_name} renders the conversation up to messages[{anchor}] "
             "differently when later messages follow, so the later messages cannot be appended "
-            f"to that turn's token ids (its turn ends {without[-60:]!r} without them, the "
-            f"rendering with them reads {with_later[len(without) - 60 : len(without) + 20]!r} "
+            f"to that turn's token ids (its turn ends {ends!r} without them, the rendering with "
+            f"them reads {reads!r} "
             "there); use a template whose earlier turns do not depend on later ones "
             "(policy.chat_template) or set generation.server.honor_prompt_token_ids=false",
             param=f"messages[{anchor}]",
