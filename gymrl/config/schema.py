@@ -84,8 +84,9 @@ class PolicyConfig(Strict):
     chat_template: str | None = Field(
         default=None,
         description="Chat template replacing the tokenizer's own: the name of one shipped in "
-        "gymrl/generation/templates/ (smollm2_tools: SmolLM2's template with tools) or a Jinja "
-        "file path. null = the tokenizer's own chat_template.",
+        "gymrl/generation/templates/ (smollm2_tools: SmolLM2's template with tools) or the "
+        "absolute path of a Jinja file every node can read. null = the tokenizer's own "
+        "chat_template.",
     )
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict,

@@ -235,8 +235,8 @@ def _rendering_issues(policy: PolicyConfig) -> list[ConfigIssue]:
                     "policy.chat_template",
                     policy.chat_template,
                     str(error),
-                    f"use one of {bundled_chat_templates()}, a .jinja file's path, or null for "
-                    "the tokenizer's own template",
+                    f"use one of {bundled_chat_templates()}, a .jinja file's absolute path, or "
+                    "null for the tokenizer's own template",
                 )
             )
     for key, name, known in (
