@@ -12,7 +12,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from tqdm import tqdm
 
@@ -69,17 +69,23 @@ class WandbSink:
 class ProgressSink:
     """A console progress bar over steps, showing the numbers a person watches."""
 
-    SHOWN = ("train/reward/mean", "train/loss", "timing/step_s")
+    SHOWN: ClassVar[dict[str, str]] = {
+        "train/reward/mean": "reward/mean",
+        "validation/reward/mean": "val_reward/mean",
+        "train/loss": "loss",
+        "timing/step_s": "step_s",
+    }
 
     def __init__(self, total_steps: int, first_step: int):
         self._bar = tqdm(total=total_steps, initial=first_step, desc="grpo", unit="step")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         shown = {
-            key.split("/", 1)[1]: f"{metrics[key]:.3g}" for key in self.SHOWN if key in metrics
+            label: f"{metrics[key]:.3g}" for key, label in self.SHOWN.items() if key in metrics
         }
         self._bar.set_postfix(shown, refresh=False)
-        self._bar.update(1)
+        # Validation before the first step logs at the step already reached: the bar stays.
+        self._bar.update(step - self._bar.n)
 
     def close(self) -> None:
         self._bar.close()

@@ -1,5 +1,7 @@
-"""A one-page picture of a run from its metrics.jsonl: reward and truncation rate per agent, loss,
-and where each step's time went. Written next to metrics.jsonl at the end of every run.
+"""A one-page picture of a run from its metrics.jsonl: reward and truncation rate per agent
+(training episodes as solid lines; validation passes, where the run has them, dashed with their
+standard error), loss, and where each step's time went. Written next to metrics.jsonl at the end
+of every run.
 
     python -m gymrl.plot outputs/<run>/metrics.jsonl            # writes outputs/<run>/metrics.png
 """
@@ -17,8 +19,10 @@ matplotlib.use("Agg")  # files only: runs on machines without a display
 import matplotlib.pyplot as plt
 from matplotlib.ticker import MaxNLocator
 
-_PER_AGENT = re.compile(r"^train/(?P<agent>[^/]+)/(?P<field>reward|noncontiguous_truncated)/mean$")
-_TIMINGS = ("timing/wait_for_batch_s", "timing/train_s", "timing/refit_s")
+_PER_AGENT = re.compile(
+    r"^(?P<split>train|validation)/(?P<agent>[^/]+)/(?P<field>reward|noncontiguous_truncated)/mean$"
+)
+_TIMINGS = ("timing/wait_for_batch_s", "timing/train_s", "timing/refit_s", "timing/validation_s")
 
 
 def read_records(path: Path) -> list[dict[str, float]]:
@@ -33,9 +37,22 @@ def plot_run(records: list[dict[str, float]], output: Path, title: str) -> Path:
         "reward": (axes[0][0], "reward per agent (mean)"),
         "noncontiguous_truncated": (axes[0][1], "truncated episodes per agent (share)"),
     }
+    by_step = {int(record["step"]): record for record in records}
     for field, (axis, label) in panels.items():
-        for agent, (steps, values) in sorted(_per_agent_series(records, field).items()):
-            axis.plot(steps, values, marker="o", label=agent)
+        for (split, agent), (steps, values) in sorted(_per_agent_series(records, field).items()):
+            if split == "train":
+                axis.plot(steps, values, marker="o", label=agent)
+                continue
+            stderr = [_value(by_step[step], f"validation/{agent}/{field}/stderr") for step in steps]
+            axis.errorbar(
+                steps,
+                values,
+                yerr=stderr,
+                linestyle="--",
+                marker="s",
+                capsize=3,
+                label=f"{agent} (validation, ± s.e.)",
+            )
         axis.set_title(label)
         _step_axis(axis)
         axis.set_ylim(-0.05, 1.05)
@@ -50,16 +67,23 @@ def plot_run(records: list[dict[str, float]], output: Path, title: str) -> Path:
 
 def _per_agent_series(
     records: list[dict[str, float]], field: str
-) -> dict[str, tuple[list[int], list[float]]]:
-    series: dict[str, tuple[list[int], list[float]]] = {}
+) -> dict[tuple[str, str], tuple[list[int], list[float]]]:
+    """(split, agent) -> the steps and mean values of `field`."""
+    series: dict[tuple[str, str], tuple[list[int], list[float]]] = {}
     for record in records:
         for key, value in record.items():
             match = _PER_AGENT.match(key)
             if match and match["field"] == field and value is not None:
-                steps, values = series.setdefault(match["agent"], ([], []))
+                steps, values = series.setdefault((match["split"], match["agent"]), ([], []))
                 steps.append(int(record["step"]))
                 values.append(value)
     return series
+
+
+def _value(record: dict[str, float], key: str) -> float:
+    """A logged value; 0 where it is missing or null (no error bar)."""
+    value = record.get(key)
+    return 0.0 if value is None else value
 
 
 def _plot_keys(axis, records: list[dict[str, float]], keys: tuple[str, ...], title: str) -> None:

@@ -247,7 +247,7 @@ class RolloutProducer(threading.Thread):
             Trajectory.from_postprocessed(episode, group_id=group_id, weight_version=version)
             for episode in outcome.episodes
         ]
-        self.summaries[group_id] = [_scalar_fields(e["full_result"]) for e in outcome.episodes]
+        self.summaries[group_id] = [scalar_fields(e["full_result"]) for e in outcome.episodes]
         # A group the buffer finds already stale counts as delivered: the trainer's eviction
         # count, passed to `advance`, is what gives its credit back.
         self._buffer.put(group, self._grpo.batch_timeout_s)
@@ -260,7 +260,7 @@ class RolloutProducer(threading.Thread):
 # ---------------------------------------------------------------------------------------------
 
 
-def _scalar_fields(result: Mapping[str, Any]) -> dict[str, Any]:
+def scalar_fields(result: Mapping[str, Any]) -> dict[str, Any]:
     """What per-agent metrics need of a result: its agent and its numeric/boolean fields."""
     kept = {k: v for k, v in result.items() if isinstance(v, bool | int | float)}
     kept["agent_ref"] = result["agent_ref"]

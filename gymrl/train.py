@@ -34,7 +34,7 @@ from gymrl.algo.trajectory import Trajectory
 from gymrl.checkpoint import latest_checkpoint
 from gymrl.config.schema import ClusterConfig, RecipeConfig
 from gymrl.config.validate import gym_actor_configs
-from gymrl.data import RowStream, load_rows
+from gymrl.data import RowStream, load_rows, load_validation_rows
 from gymrl.metrics_logger import METRICS_FILENAME, build_logger
 from gymrl.placement import actor_options, plan_placement, reserve
 from gymrl.plot import plot_run, read_records
@@ -47,6 +47,7 @@ from gymrl.rollout_producer import (
     RemoteReplayBuffer,
     RolloutProducer,
 )
+from gymrl.validation import Validator
 from nemo_gym_ext.metrics import per_agent_metrics
 from nemo_gym_ext.postprocess import MalformedGymResultError, NonContiguousEpisodeError
 from nemo_gym_ext.rollout import (
@@ -187,11 +188,24 @@ class GRPORecipe:
         self.buffer = RemoteReplayBuffer(buffer_actor)
         self.first_step, position = self._resume()
         self._refit(self.first_step)
-        self.rows = RowStream(
-            load_rows(
-                config.env.data, self.actor_configs, config.generation.sampling, config.run.seed
-            ),
-            position,
+        rows = load_rows(
+            config.env.data, self.actor_configs, config.generation.sampling, config.run.seed
+        )
+        self.rows = RowStream(rows, position)
+        self.validator = (
+            Validator(
+                load_validation_rows(
+                    config.env.data,
+                    self.actor_configs,
+                    rows,
+                    temperature=grpo.val_temperature,
+                    top_p=config.generation.sampling.top_p,
+                ),
+                RayGroupRunner(shards_by_agent),
+                grpo.batch_timeout_s,
+            )
+            if grpo.val_at_start or grpo.val_period or grpo.val_at_end
+            else None
         )
         self.logger = build_logger(
             config.logger,
@@ -235,9 +249,13 @@ class GRPORecipe:
         """Every step from the first (0, or the resumed one) to `grpo.num_steps`."""
         config = self.config
         every = config.checkpoint.every_n_steps
+        if config.grpo.val_at_start and self.first_step == 0:
+            self.logger.log(0, self._validate())
         last = time.monotonic()
         for step in range(self.first_step, config.grpo.num_steps):
             metrics = self._step(step)
+            if self._validates_after(step + 1):
+                metrics.update(self._validate())
             now = time.monotonic()
             metrics["timing/step_s"] = now - last
             last = now
@@ -254,6 +272,19 @@ class GRPORecipe:
                 read_records(metrics_path), metrics_path.with_suffix(".png"), config.run.name
             )
             print(f"metrics: {metrics_path}\npicture: {picture}", flush=True)
+
+    def _validates_after(self, steps_taken: int) -> bool:
+        grpo = self.config.grpo
+        periodic = grpo.val_period > 0 and steps_taken % grpo.val_period == 0
+        return periodic or (grpo.val_at_end and steps_taken == grpo.num_steps)
+
+    def _validate(self) -> dict[str, float]:
+        """One validation pass on the weights the engine has now (see gymrl/validation.py)."""
+        assert self.validator is not None  # built whenever a grpo.val_* setting asks for it
+        started = time.monotonic()
+        metrics = self.validator.run()
+        metrics["timing/validation_s"] = time.monotonic() - started
+        return metrics
 
     def _refit(self, version: int) -> float:
         started = time.monotonic()

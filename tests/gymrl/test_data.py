@@ -6,7 +6,7 @@ import json
 import pytest
 
 from gymrl.config.schema import DataConfig, SamplingConfig
-from gymrl.data import RowStream, load_rows
+from gymrl.data import RowStream, load_rows, load_validation_rows
 from nemo_gym_ext.config import build_gym_actor_config
 
 SAMPLING = SamplingConfig(temperature=0.7, top_p=0.9)
@@ -96,3 +96,51 @@ def test_a_jsonl_row_without_its_agent_is_refused_with_its_line(tmp_path):
     path.write_text(json.dumps(good) + "\n", encoding="utf-8")
     (row,) = load_rows(DataConfig(train_jsonl=str(path)), actors, SAMPLING, seed=0)
     assert row["responses_create_params"] == {"input": "hi", "temperature": 0.7, "top_p": 0.9}
+
+
+def test_validation_rows_are_held_out_the_same_for_every_seed_and_greedy_by_default():
+    actors = _actors({"calc": {"environment": "calculator"}})
+    data = DataConfig(num_builtin_rows_per_agent=64, num_builtin_val_rows_per_agent=32)
+    by_seed = []
+    for seed in (0, 1):
+        train = load_rows(data, actors, SAMPLING, seed=seed)
+        held_out = load_validation_rows(data, actors, train, temperature=0.0, top_p=0.9)
+        assert len(held_out) == 32
+        train_tasks = {row["question"] for row in train}
+        assert not train_tasks & {row["question"] for row in held_out}
+        params = held_out[0]["responses_create_params"]
+        assert (params["temperature"], params["top_p"]) == (0.0, 1.0)  # top-p is moot
+        by_seed.append([row["id"] for row in held_out])
+    # Seeds are compared on (nearly) the same rows: only tasks a seed trains on differ.
+    assert len(set(by_seed[0]) & set(by_seed[1])) >= 28
+
+
+def test_validation_rows_sample_with_the_configured_temperature_and_top_p():
+    actors = _actors({"calc": {"environment": "calculator"}})
+    data = DataConfig(num_builtin_rows_per_agent=4, num_builtin_val_rows_per_agent=2)
+    train = load_rows(data, actors, SAMPLING, seed=0)
+    rows = load_validation_rows(data, actors, train, temperature=0.5, top_p=0.9)
+    sampling = {
+        (r["responses_create_params"]["temperature"], r["responses_create_params"]["top_p"])
+        for r in rows
+    }
+    assert sampling == {(0.5, 0.9)}
+
+
+def test_too_few_distinct_held_out_tasks_is_an_error_naming_the_key():
+    actors = _actors({"calc": {"environment": "calculator"}})
+    data = DataConfig(num_builtin_rows_per_agent=8, num_builtin_val_rows_per_agent=100_000)
+    train = load_rows(data, actors, SAMPLING, seed=0)
+    with pytest.raises(ValueError, match=r"num_builtin_val_rows_per_agent=100000.*'calculator'"):
+        load_validation_rows(data, actors, train, temperature=0.0, top_p=1.0)
+
+
+def test_validation_rows_come_from_val_jsonl_when_given(tmp_path):
+    row = {"responses_create_params": {"input": "hi"}, "agent_ref": {"name": "remote"}}
+    path = tmp_path / "val.jsonl"
+    path.write_text(json.dumps(row) + "\n", encoding="utf-8")
+    actors = _actors({"remote": {"url": "http://gym-head:8000/remote"}})
+    (loaded,) = load_validation_rows(
+        DataConfig(val_jsonl=str(path)), actors, [], temperature=0.0, top_p=1.0
+    )
+    assert loaded["responses_create_params"] == {"input": "hi", "temperature": 0.0, "top_p": 1.0}
