@@ -1,14 +1,18 @@
-"""Guess the number: find a secret integer in [1, max_number] from higher/lower hints.
+"""Guess the number: find a secret integer in [low, high] from higher/lower hints.
 
-A genuinely multi-turn task that an untrained model can still win: the environment answers every
-reply until the number is found or the agent's `max_turns` runs out. A `guess(number)` tool call
-is a guess; so is a reply without a tool call that contains an integer (its last integer counts);
-a reply with neither gets a user message asking for a guess. Even random guessing finds one of 8
-numbers within 8 turns about two times in three, so GRPO has reward variance from the start, and
-a model that follows the hints (binary search) wins in at most 4 guesses.
+A genuinely multi-turn task: the environment answers every reply until the number is found or the
+agent's `max_turns` runs out. A `guess(number)` tool call is a guess; so is a reply without a tool
+call that contains an integer (its last integer counts); a reply with neither gets a user message
+asking for a guess. Ranges hold 8 to 16 numbers and start anywhere in 1-100, so there are
+thousands of distinct tasks (held-out validation rows need tasks no training row has). A model
+that follows the hints (binary search) always wins within 4 guesses in a range of at most 16.
 
-Reward: 1.0 if the number was found, else 0.0 (not scaled by the number of guesses: the turn
-limit already prices slowness). `num_guesses` is reported as a verifier field.
+Reward: 1.0 if the number was found. Otherwise partial credit for the search done: half the share
+of the wrong candidates that the hints received have ruled out (the secret's consistent interval
+shrinking from the whole range), so a guess only pays by the information it bought; a reply
+without a guess, or a guess outside the range, rules out nothing. `num_guesses` and
+`candidates_left` (numbers still consistent with the hints, the secret included) are reported as
+verifier fields.
 """
 
 from __future__ import annotations
@@ -28,7 +32,10 @@ from nemo_gym_ext.envs.resources import (
     VerifierFields,
 )
 
-MAX_NUMBER = 8
+# Range sizes and starts of sampled tasks.
+MIN_SIZE, MAX_SIZE = 8, 16
+MAX_LOW = 100
+PARTIAL_CREDIT = 0.5  # the most a search that did not find the number earns
 SYSTEM_PROMPT = (
     "You are playing a number guessing game. Guess with the guess tool, or reply with just a "
     "number. After each guess you are told whether the secret number is higher or lower."
@@ -43,34 +50,56 @@ class GuessTask(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    secret: int = Field(ge=1, description="The number to find.")
-    max_number: int = Field(ge=1, description="The secret lies in [1, max_number].")
+    secret: int = Field(description="The number to find.")
+    low: int = Field(description="The secret lies in [low, high].")
+    high: int = Field(description="The secret lies in [low, high].")
 
     @model_validator(mode="after")
     def _secret_in_range(self) -> GuessTask:
-        if self.secret > self.max_number:
-            raise ValueError(f"secret {self.secret} is above max_number {self.max_number}")
+        if not self.low <= self.secret <= self.high:
+            raise ValueError(f"secret {self.secret} is outside [{self.low}, {self.high}]")
         return self
 
 
 @dataclass
 class GuessState:
     secret: int
-    max_number: int
+    low: int
+    high: int
     num_guesses: int = 0
     found: bool = False
+    # The interval still consistent with the hints given (it always holds the secret).
+    consistent_low: int = 0
+    consistent_high: int = 0
+
+    def __post_init__(self) -> None:
+        self.consistent_low, self.consistent_high = self.low, self.high
 
     def judge(self, number: int) -> str:
         """Count a guess and say 'higher', 'lower' or 'correct' (or why it is out of range)."""
         self.num_guesses += 1
-        if not 1 <= number <= self.max_number:
-            return f"{number} is out of range: the number is between 1 and {self.max_number}"
+        if not self.low <= number <= self.high:
+            return f"{number} is out of range: the number is between {self.low} and {self.high}"
         if number < self.secret:
+            self.consistent_low = max(self.consistent_low, number + 1)
             return "higher"
         if number > self.secret:
+            self.consistent_high = min(self.consistent_high, number - 1)
             return "lower"
         self.found = True
+        self.consistent_low = self.consistent_high = number
         return "correct"
+
+    @property
+    def candidates_left(self) -> int:
+        return self.consistent_high - self.consistent_low + 1
+
+    def reward(self) -> float:
+        if self.found:
+            return 1.0
+        wrong_at_start = self.high - self.low  # every number of the range but the secret
+        ruled_out = wrong_at_start - (self.candidates_left - 1)
+        return PARTIAL_CREDIT * ruled_out / wrong_at_start
 
 
 class GuessArguments(BaseModel):
@@ -87,7 +116,7 @@ def _reply_to_text(state: GuessState, text: str) -> UserReply:
     integers = _INTEGER.findall(text)
     if not integers:
         return UserReply(
-            f"Please guess a number between 1 and {state.max_number}: call the guess tool or "
+            f"Please guess a number between {state.low} and {state.high}: call the guess tool or "
             "reply with just the number.",
             done=False,
         )
@@ -98,23 +127,29 @@ def _reply_to_text(state: GuessState, text: str) -> UserReply:
 
 
 def _verify(state: GuessState, output: list[dict]) -> VerifierFields:
-    return {"reward": 1.0 if state.found else 0.0, "num_guesses": state.num_guesses}
+    return {
+        "reward": state.reward(),
+        "num_guesses": state.num_guesses,
+        "candidates_left": state.candidates_left,
+    }
 
 
 def _sample_task(rng: random.Random) -> SampledTask:
-    secret = rng.randint(1, MAX_NUMBER)
+    low = rng.randint(1, MAX_LOW)
+    high = low + rng.randint(MIN_SIZE, MAX_SIZE) - 1
+    secret = rng.randint(low, high)
     prompt = (
-        f"I am thinking of a secret integer between 1 and {MAX_NUMBER}. Guess it! I will answer "
+        f"I am thinking of a secret integer between {low} and {high}. Guess it! I will answer "
         "higher, lower or correct."
     )
-    return SampledTask(prompt=prompt, fields={"secret": secret, "max_number": MAX_NUMBER})
+    return SampledTask(prompt=prompt, fields={"secret": secret, "low": low, "high": high})
 
 
 GUESS_NUMBER = EnvironmentSpec[GuessState](
     name="guess_number",
     system_prompt=SYSTEM_PROMPT,
     task=GuessTask,
-    start=lambda task: GuessState(secret=task.secret, max_number=task.max_number),
+    start=lambda task: GuessState(secret=task.secret, low=task.low, high=task.high),
     tools=(
         Tool(
             name="guess",

@@ -1,7 +1,7 @@
 """The guess_number environment: multi-turn episodes over HTTP."""
 
 import json
-import random
+import re
 
 from scripted_policy_server import Reply, call, scripted, text
 
@@ -9,8 +9,8 @@ from nemo_gym_ext.envs.registry import make_rows
 from nemo_gym_ext.wire import Row
 
 
-def guess_row(secret: int) -> dict:
-    return make_rows("guess_number", 1, seed=0)[0] | {"secret": secret}
+def guess_row(secret: int, low: int = 1, high: int = 8) -> dict:
+    return make_rows("guess_number", 1, seed=0)[0] | {"secret": secret, "low": low, "high": high}
 
 
 def binary_search(body: dict) -> Reply:
@@ -80,13 +80,60 @@ def test_integers_in_plain_text_count_as_guesses(start_env, run):
     assert result["response"]["output"][-1]["role"] == "assistant", "no follow-up after a win"
 
 
-def test_random_guessing_sometimes_wins_so_grpo_has_signal(start_env, run):
-    rng = random.Random(0)
+def test_a_search_that_does_not_find_the_number_earns_half_the_share_it_ruled_out(start_env, run):
+    # [1, 9] has 8 wrong candidates; secret 7.
+    environment, _ = start_env("guess_number", scripted(call("guess", {"number": 5})), max_turns=1)
+    result = run(environment, guess_row(secret=7, low=1, high=9))
+    # "higher" leaves [6, 9]: 3 wrong candidates left, 5 of 8 ruled out.
+    assert (result["reward"], result["candidates_left"]) == (0.5 * 5 / 8, 4)
+
     environment, _ = start_env(
-        "guess_number", lambda body: text(f"{rng.randint(1, 8)}"), max_turns=8
+        "guess_number", scripted(call("guess", {"number": 5}), text("8")), max_turns=2
     )
-    rewards = [run(environment, row)["reward"] for row in make_rows("guess_number", 8, seed=1)]
-    assert 0.0 < sum(rewards) / len(rewards) < 1.0
+    result = run(environment, guess_row(secret=7, low=1, high=9))
+    assert (result["reward"], result["candidates_left"]) == (0.5 * 7 / 8, 2)  # [6, 7]
+
+
+def test_guesses_outside_the_range_and_replies_without_one_rule_out_nothing(start_env, run):
+    environment, _ = start_env(
+        "guess_number", scripted(text("0"), text("no idea"), text("50")), max_turns=3
+    )
+    result = run(environment, guess_row(secret=3))
+    assert result["reward"] == 0.0
+    assert result["candidates_left"] == 8
+    assert result["num_guesses"] == 2
+
+
+def test_following_the_hints_earns_more_than_repeating_a_guess(start_env, run):
+    rows = make_rows("guess_number", 12, seed=1)
+    searcher, _ = start_env("guess_number", binary_search_from_prompt, max_turns=2)
+    searched = [run(searcher, row)["reward"] for row in rows]
+    repeater, _ = start_env("guess_number", same_guess_from_prompt, max_turns=2)
+    repeated = [run(repeater, row)["reward"] for row in rows]
+    assert all(r > 0.0 for r in repeated)
+    assert sum(searched) > sum(repeated)
+
+
+def _range_of(body: dict) -> tuple[int, int]:
+    low, high = re.search(r"between (\d+) and (\d+)", body["messages"][1]["content"]).groups()
+    return int(low), int(high)
+
+
+def binary_search_from_prompt(body: dict) -> Reply:
+    low, high = _range_of(body)
+    for message in body["messages"]:
+        if message["role"] == "user" and ":" in message["content"]:
+            guessed, verdict = message["content"].split(":")[:2]
+            if "higher" in verdict:
+                low = int(guessed) + 1
+            elif "lower" in verdict:
+                high = int(guessed) - 1
+    return text(str((low + high) // 2))
+
+
+def same_guess_from_prompt(body: dict) -> Reply:
+    low, high = _range_of(body)
+    return text(str((low + high) // 2))
 
 
 def test_rows_are_deterministic_and_valid():
@@ -95,7 +142,12 @@ def test_rows_are_deterministic_and_valid():
     for row in rows:
         Row.model_validate(row)
         assert row["agent_ref"]["name"] == "guesser"
-        assert 1 <= row["secret"] <= row["max_number"] == 8
+        assert row["low"] <= row["secret"] <= row["high"] <= 100 + 15
+        assert 8 <= row["high"] - row["low"] + 1 <= 16
+        assert (
+            f"between {row['low']} and {row['high']}"
+            in row["responses_create_params"]["input"][1]["content"]
+        )
         (tool,) = row["responses_create_params"]["tools"]
         assert tool["name"] == "guess"
         assert tool["parameters"]["properties"]["number"]["type"] == "integer"
