@@ -29,7 +29,7 @@ import torch
 from ray.util.placement_group import remove_placement_group
 
 from gymrl.actors import GenerationServer, GymShard, ReplayBufferActor, close_actor
-from gymrl.algo.advantages import grpo_advantages
+from gymrl.algo.advantages import grpo_advantages, share_of_groups_with_variance
 from gymrl.algo.trajectory import Trajectory
 from gymrl.checkpoint import latest_checkpoint
 from gymrl.config.schema import ClusterConfig, RecipeConfig
@@ -358,6 +358,9 @@ class GRPORecipe:
         metrics.update(
             {
                 "train/reward/mean": float(sum(t.reward for t in trajectories) / len(trajectories)),
+                "train/groups_with_reward_variance": share_of_groups_with_variance(
+                    [t.reward for t in trajectories], [t.group_id for t in trajectories]
+                ),
                 "rollout/episodes": float(len(trajectories)),
                 "rollout/generated_tokens": float(generated),
                 "rollout/failures_total": float(producer.failures.count),

@@ -59,3 +59,14 @@ def grpo_advantages(
         centered = centered / (std[group] + eps)
     advantages = torch.where(informative[group], centered, torch.zeros_like(centered))
     return advantages.to(out_dtype)
+
+
+def share_of_groups_with_variance(rewards: Sequence[float], group_ids: Sequence[str]) -> float:
+    """Share of the groups whose rewards are not all equal: only they get non-zero advantages, so
+    a batch where this is 0 has a loss of exactly 0 and leaves the weights as they were."""
+    by_group: dict[str, set[float]] = {}
+    for reward, group in zip(rewards, group_ids, strict=True):
+        by_group.setdefault(group, set()).add(reward)
+    if not by_group:
+        raise ValueError("no groups: the batch is empty")
+    return sum(len(values) > 1 for values in by_group.values()) / len(by_group)

@@ -1,14 +1,17 @@
 """Calculator: small arithmetic word problems, with a `calculator(expression)` tool.
 
 The problems are one- or two-step sums, differences and products of small integers with
-non-negative answers, easy enough that an untrained 135M instruct model sometimes gets them right,
-so GRPO sees reward variance from the first step. The model may call the calculator (evaluated by
-the safe parser in :mod:`nemo_gym_ext.envs.tools`) any number of times; the episode ends when it
-replies without a tool call.
+non-negative answers. The model may call the calculator (evaluated by the safe parser in
+:mod:`nemo_gym_ext.envs.tools`) any number of times; the episode ends when it replies without a
+tool call.
 
-Reward: 1.0 when the final assistant text (the text after the last tool output) contains the
-expected answer as a number (`42`, `42.0`; signs are ignored, answers are never negative),
-otherwise 0.0.
+Reward: 1.0 when the final answer is the expected number, else 0.0. The final answer is the
+number after the last "answer" in the final assistant text (the text after the last tool
+output; "Answer: 42", "the answer is 42"), or, without one, the last number of that text. Only
+that one number counts: a reply that lists several candidates, or restates the question's
+numbers after the result, is not credited for containing the right one somewhere. No partial
+credit: a wrong number is no closer to right for being near it. `answered` (the final text holds
+a number at all) is reported as a verifier field, not rewarded.
 """
 
 from __future__ import annotations
@@ -32,11 +35,12 @@ from nemo_gym_ext.wire import final_assistant_text
 
 SYSTEM_PROMPT = (
     "You are a careful math assistant. You may call the calculator tool with an arithmetic "
-    "expression to compute exactly. When you know the result, reply with the final answer as a "
-    "number."
+    "expression to compute exactly. When you know the result, end your reply with "
+    "'Answer: <number>'."
 )
 _NAMES = ("Ana", "Ben", "Chen", "Dara", "Eli", "Fay")
 _NUMBER = re.compile(r"\d+(?:\.\d+)?")
+_AFTER_ANSWER = re.compile(r"answer\D*?(\d+(?:\.\d+)?)", re.IGNORECASE)
 
 
 class CalculatorTask(BaseModel):
@@ -74,10 +78,19 @@ def _reply_to_text(state: CalculatorState, text: str) -> UserReply:
     return UserReply(content=None, done=True)
 
 
+def final_answer(text: str) -> float | None:
+    """The number after the last "answer" in `text`, else its last number, else None."""
+    announced = _AFTER_ANSWER.findall(text)
+    numbers = announced or _NUMBER.findall(text)
+    return float(numbers[-1]) if numbers else None
+
+
 def _verify(state: CalculatorState, output: list[dict]) -> VerifierFields:
-    numbers = _NUMBER.findall(final_assistant_text(output))
-    correct = any(float(number) == state.expected_answer for number in numbers)
-    return {"reward": 1.0 if correct else 0.0}
+    answer = final_answer(final_assistant_text(output))
+    return {
+        "reward": 1.0 if answer == state.expected_answer else 0.0,
+        "answered": answer is not None,
+    }
 
 
 def _sample_task(rng: random.Random) -> SampledTask:

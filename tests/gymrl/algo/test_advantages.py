@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from gymrl.algo.advantages import grpo_advantages
+from gymrl.algo.advantages import grpo_advantages, share_of_groups_with_variance
 
 # Interleaved groups:
 #   a: [1.0, 0.0, 0.5]  mean 0.5, centred [0.5, -0.5, 0.0], Bessel var (0.25+0.25+0)/2 = 0.25,
@@ -68,3 +68,14 @@ def test_input_errors_name_the_problem():
         grpo_advantages(torch.zeros(2), ["g"], normalize_by_std=True, eps=1e-6)
     with pytest.raises(ValueError, match="1-D"):
         grpo_advantages(torch.zeros(2, 2), ["g"] * 4, normalize_by_std=True, eps=1e-6)
+
+
+def test_share_of_groups_with_variance_counts_the_groups_that_have_a_learning_signal():
+    rewards = [0.0, 0.0, 1.0, 0.0, 0.5, 0.5, 0.25]
+    groups = ["a", "a", "b", "b", "c", "c", "d"]
+    assert share_of_groups_with_variance(rewards, groups) == 0.25  # only b: d has one sample
+    advantages = grpo_advantages(torch.tensor(rewards), groups, normalize_by_std=True, eps=1e-6)
+    nonzero_groups = {g for g, a in zip(groups, advantages.tolist(), strict=True) if a != 0}
+    assert nonzero_groups == {"b"}
+    with pytest.raises(ValueError, match="empty"):
+        share_of_groups_with_variance([], [])

@@ -64,7 +64,7 @@ def test_without_send_token_ids_earlier_turns_are_sent_as_text_only(start_env, r
         max_turns=3,
         max_tokens=32,
     )
-    row = make_rows("guess_number", 1, seed=0)[0] | {"secret": 1}
+    row = make_rows("guess_number", 1, seed=0)[0] | {"secret": 1, "low": 1, "high": 8}
     run(environment, row)
 
     last = policy.requests[-1]
@@ -80,7 +80,7 @@ def test_token_fields_sit_on_the_last_item_of_each_model_call(start_env, run, to
     environment, policy = start_env(
         "guess_number", scripted(text_and_call, call("guess", {"number": 6}), text("7"))
     )
-    row = make_rows("guess_number", 1, seed=0)[0] | {"secret": 7}
+    row = make_rows("guess_number", 1, seed=0)[0] | {"secret": 7, "low": 1, "high": 8}
     result = run(environment, row)
 
     output = result["response"]["output"]
@@ -195,7 +195,7 @@ def test_results_are_training_data_for_the_postprocessor(start_env, run):
         "guess_number",
         scripted(call("guess", {"number": 4}), text("2"), call("guess", {"number": 3})),
     )
-    row = make_rows("guess_number", 1, seed=0)[0] | {"secret": 3}
+    row = make_rows("guess_number", 1, seed=0)[0] | {"secret": 3, "low": 1, "high": 8}
     result = run(environment, row)
 
     processed = postprocess_gym_result(row, result, NemoGymPostprocessConfig())

@@ -45,6 +45,22 @@ def test_a_wrong_or_missing_final_answer_earns_zero(start_env, run, answer):
     assert result["reward"] == 0.0
 
 
+@pytest.mark.parametrize(
+    "answer, reward",
+    [
+        ("Answer: 57. Check: 57 = 50 + 7", 1.0),  # the announced answer counts, not later numbers
+        ("19 * 3 = 57", 1.0),  # without an announcement, the last number
+        ("57, or maybe 58", 0.0),  # listing candidates is not answering
+        ("(12 + 7) * 3 = 57 because 12 + 7 = 19 and 19 times 3", 0.0),
+        ("the answer is 56 or 57", 0.0),
+    ],
+)
+def test_only_the_final_answer_counts_not_a_right_number_somewhere(start_env, run, answer, reward):
+    environment, _ = start_env("calculator", scripted(text(answer)))
+    result = run(environment, row_with_answer("57"))
+    assert (result["reward"], result["answered"]) == (reward, True)
+
+
 def test_an_episode_that_never_answers_stops_at_max_turns_with_zero(start_env, run):
     environment, policy = start_env(
         "calculator",
@@ -90,6 +106,7 @@ def test_resources_server_refuses_bad_rows_and_unknown_sessions():
         )  # fmt: skip
         assert answer.json() == {"output": "2", "done": False}
         verify = {"session_id": session_id, "response": {"output": []}}
-        assert httpx.post(f"{server.url}/verify", json=verify, timeout=10).json() == {"reward": 0.0}
+        verified = httpx.post(f"{server.url}/verify", json=verify, timeout=10).json()
+        assert verified == {"reward": 0.0, "answered": False}
         again = httpx.post(f"{server.url}/verify", json=verify, timeout=10)
         assert again.status_code == 404, "verify closes the session"
