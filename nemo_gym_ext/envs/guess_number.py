@@ -139,8 +139,8 @@ def _sample_task(rng: random.Random) -> SampledTask:
     high = low + rng.randint(MIN_SIZE, MAX_SIZE) - 1
     secret = rng.randint(low, high)
     prompt = (
-        f"I am thinking of a secret integer between {low} and {high}. Guess it! I will answer "
-        "higher, lower or correct."
+        f"I am thinking of a secret integer between {low} and {high}. What is your guess? "
+        "Reply with just one number; I will answer higher, lower or correct."
     )
     return SampledTask(prompt=prompt, fields={"secret": secret, "low": low, "high": high})
 

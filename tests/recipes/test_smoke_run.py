@@ -95,6 +95,21 @@ def test_smoke_episodes_reach_several_turns(smoke_run):
     )
 
 
+def test_smoke_validates_every_second_step_and_at_the_end_on_held_out_rows(smoke_run):
+    records = {r["step"]: r for r in read_metrics(smoke_run)}
+    assert "validation/reward/mean" not in records[1]
+    for step in (2, 3):
+        record = records[step]
+        assert record["validation/episodes"] + record["validation/failures"] == 8
+        assert record["timing/validation_s"] > 0
+        for agent in ("calculator_agent", "guess_number_agent"):
+            assert 0.0 <= record[f"validation/{agent}/reward/mean"] <= 1.0
+            assert record[f"validation/{agent}/noncontiguous_truncated/mean"] == 0.0
+            assert f"validation/{agent}/reward/stderr" in record
+    picture = smoke_run / "metrics.png"
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_every_logged_key_is_documented(smoke_run):
     patterns = documented_patterns()
     keys = {key for record in read_metrics(smoke_run) for key in record} - {"step"}
