@@ -39,9 +39,12 @@ def plot_run(records: list[dict[str, float]], output: Path, title: str) -> Path:
     }
     by_step = {int(record["step"]): record for record in records}
     for field, (axis, label) in panels.items():
-        for (split, agent), (steps, values) in sorted(_per_agent_series(records, field).items()):
+        series = _per_agent_series(records, field)
+        # One colour per agent, shared by its training and validation lines.
+        colour = {agent: f"C{i}" for i, agent in enumerate(sorted({a for _, a in series}))}
+        for (split, agent), (steps, values) in sorted(series.items()):
             if split == "train":
-                axis.plot(steps, values, marker="o", label=agent)
+                axis.plot(steps, values, marker="o", color=colour[agent], label=agent)
                 continue
             stderr = [_value(by_step[step], f"validation/{agent}/{field}/stderr") for step in steps]
             axis.errorbar(
@@ -51,6 +54,7 @@ def plot_run(records: list[dict[str, float]], output: Path, title: str) -> Path:
                 linestyle="--",
                 marker="s",
                 capsize=3,
+                color=colour[agent],
                 label=f"{agent} (validation, ± s.e.)",
             )
         axis.set_title(label)

@@ -6,6 +6,12 @@ from gymrl.plot import _per_agent_series, plot_run, read_records
 
 RECORDS = [
     {
+        "step": 0,
+        "validation/a/reward/mean": 0.25,
+        "validation/a/reward/stderr": 0.1,
+        "timing/validation_s": 3.0,
+    },
+    {
         "step": 1,
         "train/a/reward/mean": 0.0,
         "train/a/noncontiguous_truncated/mean": 1.0,
@@ -17,6 +23,8 @@ RECORDS = [
         "train/a/reward/mean": 0.5,
         "train/b/reward/mean": 1.0,
         "train/a/noncontiguous_truncated/mean": 0.5,
+        "validation/a/reward/mean": 0.75,
+        "validation/a/reward/stderr": None,
         "train/loss": 0.2,
         "timing/train_s": 1.5,
     },
@@ -24,8 +32,14 @@ RECORDS = [
 
 
 def test_per_agent_series_follow_the_steps_each_agent_appears_in():
-    assert _per_agent_series(RECORDS, "reward") == {"a": ([1, 2], [0.0, 0.5]), "b": ([2], [1.0])}
-    assert _per_agent_series(RECORDS, "noncontiguous_truncated") == {"a": ([1, 2], [1.0, 0.5])}
+    assert _per_agent_series(RECORDS, "reward") == {
+        ("train", "a"): ([1, 2], [0.0, 0.5]),
+        ("train", "b"): ([2], [1.0]),
+        ("validation", "a"): ([0, 2], [0.25, 0.75]),
+    }
+    assert _per_agent_series(RECORDS, "noncontiguous_truncated") == {
+        ("train", "a"): ([1, 2], [1.0, 0.5])
+    }
 
 
 def test_plot_run_writes_a_png(tmp_path):
