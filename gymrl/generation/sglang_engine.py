@@ -4,8 +4,8 @@ SGLang needs CUDA, so nothing here imports it: a server is a subprocess
 (`python -m sglang.launch_server`) and the engine speaks its native HTTP API, which is what makes
 the client testable on a CPU against a stand-in server with the same field names.
 
-The HTTP API used (SGLang >= 0.5, `sglang/srt/entrypoints/http_server.py` and
-`managers/io_struct.py`):
+The HTTP API used (SGLang 0.5.23, pinned exactly: `sglang/srt/entrypoints/http_server.py` and
+`managers/io_struct.py`; docs/cluster.md says which of its behaviours the engine relies on):
 
 * `POST /generate` with `input_ids`, `sampling_params` (`max_new_tokens`, `temperature`, `top_p`,
   `stop_token_ids`, `sampling_seed`), `return_logprob: true`, `logprob_start_len: -1` (log-probs of
@@ -38,7 +38,10 @@ hold it (a "retract" or "in_place" pause deadlocks the update), so generation is
 `abort`. The engine resubmits each such request, prompt plus partial generation, and the server
 holds it until generation continues under the new weights. Every token's log-probability is the
 one its sampler reported, which is what the importance-sampling correction needs; an output's
-`weight_version` is the oldest version that contributed tokens.
+`weight_version` is the oldest version that contributed tokens. An aborted request decodes once
+more before it stops, and that token may end the turn (:func:`cut_at_stop_token`); a request
+admitted just before the pause is aborted too and resumed like the others; `/flush_cache` is
+refused until the scheduler is idle and is retried until `FLUSH_DEADLINE_S`.
 """
 
 from __future__ import annotations
@@ -71,6 +74,8 @@ ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
 HEALTH_POLL_INTERVAL_S = 2.0  # the longest pause between health checks (they start at 50 ms)
 STOP_GRACE_S = 30.0
 MAX_RESUMES = 8
+# Refusals of /flush_cache after a pause last while aborted requests leave the scheduler.
+FLUSH_DEADLINE_S = 60.0
 _LOG_TAIL_CHARS = 3000
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _WEIGHTS_FILE = "model.safetensors"
@@ -445,7 +450,10 @@ class SGLangEngine:
         self._refit_timeout_s = refit_timeout_s
         self._refit_dir = None if refit_dir is None else Path(refit_dir)
         self._version = weight_version
-        self._epoch = 0
+        # Refits begun and completed; an abort while they differ, or after a later one began,
+        # is a refit's.
+        self._refits_started = 0
+        self._refits_finished = 0
         self._in_flight = [0] * len(self._urls)
         self._next = 0
         self._state_lock = threading.Lock()
@@ -514,13 +522,20 @@ class SGLangEngine:
         return [task.result() for task in tasks]
 
     async def _generate_one(self, request: GenerationRequest) -> GenerationOutput:
+        """One request, resumed (prompt plus tokens so far) after each refit that aborts it.
+
+        An abort is the refit's when a refit was under way when the piece was sent or started
+        after it: a request admitted between the engine starting a refit and the server pausing
+        is aborted by that pause too, and is resumed like the others, not failed.
+        """
         prompt = list(request.prompt_token_ids)
+        stops = frozenset(request.params.stop_token_ids)
         tokens: list[int] = []
         logprobs: list[float] = []
         version: int | None = None
         for _attempt in range(MAX_RESUMES + 1):
             with self._state_lock:
-                epoch, current = self._epoch, self._version
+                refits_finished, current = self._refits_finished, self._version
             version = current if version is None else min(version, current)
             budget = request.params.max_new_tokens - len(tokens)
             url = self._acquire()
@@ -531,6 +546,9 @@ class SGLangEngine:
             finally:
                 self._release(url)
             new_tokens, new_logprobs, finish, message = parse_generate_response(url, body)
+            if finish == "abort":
+                new_tokens, finish = cut_at_stop_token(new_tokens, stops)
+                new_logprobs = new_logprobs[: len(new_tokens)]
             tokens += new_tokens
             logprobs += new_logprobs
             if finish in ("stop", "length"):
@@ -544,8 +562,8 @@ class SGLangEngine:
             if finish != "abort":
                 raise SGLangError(f"SGLang server {url}: unknown finish_reason.type {finish!r}")
             with self._state_lock:
-                refitted = self._epoch != epoch
-            if not refitted:
+                refit_caused = self._refits_started > refits_finished
+            if not refit_caused:
                 raise SGLangError(f"SGLang server {url} aborted the request: {message}")
             if len(tokens) >= request.params.max_new_tokens:
                 return GenerationOutput(
@@ -586,11 +604,12 @@ class SGLangEngine:
         model_path = str(Path(path).resolve())
         with self._refit_lock:
             with self._state_lock:
-                self._epoch += 1
-            deadline = self._refit_timeout_s + 3 * self._request_timeout_s
+                self._refits_started += 1
+            deadline = self._refit_timeout_s + 3 * self._request_timeout_s + FLUSH_DEADLINE_S
             self._run(self._refit(model_path, version), deadline)
             with self._state_lock:
                 self._version = version
+                self._refits_finished += 1
 
     async def _refit(self, model_path: str, version: int) -> None:
         await self._on_all("/pause_generation", {"mode": "abort"})
@@ -606,8 +625,29 @@ class SGLangEngine:
                 f"update_weights_from_disk({model_path}) failed on {sorted(failed)}: "
                 f"{next(iter(failed.values())).get('message')!r}; generation stays paused"
             )
-        await self._on_all("/flush_cache", None)
+        await asyncio.gather(*(self._flush_cache(url) for url in self._urls))
         await self._on_all("/continue_generation", {})
+
+    async def _flush_cache(self, url: str) -> None:
+        """`/flush_cache`, retried while the server refuses it, until `FLUSH_DEADLINE_S`.
+
+        SGLang refuses (400) unless its scheduler is idle, and after a pause in "abort" mode the
+        aborted requests may still be on their way out of the scheduler for a step or two.
+        """
+        deadline = time.monotonic() + FLUSH_DEADLINE_S
+        pause = 0.05
+        while True:
+            response = await self._send(url, "/flush_cache", None)
+            if response.status_code == 200:
+                return
+            if response.status_code != 400 or time.monotonic() + pause > deadline:
+                raise SGLangError(
+                    f"SGLang server {url}: POST /flush_cache answered {response.status_code} "
+                    f"for {FLUSH_DEADLINE_S} s: {response.text[:300]!r}; requests still run on "
+                    "it after the pause; generation stays paused"
+                )
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, 1.0)
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Write `state_dict` (Hugging Face names) as safetensors under the refit directory, then
@@ -652,9 +692,26 @@ class SGLangEngine:
         payload: Mapping[str, Any] | None,
         timeout_s: float | None = None,
     ) -> Any:
+        response = await self._send(url, route, payload, timeout_s)
+        if response.status_code != 200:
+            raise SGLangError(
+                f"SGLang server {url}: POST {route} answered {response.status_code}: "
+                f"{response.text[:500]}"
+            )
+        if response.headers.get("content-type", "").startswith("application/json"):
+            return response.json()
+        return response.text
+
+    async def _send(
+        self,
+        url: str,
+        route: str,
+        payload: Mapping[str, Any] | None,
+        timeout_s: float | None = None,
+    ) -> httpx.Response:
         timeout = self._request_timeout_s if timeout_s is None else timeout_s
         try:
-            response = await self._client.post(f"{url}{route}", json=payload, timeout=timeout)
+            return await self._client.post(f"{url}{route}", json=payload, timeout=timeout)
         except httpx.TimeoutException as error:
             raise SGLangTimeoutError(
                 f"SGLang server {url}: POST {route} did not answer within {timeout} s (the "
@@ -665,14 +722,6 @@ class SGLangEngine:
             raise SGLangError(
                 f"SGLang server {url}: POST {route} failed: {type(error).__name__}: {error}"
             ) from error
-        if response.status_code != 200:
-            raise SGLangError(
-                f"SGLang server {url}: POST {route} answered {response.status_code}: "
-                f"{response.text[:500]}"
-            )
-        if response.headers.get("content-type", "").startswith("application/json"):
-            return response.json()
-        return response.text
 
     def _run(self, coroutine, timeout_s: float):
         future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
@@ -696,6 +745,22 @@ class SGLangEngine:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def cut_at_stop_token(
+    tokens: Sequence[int], stop_token_ids: frozenset[int]
+) -> tuple[list[int], str]:
+    """The tokens of an aborted answer up to its first stop token, and the finish that implies.
+
+    SGLang (0.5.23, `Req.update_finish_state`) aborts a running request by letting it decode once
+    more and then finishing it with `abort` before the stop-token check, so the last token of an
+    aborted answer can end the turn. Resuming past it would have the model write after its own
+    end of turn; the turn ends there instead (`stop`), as it would have without the abort.
+    """
+    for index, token in enumerate(tokens):
+        if token in stop_token_ids:
+            return list(tokens[: index + 1]), "stop"
+    return list(tokens), "abort"
 
 
 def _finish_reason(finish_type: str) -> FinishReason:

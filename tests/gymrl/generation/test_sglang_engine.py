@@ -1,21 +1,8 @@
-"""The SGLang client against a stand-in server on loopback, and against real SGLang on a GPU.
-
-SGLang needs CUDA, so the CPU tests run a small FastAPI server that implements the routes the
-engine uses with SGLang's field names and rules: `/generate` accepts SGLang's `GenerateReqInput`
-and `SamplingParams` fields (stricter than SGLang, it rejects unknown ones, so a misspelt key
-fails here instead of being ignored there), answers `meta_info.output_token_logprobs` triples and
-`finish_reason` objects, and keeps SGLang's refit rules: `/pause_generation` in "abort" mode
-returns in-flight requests with their partial tokens and holds new ones until
-`/continue_generation`; `/update_weights_from_disk` waits until no request runs (SGLang's weight
-lock) and loads real safetensors files; `/flush_cache` refuses while requests run.
-
-Its "model" is a deterministic rule (token = prompt length + offset, offset = 1000 x loaded
-weight version), so a test can tell which weights produced which token.
-"""
+"""The SGLang client against a stand-in server on loopback (`sglang_standin`, which reproduces
+the pinned server's refit behaviours), and against real SGLang on a GPU."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import signal
@@ -24,16 +11,15 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import pytest
 import torch
-from fastapi import FastAPI
-from fastapi.responses import JSONResponse, PlainTextResponse
-from pydantic import BaseModel, ConfigDict
 from safetensors.torch import load_file
+from sglang_standin import WEIGHT_OFFSET, make_standin
 
 from gymrl.config.schema import PolicyConfig, SGLangGenerationConfig
+from gymrl.generation import sglang_engine
 from gymrl.generation.sglang_engine import (
     ORIGINAL_LOGPROB_ENV,
     SGLangEngine,
@@ -45,182 +31,6 @@ from gymrl.generation.sglang_engine import (
 from gymrl.generation.types import GenerationRequest, SamplingParams
 from gymrl.net import free_port
 from nemo_gym_ext.http_server import serve_in_thread
-
-WEIGHT_OFFSET = 1000
-
-
-# ------------------------------------------------------------------------------ stand-in server
-class StandInSamplingParams(BaseModel):
-    """SGLang's `SamplingParams` constructor arguments (sglang/srt/sampling/sampling_params.py)."""
-
-    model_config = ConfigDict(extra="forbid")
-    max_new_tokens: int = 128
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_new_tokens: int = 0
-    n: int = 1
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
-    sampling_seed: int | None = None
-
-
-class StandInGenerateReq(BaseModel):
-    """The `GenerateReqInput` fields a token-in client may send (managers/io_struct.py)."""
-
-    model_config = ConfigDict(extra="forbid")
-    text: str | None = None
-    input_ids: list[int] | None = None
-    sampling_params: StandInSamplingParams | None = None
-    return_logprob: bool | None = None
-    logprob_start_len: int | None = None
-    top_logprobs_num: int | None = None
-    stream: bool = False
-    rid: str | None = None
-
-
-class StandInUpdateReq(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    model_path: str
-    load_format: str | None = None
-    abort_all_requests: bool = False
-    weight_version: str | None = None
-
-
-class StandInPauseReq(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    mode: Literal["abort", "retract", "in_place"] = "abort"
-
-
-class StandInState:
-    def __init__(self, context_length: int, token_delay_s: float) -> None:
-        self.context_length = context_length
-        self.token_delay_s = token_delay_s
-        self.events: list[tuple[str, Any]] = []
-        self.running = 0
-        self.tokens_sampled = 0
-        self.paused = False
-        self.abort_count = 0
-        self.weight_version = "default"
-        self.offset = 0
-        self.loaded_tensors: list[str] = []
-        self.resume = asyncio.Event()  # set while generation runs, cleared while paused
-        self.resume.set()
-
-
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"object": "error", "message": message, "code": status}, status)
-
-
-def make_standin(context_length: int = 512, token_delay_s: float = 0.0):
-    state = StandInState(context_length, token_delay_s)
-    app = FastAPI()
-
-    @app.get("/health_generate")
-    async def health() -> PlainTextResponse:
-        return PlainTextResponse("")
-
-    @app.post("/generate")
-    async def generate(req: StandInGenerateReq):
-        state.events.append(("generate", req.model_dump(exclude_unset=True)))
-        if (req.text is None) == (req.input_ids is None):
-            return _error(400, "Either text or input_ids should be provided.")
-        if req.text is not None:
-            return _error(400, "text input needs a tokenizer; the server skips tokenizer init")
-        params = req.sampling_params or StandInSamplingParams()
-        if params.temperature < 0 or not 0 < params.top_p <= 1 or params.max_new_tokens < 0:
-            return _error(400, f"invalid sampling params {params}")
-        if len(req.input_ids) >= state.context_length:
-            return _error(
-                400,
-                f"The input ({len(req.input_ids)} tokens) is longer than the model's context "
-                f"length ({state.context_length} tokens).",
-            )
-        await state.resume.wait()  # SGLang holds new requests while generation is paused
-        state.running += 1
-        abort_seen = state.abort_count
-        tokens: list[int] = []
-        finish: dict[str, Any] = {"type": "length", "length": params.max_new_tokens}
-        try:
-            for _ in range(params.max_new_tokens):
-                await asyncio.sleep(state.token_delay_s)
-                if state.abort_count != abort_seen:
-                    finish = {"type": "abort", "message": "Abort before prefill"}
-                    break
-                token = len(req.input_ids) + len(tokens) + state.offset
-                tokens.append(token)
-                state.tokens_sampled += 1
-                if token in (params.stop_token_ids or []):
-                    finish = {"type": "stop", "matched": token}
-                    break
-        finally:
-            state.running -= 1
-        meta = {
-            "id": "req",
-            "finish_reason": finish,
-            "prompt_tokens": len(req.input_ids),
-            "weight_version": state.weight_version,
-            "completion_tokens": len(tokens),
-            "cached_tokens": 0,
-        }
-        if req.return_logprob:
-            meta["output_token_logprobs"] = [[-(t % 7 + 1) / 10, t, None] for t in tokens]
-        return {"output_ids": tokens, "meta_info": meta}
-
-    @app.post("/pause_generation")
-    async def pause(req: StandInPauseReq):
-        state.events.append(("pause", req.mode))
-        state.paused = True
-        state.resume.clear()
-        if req.mode == "abort":
-            state.abort_count += 1
-        return {"message": "Generation paused successfully.", "status": "ok"}
-
-    @app.post("/continue_generation")
-    async def resume():
-        state.events.append(("continue", None))
-        state.paused = False
-        state.resume.set()
-        return {"message": "Generation continued successfully.", "status": "ok"}
-
-    @app.post("/update_weights_from_disk")
-    async def update(req: StandInUpdateReq):
-        state.events.append(("update", req.model_dump()))
-        for _ in range(200):  # SGLang's writer lock: wait until no request holds the reader lock
-            if state.running == 0:
-                break
-            await asyncio.sleep(0.01)
-        else:
-            return JSONResponse({"success": False, "message": "requests still running"}, 400)
-        files = sorted(Path(req.model_path).glob("*.safetensors"))
-        if not files:
-            return JSONResponse(
-                {"success": False, "message": f"no safetensors in {req.model_path}"}, 400
-            )
-        state.loaded_tensors = sorted(name for file in files for name in load_file(str(file)))
-        state.weight_version = req.weight_version or state.weight_version
-        state.offset = WEIGHT_OFFSET * int(state.weight_version)
-        return {
-            "success": True,
-            "message": "Succeeded to update model weights.",
-            "num_paused_requests": 0,
-        }
-
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush():
-        state.events.append(("flush", None))
-        if state.running:
-            return PlainTextResponse("Cache not flushed: requests are running.", 400)
-        return PlainTextResponse("Cache flushed.\n")
-
-    return app, state
 
 
 @pytest.fixture
@@ -380,6 +190,97 @@ def test_generation_interrupted_by_refit_resumes_under_new_weights(standin, weig
     assert out.token_ids[partial:] == [WEIGHT_OFFSET + 2 + i for i in range(partial, 30)]
     assert out.finish_reason == "length" and out.weight_version == 0
     assert first["input_ids"] == [9, 9]
+
+
+def _generate_in_thread(engine: SGLangEngine, request: GenerationRequest):
+    """Start `engine.generate([request])` on a thread; returns (thread, result dict)."""
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["out"] = engine.generate([request])[0]
+        except Exception as error:  # reported by the test that joins
+            result["error"] = error
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    return worker, result
+
+
+def _wait_until(condition, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
+def test_stop_token_decoded_after_an_abort_ends_the_turn(standin, weights_dir):
+    """SGLang decodes once more after an abort and keeps that token even when it is the stop
+    token; the engine ends the turn there instead of resuming past the end of the turn."""
+    url, state = standin(token_delay_s=0.3)
+    with _engine([url]) as engine:
+        # Tokens are 2, 3, 4, 5, ...: the refit lands after three, the fourth is the stop token.
+        worker, result = _generate_in_thread(engine, _request([9, 9], 10, stop_token_ids=(5,)))
+        _wait_until(lambda: state.tokens_sampled == 3, "the stand-in did not start generating")
+        engine.refit_from_disk(weights_dir, 1)
+        worker.join(10)
+    out = result["out"]
+    assert state.finishes == [{"type": "abort", "message": "Aborted", **_NO_STATUS}]
+    assert out.token_ids == [2, 3, 4, 5] and len(out.logprobs) == 4
+    assert out.finish_reason == "stop"
+    assert [kind for kind, _ in state.events].count("generate") == 1  # not resumed
+
+
+_NO_STATUS = {"status_code": None, "err_type": None}
+
+
+def test_request_admitted_between_refit_start_and_pause_is_resumed(standin, weights_dir):
+    """The refit has begun but the server has not paused yet: a request sent now is admitted,
+    then aborted by the pause; it is resumed under the new weights, not failed."""
+    url, state = standin(token_delay_s=0.05, pause_delay_s=0.5)
+    with _engine([url]) as engine:
+        refit = threading.Thread(target=engine.refit_from_disk, args=(weights_dir, 1))
+        refit.start()
+        _wait_until(state.pause_requested.is_set, "the refit did not reach the server")
+        worker, result = _generate_in_thread(engine, _request([9, 9], 30))
+        refit.join(10)
+        worker.join(10)
+    assert "error" not in result, result.get("error")
+    out = result["out"]
+    assert state.finishes[0]["type"] == "abort" and state.finishes[-1]["type"] == "length"
+    assert len(out.token_ids) == 30 and out.token_ids[-1] == WEIGHT_OFFSET + 2 + 29
+    assert out.weight_version == 0  # its first tokens came from the old weights
+
+
+def test_abort_without_a_refit_is_an_error(standin):
+    url, state = standin(token_delay_s=0.05)
+    with _engine([url]) as engine:
+        worker, result = _generate_in_thread(engine, _request([9, 9], 30))
+        _wait_until(lambda: state.tokens_sampled > 0, "the stand-in did not start generating")
+        state.abort_count += 1  # what an admin's /abort_request does
+        worker.join(10)
+    assert isinstance(result["error"], SGLangError)
+    assert "aborted the request: Aborted" in str(result["error"])
+
+
+def test_flush_cache_refusals_are_retried(standin, weights_dir):
+    url, state = standin(flush_refusals=3)
+    with _engine([url]) as engine:
+        engine.refit_from_disk(weights_dir, 2)
+        assert engine.weight_version == 2
+    kinds = [kind for kind, _ in state.events]
+    assert kinds == ["pause", "update", "flush", "flush", "flush", "flush", "continue"]
+
+
+def test_flush_cache_refused_past_its_deadline_fails_the_refit(standin, weights_dir, monkeypatch):
+    monkeypatch.setattr(sglang_engine, "FLUSH_DEADLINE_S", 0.3)
+    url, state = standin(flush_refusals=1000)
+    with (
+        _engine([url]) as engine,
+        pytest.raises(SGLangError, match=r"/flush_cache answered 400 for 0\.3 s"),
+    ):
+        engine.refit_from_disk(weights_dir, 2)
+    assert engine.weight_version == 0 and state.paused
 
 
 def test_failed_refit_keeps_version_and_leaves_servers_paused(standin, tmp_path):
