@@ -89,7 +89,7 @@ class GenerationServer:
                     generation, sglang_servers.urls, refit_dir=Path(output_dir) / "refit"
                 )
                 started.callback(self._engine.close)
-                batch = generation.max_running_requests
+                batching = {}  # SGLang schedules each request itself: nothing is batched
             else:
                 model, tokenizer = build_policy(policy, config.run.seed)
                 # transformers' `to` is typed as unbound (see gymrl.model.loading.build_tiny_llama).
@@ -100,7 +100,10 @@ class GenerationServer:
                     eos_token_ids=[eos_token_id(tokenizer)],
                     seed=config.run.seed,
                 )
-                batch = generation.max_batch_size
+                batching = {
+                    "max_batch_size": generation.max_batch_size,
+                    "max_concurrent_batches": generation.server.max_concurrent_batches,
+                }
             server = generation.server
             app = create_policy_server_app(
                 self._engine,
@@ -111,8 +114,7 @@ class GenerationServer:
                 default_max_tokens=server.max_tokens_per_turn,
                 max_context_tokens=policy.max_total_sequence_length,
                 request_timeout_s=server.request_timeout_s,
-                max_batch_size=batch,
-                max_concurrent_batches=server.max_concurrent_batches,
+                **batching,
             )
             # On a cluster, Gym agents on other nodes call this server: listen on every interface.
             host = "127.0.0.1" if config.cluster.ray_address is None else "0.0.0.0"

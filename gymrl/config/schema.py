@@ -108,15 +108,6 @@ class PolicyConfig(Strict):
 
 # -------------------------------------------------------------------------------------- generation
 MaxTokensPerTurn = Annotated[int, Field(gt=0, description="Default max_tokens of one model call.")]
-MaxConcurrentBatches = Annotated[
-    int,
-    Field(
-        gt=0,
-        description="Engine batches in flight at once. 1 suits the torch engine (it runs one "
-        "batch at a time); SGLang schedules requests itself, so several keep its servers busy "
-        "while a long generation runs.",
-    ),
-]
 
 
 class ModelServerConfig(Strict):
@@ -134,21 +125,25 @@ class ModelServerConfig(Strict):
         default=300.0, gt=0, description="Deadline of one chat completion request."
     )
     api_key: str = Field(default="gym-local", description="Bearer token Gym agents must send.")
-    max_concurrent_batches: MaxConcurrentBatches
 
 
 class TorchModelServerConfig(ModelServerConfig):
-    """Short turns, one batch at a time: the torch engine decodes on a laptop CPU."""
+    """Short turns, batched, one batch at a time: the torch engine decodes on a laptop CPU."""
 
     max_tokens_per_turn: MaxTokensPerTurn = 64
-    max_concurrent_batches: MaxConcurrentBatches = 1
+    max_concurrent_batches: int = Field(
+        default=1,
+        gt=0,
+        description="Engine batches in flight at once; the torch engine runs one at a time, so "
+        "more only queue behind it.",
+    )
 
 
 class SGLangModelServerConfig(ModelServerConfig):
-    """Long turns, several batches in flight: SGLang schedules them on GPUs itself."""
+    """Long turns, no batching: SGLang schedules requests itself, so each chat request is its own
+    `/generate` as it arrives."""
 
     max_tokens_per_turn: MaxTokensPerTurn = 4096
-    max_concurrent_batches: MaxConcurrentBatches = 8
 
 
 class SamplingConfig(Strict):

@@ -9,8 +9,10 @@ NeMo-Gym agents call the policy through its `vllm_model` adapter, which posts no
   (:mod:`gymrl.generation.chat_template`), keeping the exact ids clients send back on earlier
   assistant turns (the on-policy prefix fix) when `honor_prompt_token_ids` is set;
 * batches requests from many concurrent clients into single `engine.generate` calls on a
-  background thread (:class:`RequestBatcher`), since an engine decodes a batch for about the cost
-  of one request;
+  background thread (:class:`RequestBatcher`), since the torch engine decodes a batch for about
+  the cost of one request; an engine that schedules requests itself (SGLang, a
+  `RequestScheduler`) gets each request alone as it arrives instead, so no answer waits for the
+  slowest generation of a batch;
 * parses tool calls and reasoning with the model family's parsers
   (:mod:`gymrl.generation.parsers`) into `message.tool_calls` and `reasoning_content`, and
   answers a full OpenAI `ChatCompletion`, plus two extras on the message: the token bundle and
@@ -54,6 +56,7 @@ from gymrl.generation.types import (
     GenerationEngine,
     GenerationOutput,
     GenerationRequest,
+    RequestScheduler,
     SamplingParams,
 )
 from nemo_gym_ext.wire import (
@@ -214,15 +217,7 @@ class RequestBatcher:
 
     async def generate(self, request: GenerationRequest, *, timeout_s: float) -> GenerationOutput:
         """Submit `request` and await its output; :class:`GenerationTimeoutError` after timeout."""
-        future = self.submit(request)
-        try:
-            return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
-        except TimeoutError as error:
-            raise GenerationTimeoutError(
-                f"generation did not finish within request_timeout_s={timeout_s} s (the engine is "
-                "overloaded or stalled); retry later, lower max_tokens, or raise the server's "
-                "request_timeout_s"
-            ) from error
+        return await await_generation(self.submit(request), timeout_s=timeout_s)
 
     def close(self, timeout_s: float) -> None:
         """Stop accepting, let the running batch finish, fail whatever is still queued."""
@@ -306,6 +301,20 @@ class RequestBatcher:
                 item.future.set_exception(ServerNotRunningError("the model server shut down"))
 
 
+async def await_generation(
+    future: Future[GenerationOutput], *, timeout_s: float
+) -> GenerationOutput:
+    """The output of `future`; on timeout it is cancelled and :class:`GenerationTimeoutError`."""
+    try:
+        return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
+    except TimeoutError as error:
+        raise GenerationTimeoutError(
+            f"generation did not finish within request_timeout_s={timeout_s} s (the engine is "
+            "overloaded or stalled); retry later, lower max_tokens, or raise the server's "
+            "request_timeout_s"
+        ) from error
+
+
 # ---------------------------------------------------------------------------------------------
 # The app
 # ---------------------------------------------------------------------------------------------
@@ -362,7 +371,8 @@ def create_policy_server_app(
     The batching thread starts and stops with the app's lifespan, so serve it with lifespan on
     (`nemo_gym_ext.http_server.serve_in_thread` does). `max_batch_size` and `batch_wait_s` bound
     one engine batch, `max_concurrent_batches` how many run at once (see `RequestBatcher`);
-    `shutdown_timeout_s` bounds the wait for running batches at shutdown.
+    `shutdown_timeout_s` bounds the wait for running batches at shutdown. A `RequestScheduler`
+    engine is not batched, and these four do not apply to it.
     """
     for name, value, minimum in (
         ("default_max_tokens", default_max_tokens, 1),
@@ -373,12 +383,24 @@ def create_policy_server_app(
     if request_timeout_s <= 0:
         raise ValueError(f"request_timeout_s={request_timeout_s} must be > 0 seconds")
 
-    batcher = RequestBatcher(
-        engine,
-        max_batch_size=max_batch_size,
-        max_wait_s=batch_wait_s,
-        max_concurrent_batches=max_concurrent_batches,
-    )
+    # An engine that schedules requests itself gets each one alone; the others get batches.
+    batcher: RequestBatcher | None = None
+    if isinstance(engine, RequestScheduler):
+        scheduler = engine
+
+        async def generate(request: GenerationRequest) -> GenerationOutput:
+            return await await_generation(scheduler.submit(request), timeout_s=request_timeout_s)
+    else:
+        batching = batcher = RequestBatcher(
+            engine,
+            max_batch_size=max_batch_size,
+            max_wait_s=batch_wait_s,
+            max_concurrent_batches=max_concurrent_batches,
+        )
+
+        async def generate(request: GenerationRequest) -> GenerationOutput:
+            return await batching.generate(request, timeout_s=request_timeout_s)
+
     # One worker: rendering and tokenising stay off the event loop, and the tokenizer is only ever
     # used from one thread.
     render_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-server-render")
@@ -386,11 +408,13 @@ def create_policy_server_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        batcher.start()
+        if batcher is not None:
+            batcher.start()
         try:
             yield
         finally:
-            batcher.close(shutdown_timeout_s)
+            if batcher is not None:
+                batcher.close(shutdown_timeout_s)
             render_pool.shutdown(wait=True, cancel_futures=True)
 
     dependencies = [] if api_key is None else [Depends(_bearer_check(api_key))]
@@ -451,7 +475,7 @@ def create_policy_server_app(
             ),
         )
         try:
-            output = await batcher.generate(request, timeout_s=request_timeout_s)
+            output = await generate(request)
         except GenerationTimeoutError as error:
             raise _ApiError(504, str(error), error_type="timeout_error") from error
         except ServerNotRunningError as error:

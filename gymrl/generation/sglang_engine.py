@@ -57,6 +57,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -424,9 +425,10 @@ class SGLangEngine:
     """A :class:`~gymrl.generation.types.GenerationEngine` backed by SGLang servers over HTTP.
 
     Each request is one `/generate` call, sent to the server with the fewest requests in flight
-    from this client (ties go round-robin); SGLang batches concurrent requests itself. Calls run
-    on a private asyncio loop, so `generate` may be called from many threads at once and a batch
-    of requests is in flight together. Every HTTP call has a deadline.
+    from this client (ties go round-robin); SGLang batches concurrent requests itself, so the
+    policy server submits each chat request alone (:meth:`submit`). Calls run on a private
+    asyncio loop, so `generate` may be called from many threads at once and a batch of requests
+    is in flight together. Every HTTP call has a deadline.
     """
 
     def __init__(
@@ -511,6 +513,11 @@ class SGLangEngine:
         # Each piece of a request has its own HTTP deadline; resumes after refits are bounded.
         bound = (self._request_timeout_s + self._refit_timeout_s) * (MAX_RESUMES + 1)
         return self._run(self._generate_all(requests), bound)
+
+    def submit(self, request: GenerationRequest) -> Future[GenerationOutput]:
+        """Start one request on the engine's loop (see `RequestScheduler`); the caller bounds it."""
+        _validate(0, request)
+        return asyncio.run_coroutine_threadsafe(self._generate_one(request), self._loop)
 
     async def _generate_all(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
         try:

@@ -9,8 +9,9 @@ for the importance-sampling ratio.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -55,4 +56,18 @@ class GenerationEngine(Protocol):
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Replace the weights in place (refit) and set the weight version."""
+        ...
+
+
+@runtime_checkable
+class RequestScheduler(Protocol):
+    """An engine that schedules concurrent requests itself (SGLang batches on the server).
+
+    The policy server hands it each request alone as it arrives, so a long generation never
+    holds back the answer to a short one, instead of gathering requests into batches that end
+    with their slowest member.
+    """
+
+    def submit(self, request: GenerationRequest) -> Future[GenerationOutput]:
+        """Start generating for `request`; cancelling the future abandons it."""
         ...

@@ -1,6 +1,7 @@
 """The policy model server over real HTTP on loopback, with SmolLM2's tokenizer.
 
-Most tests drive a scripted engine (a real `GenerationEngine` that answers every request with a
+One test serves the SGLang engine over the loopback SGLang stand-in. Most tests drive a
+scripted engine (a real `GenerationEngine` that answers every request with a
 fixed token sequence) because the server's job is rendering, parsing and batching, and a script
 lets a test choose the exact generated tokens: tool calls, non-canonical tokenisations, length
 cut-offs. One test runs the real `TorchGenerationEngine` on a tiny random Llama.
@@ -18,9 +19,11 @@ from contextlib import contextmanager
 import httpx
 import pytest
 import torch
+from sglang_standin import make_standin
 
 from gymrl.generation.chat_template import ChatFormat
 from gymrl.generation.policy_server import create_policy_server_app
+from gymrl.generation.sglang_engine import SGLangEngine
 from gymrl.generation.torch_engine import TorchGenerationEngine
 from gymrl.generation.types import GenerationOutput, GenerationRequest
 from gymrl.model.loading import build_tiny_llama
@@ -460,3 +463,29 @@ def test_a_request_arriving_mid_batch_waits_only_without_spare_batch_slots(
     overlapped = second_start < first_end
     assert overlapped is (concurrent_batches == 2)
     assert first_start < second_start
+
+
+def test_sglang_requests_are_not_held_back_by_a_long_generation(chat_format):
+    """With SGLang each chat request is its own /generate: a short answer arriving after a long
+    generation started comes back before that one ends (no batch waits for its slowest member)."""
+    app, state = make_standin(context_length=4096, token_delay_s=0.01)
+    with (
+        serve_in_thread(app) as sglang,
+        SGLangEngine([sglang.url], request_timeout_s=20.0, refit_timeout_s=20.0) as engine,
+        served(engine, chat_format, max_batch_size=64, batch_wait_s=0.5) as client,
+        ThreadPoolExecutor(2) as pool,
+    ):
+        started = time.monotonic()
+        long = pool.submit(completion, client, USER_ONLY, max_tokens=300)
+        deadline = time.monotonic() + 10
+        while state.tokens_sampled == 0:
+            assert time.monotonic() < deadline, "the long generation did not start"
+            time.sleep(0.005)
+        short = completion(client, [{"role": "user", "content": "later"}], max_tokens=3)
+        short_done = time.monotonic() - started
+        assert short.status_code == 200, short.text
+        assert long.result().status_code == 200
+        long_done = time.monotonic() - started
+    assert len(short.json()["choices"][0]["message"]["generation_token_ids"]) == 3
+    assert short_done < 0.5 * long_done  # the long one takes about 3 s
+    assert [len(body["input_ids"]) > 0 for kind, body in state.events] == [True, True]
