@@ -55,6 +55,19 @@ class RouterReplayConfig(Strict):
     )
 
 
+class YarnConfig(Strict):
+    """YaRN RoPE scaling, applied identically to SGLang and Megatron (gymrl.config.context)."""
+
+    factor: float = Field(
+        gt=1, description="Context stretch: the scaled context is original x factor tokens."
+    )
+    original_max_position_embeddings: int = Field(
+        gt=0,
+        description="The context the model was pre-trained with, which YaRN stretches "
+        "(its model card says; Qwen3: 32768).",
+    )
+
+
 class PolicyConfig(Strict):
     name: str = Field(description="Human-readable model name shown in the plan and on W&B.")
     source: Literal["smollm2_wheel", "tiny_random", "pretrained"] = Field(
@@ -78,7 +91,21 @@ class PolicyConfig(Strict):
         default="float32", description="Training and generation dtype (bfloat16 on GPUs)."
     )
     max_total_sequence_length: int = Field(
-        gt=0, description="Context limit of an episode (prompt + all generations), in tokens."
+        gt=0,
+        description="Context limit of an episode (prompt + all generations), in tokens. At most "
+        "the model's native context, or the YaRN-scaled one with policy.yarn; checked at "
+        "composition time.",
+    )
+    native_context_length: int | None = Field(
+        default=None,
+        gt=0,
+        description="The model's max_position_embeddings, for a policy.path that is not a local "
+        "folder (a hub id); a local folder's config.json is read instead.",
+    )
+    yarn: YarnConfig | None = Field(
+        default=None,
+        description="YaRN RoPE scaling for episodes longer than the native context, applied to "
+        "SGLang (--json-model-override-args) and Megatron alike; null = none.",
     )
     router_replay: RouterReplayConfig = Field(default_factory=RouterReplayConfig)
     chat_template: str | None = Field(

@@ -3,7 +3,8 @@
 Two passes, both always run so that one error message lists everything wrong with a config:
 
 1. structure and types: pydantic (`extra="forbid"`) over the whole tree;
-2. cross-field rules that no single field can check: backend pairs that cannot refit, GPU budget
+2. cross-field rules that no single field can check: the model's native context (or YaRN)
+   against the episode length (`gymrl.config.context`), backend pairs that cannot refit, GPU budget
    and parallelism, async GRPO's need for importance sampling, the roles' environments, and, per
    Gym shard, the recipe-only
    keys and their incompatibilities and the agents (built by
@@ -22,6 +23,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from gymrl.config.context import context_issues
 from gymrl.config.schema import (
     MegatronTrainerConfig,
     PolicyConfig,
@@ -202,6 +204,22 @@ def _cross_field_issues(config: RecipeConfig) -> list[ConfigIssue]:
                 "async GRPO trains on episodes sampled by older weights, which needs the "
                 "importance-sampling correction",
                 "set loss.importance_sampling_correction=true or grpo.async_enabled=false",
+            )
+        )
+    if policy.source != "pretrained" or policy.path:
+        issues.extend(context_issues(policy))
+    if policy.yarn is not None and (
+        isinstance(config.generation, TorchGenerationConfig)
+        or isinstance(config.trainer, TorchTrainerConfig)
+    ):
+        issues.append(
+            ConfigIssue(
+                "policy.yarn",
+                policy.yarn.model_dump(),
+                "YaRN is applied to SGLang and Megatron only; the torch engine and trainer use "
+                "the checkpoint's own RoPE",
+                "use generation=sglang and trainer=megatron, or remove policy.yarn and stay "
+                "within the native context",
             )
         )
     max_tokens = config.generation.server.max_tokens_per_turn

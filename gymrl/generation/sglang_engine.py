@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import json
 import math
 import os
 import shutil
@@ -66,6 +67,7 @@ import torch
 from safetensors.torch import save_file
 
 from gymrl.atomic import atomic_folder
+from gymrl.config.context import sglang_model_overrides
 from gymrl.config.schema import PolicyConfig, SGLangGenerationConfig
 from gymrl.generation.types import FinishReason, GenerationOutput, GenerationRequest
 from gymrl.net import free_port
@@ -137,6 +139,9 @@ def server_command(
     ]
     if generation.expert_parallel_size > 1:
         command += ["--ep-size", str(generation.expert_parallel_size)]
+    overrides = sglang_model_overrides(policy)
+    if overrides is not None:  # YaRN: the same RoPE scaling Megatron trains with
+        command += ["--json-model-override-args", json.dumps(overrides)]
     return command
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from gymrl.config.context import megatron_rope_overrides
 from gymrl.config.schema import MegatronTrainerConfig, RecipeConfig
 from gymrl.trainer.capabilities import unsupported_by_trainer
 
@@ -28,22 +29,27 @@ def provider_overrides(config: RecipeConfig) -> dict[str, Any]:
 
     Parallelism must match `parallel_state`; `calculate_per_token_loss=False` because the GRPO
     loss does its own normalisation (:func:`megatron_loss_scale`); full uniform recomputation of
-    every layer when activation checkpointing is on (long agentic episodes dominate memory).
+    every layer when activation checkpointing is on (long agentic episodes dominate memory);
+    `policy.yarn`'s RoPE scaling, the one SGLang generates with.
     """
     trainer = megatron_config(config)
     bf16 = config.policy.dtype == "bfloat16"
     dtype = torch.bfloat16 if bf16 else torch.float32
-    overrides = parallel_state_kwargs(trainer) | {
-        "sequence_parallel": trainer.sequence_parallel,
-        "bf16": bf16,
-        "fp16": False,
-        "params_dtype": dtype,
-        "pipeline_dtype": dtype,
-        "seq_length": config.policy.max_total_sequence_length,
-        "calculate_per_token_loss": False,
-        "variable_seq_lengths": False,
-        "transformer_impl": trainer.transformer_impl,
-    }
+    overrides = (
+        parallel_state_kwargs(trainer)
+        | {
+            "sequence_parallel": trainer.sequence_parallel,
+            "bf16": bf16,
+            "fp16": False,
+            "params_dtype": dtype,
+            "pipeline_dtype": dtype,
+            "seq_length": config.policy.max_total_sequence_length,
+            "calculate_per_token_loss": False,
+            "variable_seq_lengths": False,
+            "transformer_impl": trainer.transformer_impl,
+        }
+        | megatron_rope_overrides(config.policy)
+    )
     if trainer.transformer_impl == "local":
         # Fused kernels that only Transformer Engine (or apex) provides.
         overrides |= {
