@@ -208,6 +208,12 @@ class SGLangGenerationConfig(Strict):
     server_start_timeout_s: float = Field(
         default=900.0, gt=0, description="Deadline for an engine to become healthy."
     )
+    routing: Literal["cache_aware", "least_loaded"] = Field(
+        default="cache_aware",
+        description="How requests pick an engine: cache_aware sends a prompt to the engine whose "
+        "prefix cache holds the longest start of it (a multi-turn episode stays on one engine) "
+        "unless it is much busier; least_loaded ignores caches.",
+    )
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     server: SGLangModelServerConfig = Field(default_factory=SGLangModelServerConfig)
 

@@ -69,6 +69,7 @@ from safetensors.torch import save_file
 from gymrl.atomic import atomic_folder
 from gymrl.config.context import sglang_model_overrides
 from gymrl.config.schema import PolicyConfig, SGLangGenerationConfig
+from gymrl.generation.routing import PrefixRouter, Routing
 from gymrl.generation.types import FinishReason, GenerationOutput, GenerationRequest
 from gymrl.net import free_port
 from gymrl.placement import RolePlacement, actor_options
@@ -429,8 +430,11 @@ def parse_generate_response(url: str, body: Any) -> tuple[list[int], list[float]
 class SGLangEngine:
     """A :class:`~gymrl.generation.types.GenerationEngine` backed by SGLang servers over HTTP.
 
-    Each request is one `/generate` call, sent to the server with the fewest requests in flight
-    from this client (ties go round-robin); SGLang batches concurrent requests itself, so the
+    Each request is one `/generate` call, sent to the server whose prefix cache most likely holds
+    the longest start of its prompt (:class:`~gymrl.generation.routing.PrefixRouter`; a turn of a
+    multi-turn episode follows its episode) or, with `routing="least_loaded"` or when that server
+    is much busier, to the one with the fewest requests in flight from this client (ties go
+    round-robin); SGLang batches concurrent requests itself, so the
     policy server submits each chat request alone (:meth:`submit`). Calls run on a private
     asyncio loop, so `generate` may be called from many threads at once and a batch of requests
     is in flight together. Every HTTP call has a deadline.
@@ -444,6 +448,7 @@ class SGLangEngine:
         refit_timeout_s: float,
         refit_dir: str | os.PathLike[str] | None = None,
         weight_version: int = 0,
+        routing: Routing = "cache_aware",
     ) -> None:
         if not server_urls:
             raise ValueError("SGLangEngine needs at least one server URL")
@@ -461,8 +466,7 @@ class SGLangEngine:
         # is a refit's.
         self._refits_started = 0
         self._refits_finished = 0
-        self._in_flight = [0] * len(self._urls)
-        self._next = 0
+        self._router = PrefixRouter(len(self._urls), routing=routing)
         self._state_lock = threading.Lock()
         self._refit_lock = threading.RLock()
         self._written: list[Path] = []
@@ -499,6 +503,7 @@ class SGLangEngine:
             request_timeout_s=generation.server.request_timeout_s,
             refit_timeout_s=generation.server_start_timeout_s,
             refit_dir=refit_dir,
+            routing=generation.routing,
         )
 
     @property
@@ -550,14 +555,16 @@ class SGLangEngine:
                 refits_finished, current = self._refits_finished, self._version
             version = current if version is None else min(version, current)
             budget = request.params.max_new_tokens - len(tokens)
-            url = self._acquire()
+            sent = prompt + tokens
+            server = self._acquire(sent)
+            url = self._urls[server]
+            answered: list[int] | None = None
             try:
-                body = await self._post(
-                    url, "/generate", generate_payload(prompt + tokens, request, budget)
-                )
+                body = await self._post(url, "/generate", generate_payload(sent, request, budget))
+                new_tokens, new_logprobs, finish, message = parse_generate_response(url, body)
+                answered = sent + new_tokens
             finally:
-                self._release(url)
-            new_tokens, new_logprobs, finish, message = parse_generate_response(url, body)
+                self._release(server, answered)
             if finish == "abort":
                 new_tokens, finish = cut_at_stop_token(new_tokens, stops)
                 new_logprobs = new_logprobs[: len(new_tokens)]
@@ -590,18 +597,13 @@ class SGLangEngine:
             "come faster than one generation takes: lower max_new_tokens or refit less often"
         )
 
-    def _acquire(self) -> str:
+    def _acquire(self, prompt: Sequence[int]) -> int:
         with self._state_lock:
-            count = len(self._urls)
-            order = [(self._next + offset) % count for offset in range(count)]
-            index = min(order, key=lambda i: self._in_flight[i])
-            self._in_flight[index] += 1
-            self._next = (index + 1) % count
-            return self._urls[index]
+            return self._router.choose(prompt)
 
-    def _release(self, url: str) -> None:
+    def _release(self, server: int, sequence: Sequence[int] | None) -> None:
         with self._state_lock:
-            self._in_flight[self._urls.index(url)] -= 1
+            self._router.release(server, sequence)
 
     # ---------------------------------------------------------------------------------- refit
     def refit_from_disk(self, path: str | os.PathLike[str], version: int) -> None:

@@ -45,6 +45,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 from safetensors.torch import load_file
 
+from gymrl.generation.routing import block_keys
+
 WEIGHT_OFFSET = 1000
 CACHE_BLOCK = 16
 
@@ -108,7 +110,7 @@ class PrefixCache:
     def match(self, tokens: Sequence[int]) -> int:
         """Tokens at the start of `tokens` that are cached (whole blocks only)."""
         matched = 0
-        for key in block_keys(tokens):
+        for key in block_keys(tokens, CACHE_BLOCK):
             if key not in self._blocks:
                 break
             self._blocks.move_to_end(key)
@@ -116,7 +118,7 @@ class PrefixCache:
         return matched
 
     def insert(self, tokens: Sequence[int]) -> None:
-        for key in block_keys(tokens):
+        for key in block_keys(tokens, CACHE_BLOCK):
             self._blocks[key] = None
             self._blocks.move_to_end(key)
         while len(self._blocks) > self._capacity_blocks:
@@ -124,15 +126,6 @@ class PrefixCache:
 
     def clear(self) -> None:
         self._blocks.clear()
-
-
-def block_keys(tokens: Sequence[int]) -> list[int]:
-    """One key per whole block, each naming the block and everything before it (a hash chain)."""
-    keys, key = [], 0
-    for start in range(0, len(tokens) - CACHE_BLOCK + 1, CACHE_BLOCK):
-        key = hash((key, tuple(tokens[start : start + CACHE_BLOCK])))
-        keys.append(key)
-    return keys
 
 
 class StandInState:
