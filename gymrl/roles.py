@@ -4,7 +4,7 @@ The loop does not care whether the trainer is one torch actor or a group of Mega
 trains a step, refits the generation server to a weight version, saves and loads checkpoints.
 How weights reach the engines differs: the torch trainer hands its state dict to the engine
 through Ray's object store; Megatron exports a Hugging Face checkpoint to shared disk and the
-SGLang servers load it.
+SGLang servers load it, and each version is deleted once the next one is loaded everywhere.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 from gymrl.actors import PolicyTrainerActor, close_actor
 from gymrl.algo.trajectory import Trajectory
 from gymrl.config.schema import MegatronTrainerConfig, RecipeConfig
+from gymrl.generation.sglang_engine import remove_loaded_refits
 from gymrl.placement import Placement, actor_options
 from gymrl.ray_calls import wait_for
 
@@ -110,6 +111,7 @@ class MegatronTrainerRole:
             timeout_s=self._timeout_s,
             what="the SGLang refit",
         )
+        remove_loaded_refits(self._refit_dir, keep=path)  # every server has loaded `path`
 
     def save_checkpoint(self, directory: Path, step: int, data_state: dict) -> None:
         self._group.save_checkpoint(directory, step, data_state)

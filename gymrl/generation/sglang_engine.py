@@ -469,7 +469,6 @@ class SGLangEngine:
         self._router = PrefixRouter(len(self._urls), routing=routing)
         self._state_lock = threading.Lock()
         self._refit_lock = threading.RLock()
-        self._written: list[Path] = []
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="sglang-engine-loop", daemon=True
@@ -683,11 +682,7 @@ class SGLangEngine:
                 }
                 save_file(tensors, str(staging / _WEIGHTS_FILE))
             self.refit_from_disk(target, version)
-            # The servers have loaded `target`; the checkpoints this engine wrote before are unused.
-            for old in self._written:
-                if old != target:
-                    shutil.rmtree(old, ignore_errors=True)
-            self._written = [target]
+            remove_loaded_refits(self._refit_dir, keep=target)
 
     # ---------------------------------------------------------------------------------- HTTP
     async def _on_all(
@@ -759,6 +754,24 @@ class SGLangEngine:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def remove_loaded_refits(
+    refit_dir: str | os.PathLike[str], *, keep: str | os.PathLike[str]
+) -> None:
+    """Delete every weight folder under `refit_dir` but `keep`, once every server loaded `keep`.
+
+    A disk refit writes a full checkpoint per step (about 61 GB for a 30B model in bfloat16);
+    kept, 200 steps fill 12 TB. Earlier versions, of this run or of the run it resumed, are
+    never read again: each refit loads only the newest. `refit_dir` holds nothing else.
+    """
+    keep_path = Path(keep).resolve()
+    folder = Path(refit_dir)
+    if not folder.is_dir():
+        return
+    for entry in folder.iterdir():
+        if entry.resolve() != keep_path:
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def cut_at_stop_token(

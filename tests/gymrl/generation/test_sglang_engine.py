@@ -26,6 +26,7 @@ from gymrl.generation.sglang_engine import (
     SGLangError,
     SGLangServerProcess,
     SGLangTimeoutError,
+    remove_loaded_refits,
     server_command,
 )
 from gymrl.generation.types import GenerationRequest, SamplingParams
@@ -552,3 +553,13 @@ def test_real_sglang_server_group_on_ray(tmp_path):
         group.shutdown()
     finally:
         ray.shutdown()
+
+
+def test_loaded_refits_are_removed_except_the_live_one(tmp_path):
+    refit_dir = tmp_path / "refit"
+    for name in ("v1", "v2", "v3"):
+        (refit_dir / name).mkdir(parents=True)
+        (refit_dir / name / "model.safetensors").write_bytes(b"x")
+    remove_loaded_refits(refit_dir, keep=refit_dir / "v3")
+    assert [entry.name for entry in refit_dir.iterdir()] == ["v3"]
+    remove_loaded_refits(tmp_path / "absent", keep=tmp_path / "absent" / "v1")  # no refit yet
