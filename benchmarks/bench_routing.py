@@ -91,11 +91,13 @@ def main() -> None:
     parser.add_argument("--out", type=int, default=16, help="generated tokens per turn")
     parser.add_argument("--prefill-us", type=float, default=50.0, help="per uncached token")
     parser.add_argument("--decode-ms", type=float, default=5.0, help="per generated token")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds, the two modes in turn")
     args = parser.parse_args()
     print(f"{args}")
     print("| routing | turns/s | prefix-cache hit rate | tokens prefilled | wall s |")
     print("|---|---|---|---|---|")
-    for routing in ("least_loaded", "cache_aware"):
+    modes: list[Routing] = ["least_loaded", "cache_aware"]
+    for routing in modes * args.repeats:
         result = run(routing, args)
         print(
             f"| {routing} | {result['turns_per_s']:.1f} | {result['hit_rate']:.1%} | "
