@@ -218,7 +218,7 @@ def _wait_until(condition, what: str, timeout_s: float = 10.0) -> None:
 def test_stop_token_decoded_after_an_abort_ends_the_turn(standin, weights_dir):
     """SGLang decodes once more after an abort and keeps that token even when it is the stop
     token; the engine ends the turn there instead of resuming past the end of the turn."""
-    url, state = standin(token_delay_s=0.3)
+    url, state = standin(token_delay_s=1.0)  # the pause has a second to land between tokens
     with _engine([url]) as engine:
         # Tokens are 2, 3, 4, 5, ...: the refit lands after three, the fourth is the stop token.
         worker, result = _generate_in_thread(engine, _request([9, 9], 10, stop_token_ids=(5,)))
@@ -238,7 +238,7 @@ _NO_STATUS = {"status_code": None, "err_type": None}
 def test_request_admitted_between_refit_start_and_pause_is_resumed(standin, weights_dir):
     """The refit has begun but the server has not paused yet: a request sent now is admitted,
     then aborted by the pause; it is resumed under the new weights, not failed."""
-    url, state = standin(token_delay_s=0.05, pause_delay_s=0.5)
+    url, state = standin(token_delay_s=0.05, pause_delay_s=1.5)
     with _engine([url]) as engine:
         refit = threading.Thread(target=engine.refit_from_disk, args=(weights_dir, 1))
         refit.start()
