@@ -208,6 +208,11 @@ def _generate_in_thread(engine: SGLangEngine, request: GenerationRequest):
     return worker, result
 
 
+def _join(thread: threading.Thread, timeout_s: float = 60.0) -> None:
+    thread.join(timeout_s)
+    assert not thread.is_alive(), f"{thread.name} did not finish within {timeout_s} s"
+
+
 def _wait_until(condition, what: str, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -224,7 +229,7 @@ def test_stop_token_decoded_after_an_abort_ends_the_turn(standin, weights_dir):
         worker, result = _generate_in_thread(engine, _request([9, 9], 10, stop_token_ids=(5,)))
         _wait_until(lambda: state.tokens_sampled == 3, "the stand-in did not start generating")
         engine.refit_from_disk(weights_dir, 1)
-        worker.join(10)
+        _join(worker)
     out = result["out"]
     assert state.finishes == [{"type": "abort", "message": "Aborted", **_NO_STATUS}]
     assert out.token_ids == [2, 3, 4, 5] and len(out.logprobs) == 4
@@ -238,18 +243,19 @@ _NO_STATUS = {"status_code": None, "err_type": None}
 def test_request_admitted_between_refit_start_and_pause_is_resumed(standin, weights_dir):
     """The refit has begun but the server has not paused yet: a request sent now is admitted,
     then aborted by the pause; it is resumed under the new weights, not failed."""
-    url, state = standin(token_delay_s=0.05, pause_delay_s=1.5)
+    # The generation (200 x 20 ms) outlasts the pause's delay (1.5 s) by a margin.
+    url, state = standin(token_delay_s=0.02, pause_delay_s=1.5)
     with _engine([url]) as engine:
         refit = threading.Thread(target=engine.refit_from_disk, args=(weights_dir, 1))
         refit.start()
         _wait_until(state.pause_requested.is_set, "the refit did not reach the server")
-        worker, result = _generate_in_thread(engine, _request([9, 9], 30))
-        refit.join(10)
-        worker.join(10)
+        worker, result = _generate_in_thread(engine, _request([9, 9], 200))
+        _join(refit)
+        _join(worker)
     assert "error" not in result, result.get("error")
     out = result["out"]
-    assert state.finishes[0]["type"] == "abort" and state.finishes[-1]["type"] == "length"
-    assert len(out.token_ids) == 30 and out.token_ids[-1] == WEIGHT_OFFSET + 2 + 29
+    assert [finish["type"] for finish in state.finishes] == ["abort", "length"], state.finishes
+    assert len(out.token_ids) == 200 and out.token_ids[-1] == WEIGHT_OFFSET + 2 + 199
     assert out.weight_version == 0  # its first tokens came from the old weights
 
 
@@ -259,7 +265,7 @@ def test_abort_without_a_refit_is_an_error(standin):
         worker, result = _generate_in_thread(engine, _request([9, 9], 30))
         _wait_until(lambda: state.tokens_sampled > 0, "the stand-in did not start generating")
         state.abort_count += 1  # what an admin's /abort_request does
-        worker.join(10)
+        _join(worker)
     assert isinstance(result["error"], SGLangError)
     assert "aborted the request: Aborted" in str(result["error"])
 
