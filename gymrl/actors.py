@@ -26,6 +26,7 @@ from typing import Any
 
 import ray
 import torch
+from pydantic import SecretStr
 
 from gymrl.algo.trajectory import Trajectory
 from gymrl.config.schema import (
@@ -65,9 +66,11 @@ class GenerationServer:
         torch_threads: int,
         placement: Placement,
         placement_group: Any,
+        api_key: SecretStr,
     ):
         """`placement` says where the engines run (the torch engine: on this actor's GPU, if it
-        has one); SGLang servers go into bundles of `placement_group`."""
+        has one); SGLang servers go into bundles of `placement_group`. `api_key` is the run's
+        (`gymrl.generation.api_key`)."""
         torch.set_num_threads(torch_threads)
         policy, generation = config.policy, config.generation
         # What this actor starts, closed in reverse by close(); if the constructor fails
@@ -109,7 +112,7 @@ class GenerationServer:
                 self._engine,
                 ChatFormat.from_policy(policy, tokenizer),
                 model_name=policy.name,
-                api_key=server.api_key,
+                api_key=api_key,
                 honor_prompt_token_ids=server.honor_prompt_token_ids,
                 default_max_tokens=server.max_tokens_per_turn,
                 max_context_tokens=policy.max_total_sequence_length,
@@ -118,7 +121,12 @@ class GenerationServer:
             )
             # On a cluster, Gym agents on other nodes call this server: listen on every interface.
             host = "127.0.0.1" if config.cluster.ray_address is None else "0.0.0.0"
-            http_server = serve_in_thread(app, host=host)
+            http_server = serve_in_thread(
+                app,
+                host=host,
+                max_body_bytes=server.max_request_bytes,
+                max_concurrency=server.max_concurrent_requests,
+            )
             # A running engine batch finishes first.
             started.callback(http_server.close, timeout_s=50.0)
             self._public_url = http_server.url.replace("0.0.0.0", ray.util.get_node_ip_address())
@@ -152,7 +160,7 @@ class GymShard:
         rollout: RolloutConfig,
         *,
         policy_base_url: str,
-        policy_api_key: str,
+        policy_api_key: SecretStr,
         policy_model: str,
         tokenizer_folder: str,
     ):
@@ -167,7 +175,7 @@ class GymShard:
                 spec.environment,
                 agent_name=name,
                 policy_base_url=policy_base_url,
-                policy_api_key=policy_api_key,
+                policy_api_key=policy_api_key.get_secret_value(),
                 options=spec.agent_options(policy_model=policy_model),
             )
             self._environments.append(environment)

@@ -35,6 +35,7 @@ from gymrl.checkpoint import latest_checkpoint
 from gymrl.config.schema import ClusterConfig, RecipeConfig
 from gymrl.config.validate import gym_actor_configs
 from gymrl.data import RowStream, load_rows, load_validation_rows
+from gymrl.generation.api_key import ApiKeyError, resolve_api_key
 from gymrl.metrics_logger import METRICS_FILENAME, build_logger
 from gymrl.placement import actor_options, plan_placement, reserve
 from gymrl.plot import plot_run, read_records
@@ -67,6 +68,7 @@ class ClusterUnavailableError(RuntimeError):
 # Errors that end a run with a message a user can act on (printed without a traceback).
 RUN_STOPPING_ERRORS = (
     ClusterUnavailableError,
+    ApiKeyError,
     NonContiguousEpisodeError,
     MalformedGymResultError,
     UnknownAgentError,
@@ -126,6 +128,8 @@ class GRPORecipe:
     def setup(self) -> None:
         """Start every role; on failure, what started so far is on the stack for `cleanup`."""
         config = self.config
+        # First: a bad key source must fail before anything starts.
+        self.policy_api_key = resolve_api_key(config.generation.server.api_key_file)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         start_ray(config.cluster)
         self._on_cleanup("Ray", ray.shutdown)
@@ -145,6 +149,7 @@ class GRPORecipe:
             torch_threads=threads,
             placement=placement,
             placement_group=group,
+            api_key=self.policy_api_key,
         )
         self._on_cleanup(
             "the generation server",
@@ -165,7 +170,7 @@ class GRPORecipe:
                 actor,
                 config.env.rollout,
                 policy_base_url=base_url,
-                policy_api_key=config.generation.server.api_key,
+                policy_api_key=self.policy_api_key,
                 policy_model=config.policy.name,
                 tokenizer_folder=folder,
             )

@@ -2,17 +2,26 @@
 
 The model server and the built-in environments are real HTTP servers on 127.0.0.1 (random free
 port), so the same code talks to them as to a remote NeMo-Gym deployment.
+
+Every server gets two limits, so that one client (or a bug in one) cannot take a server down:
+a largest request body (413 above it) and a number of requests in progress at once (503 above
+it), both in :class:`RequestLimits`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 import time
 from dataclasses import dataclass
 
 import uvicorn
+
+LOOPBACK = "127.0.0.1"
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_CONCURRENCY = 1024
 
 
 class _DropCancelledRequests(logging.Filter):
@@ -53,9 +62,109 @@ class RunningServer:
         self.close()
 
 
-def serve_in_thread(app, *, host: str = "127.0.0.1", port: int = 0, start_timeout_s: float = 30.0):
-    """Start `app` with uvicorn on `host:port` (0 = a free port) and return once it accepts."""
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
+class RequestLimits:
+    """ASGI middleware: 413 for a body over `max_body_bytes`, 503 beyond `max_concurrency`
+    requests in progress at once.
+
+    A declared `Content-Length` above the limit is refused before a byte is read; a chunked body
+    is read up to the limit and then refused. The app behind reads whole bodies anyway (FastAPI
+    parses JSON at once), so buffering here costs no more memory than it would. Requests, not
+    connections, are counted: agents keep many idle keep-alive connections open, which cost
+    nothing (uvicorn's own `limit_concurrency` counts those too and would refuse them).
+    """
+
+    def __init__(self, app, *, max_body_bytes: int, max_concurrency: int):
+        for name, value in (
+            ("max_body_bytes", max_body_bytes),
+            ("max_concurrency", max_concurrency),
+        ):
+            if value < 1:
+                raise ValueError(f"{name}={value} must be >= 1")
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.max_concurrency = max_concurrency
+        self.in_progress = 0  # touched only on the server's event loop
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.in_progress >= self.max_concurrency:
+            await _refuse(
+                send,
+                503,
+                f"server busy: {self.max_concurrency} requests are in progress, the most it serves "
+                "at once; retry later",
+                param=None,
+            )
+            return
+        self.in_progress += 1
+        try:
+            await self._limit_body(scope, receive, send)
+        finally:
+            self.in_progress -= 1
+
+    async def _limit_body(self, scope, receive, send) -> None:
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            await self._too_large(send, int(declared))
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body_bytes:
+                await self._too_large(send, size)
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, send, size: int) -> None:
+        message = (
+            f"request body: {size} bytes is more than this server accepts "
+            f"({self.max_body_bytes}); send a smaller request or raise the server's body limit"
+        )
+        await _refuse(send, 413, message, param="body")
+
+
+async def _refuse(send, status: int, message: str, *, param: str | None) -> None:
+    """An OpenAI-shaped error answer; the connection is closed after it."""
+    error = {"message": message, "type": "invalid_request_error", "param": param, "code": status}
+    if status >= 500:
+        error["type"] = "service_unavailable_error"
+    headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": json.dumps({"error": error}).encode()})
+
+
+def serve_in_thread(
+    app,
+    *,
+    host: str = LOOPBACK,
+    port: int = 0,
+    start_timeout_s: float = 30.0,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
+):
+    """Start `app` with uvicorn on `host:port` (0 = a free port) and return once it accepts.
+
+    Bodies above `max_body_bytes` get 413; beyond `max_concurrency` requests in progress, 503
+    (:class:`RequestLimits`)."""
+    limited = RequestLimits(app, max_body_bytes=max_body_bytes, max_concurrency=max_concurrency)
+    config = uvicorn.Config(limited, host=host, port=port, log_level="warning", lifespan="on")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name=f"uvicorn-{host}", daemon=True)
     thread.start()

@@ -151,7 +151,25 @@ class ModelServerConfig(Strict):
     request_timeout_s: float = Field(
         default=300.0, gt=0, description="Deadline of one chat completion request."
     )
-    api_key: str = Field(default="gym-local", description="Bearer token Gym agents must send.")
+    api_key_file: str | None = Field(
+        default=None,
+        description="File holding the bearer key Gym agents must send (one line). Without it the "
+        "key comes from the environment variable GYMRL_POLICY_API_KEY, else a fresh random key is "
+        "made per run. The key itself is never part of the config (Hydra writes the config to "
+        "disk and W&B).",
+    )
+    max_request_bytes: int = Field(
+        default=64 * 1024 * 1024,
+        gt=0,
+        description="Largest request body accepted (413 above it). Each assistant turn carries "
+        "its prompt's token ids, so a long multi-turn episode posts tens of MB.",
+    )
+    max_concurrent_requests: int = Field(
+        default=1024,
+        gt=0,
+        description="Requests in progress at once; more are answered 503 at once, so a flood "
+        "cannot exhaust the server's memory.",
+    )
 
 
 class TorchModelServerConfig(ModelServerConfig):

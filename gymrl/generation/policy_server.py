@@ -44,7 +44,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import field_validator
+from pydantic import SecretStr, field_validator
 
 from gymrl.generation.chat_template import (
     ChatFormat,
@@ -356,7 +356,7 @@ def create_policy_server_app(
     chat_format: ChatFormat,
     *,
     model_name: str,
-    api_key: str | None,
+    api_key: SecretStr | None,
     honor_prompt_token_ids: bool,
     default_max_tokens: int,
     max_context_tokens: int,
@@ -494,8 +494,8 @@ def create_policy_server_app(
     return app
 
 
-def _bearer_check(api_key: str):
-    expected = f"Bearer {api_key}".encode()
+def _bearer_check(api_key: SecretStr):
+    expected = f"Bearer {api_key.get_secret_value()}".encode()
 
     async def check(authorization: str | None = Header(default=None)) -> None:
         if authorization is None or not secrets.compare_digest(authorization.encode(), expected):

@@ -15,7 +15,7 @@ from nemo_gym_ext.envs.agent import AgentOptions, ToolAgent, make_agent_app
 from nemo_gym_ext.envs.calculator import CALCULATOR
 from nemo_gym_ext.envs.guess_number import GUESS_NUMBER
 from nemo_gym_ext.envs.resources import EnvironmentSpec, make_resources_app
-from nemo_gym_ext.http_server import RunningServer, serve_in_thread
+from nemo_gym_ext.http_server import LOOPBACK, RunningServer, serve_in_thread
 
 ENVIRONMENTS: dict[str, EnvironmentSpec] = {spec.name: spec for spec in (CALCULATOR, GUESS_NUMBER)}
 
@@ -76,7 +76,9 @@ def start_builtin_environment(
         options if isinstance(options, AgentOptions) else AgentOptions.model_validate(options or {})
     )
     name = agent_name or spec.default_agent_name
-    resources = serve_in_thread(make_resources_app(spec))
+    # Loopback only, whatever the policy server does: the environments hold the answers (the
+    # secret number, the verifier) and take no key; only the shard on this node calls them.
+    resources = serve_in_thread(make_resources_app(spec), host=LOOPBACK)
     try:
         agent = ToolAgent(
             name=name,
@@ -85,7 +87,7 @@ def start_builtin_environment(
             policy_api_key=policy_api_key,
             options=agent_options,
         )
-        agent_server = serve_in_thread(make_agent_app(agent))
+        agent_server = serve_in_thread(make_agent_app(agent), host=LOOPBACK)
     except BaseException:
         resources.close()
         raise

@@ -54,3 +54,51 @@ def test_requests_cancelled_by_shutdown_are_not_logged_as_errors():
     real_failure, broken_startup = collect.records
     assert real_failure.exc_info[0] is RuntimeError
     assert broken_startup.getMessage().endswith("ValueError: broken startup")
+
+
+def _echo_app(delay_s: float = 0.0) -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/echo")
+    async def echo(body: dict):
+        await asyncio.sleep(delay_s)
+        return {"keys": sorted(body)}
+
+    return app
+
+
+def test_bodies_over_the_limit_are_413_declared_or_chunked_and_the_server_keeps_serving():
+    with serve_in_thread(_echo_app(), max_body_bytes=1000) as server:
+        url = f"{server.url}/echo"
+        small = httpx.post(url, json={"a": "x" * 100}, timeout=5)
+        declared = httpx.post(url, json={"a": "x" * 5000}, timeout=5)
+
+        def chunks():
+            for _ in range(10):
+                yield b"x" * 200
+
+        chunked = httpx.post(url, content=chunks(), timeout=5)  # no Content-Length
+        after = httpx.post(url, json={"b": 1}, timeout=5)
+    assert small.status_code == 200 and small.json() == {"keys": ["a"]}
+    assert (declared.status_code, chunked.status_code) == (413, 413)
+    error = declared.json()["error"]
+    assert error["param"] == "body" and "1000" in error["message"]
+    assert after.json() == {"keys": ["b"]}
+
+
+def test_requests_beyond_the_concurrency_limit_get_503_at_once():
+    with serve_in_thread(_echo_app(delay_s=1.0), max_concurrency=3) as server:
+
+        async def flood() -> list[int]:
+            async with httpx.AsyncClient(timeout=10) as client:
+                answers = await asyncio.gather(
+                    *(client.post(f"{server.url}/echo", json={"i": i}) for i in range(12))
+                )
+                again = await client.post(f"{server.url}/echo", json={"i": 0})
+            return [answer.status_code for answer in answers] + [again.status_code]
+
+        codes = asyncio.run(flood())
+    # Three run (the 1 s handler holds them), the other nine are refused at once; then the
+    # server serves again: the count went back down.
+    assert sorted(codes[:-1]) == [200] * 3 + [503] * 9
+    assert codes[-1] == 200

@@ -4,6 +4,7 @@ environment's agent, and the postprocessor with the shard's config."""
 import asyncio
 
 import pytest
+from pydantic import SecretStr
 
 from gymrl.generation.policy_server import create_policy_server_app
 from gymrl.generation.torch_engine import TorchGenerationEngine
@@ -34,7 +35,7 @@ def policy_url(tokenizer, chat_format):
         engine,
         chat_format,
         model_name="tiny",
-        api_key="key",
+        api_key=SecretStr("key"),
         honor_prompt_token_ids=True,
         default_max_tokens=24,
         max_context_tokens=2048,

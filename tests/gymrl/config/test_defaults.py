@@ -121,7 +121,7 @@ def test_every_schema_default_is_in_the_composed_tree(generation, trainer):
 COMMON_OVERRIDES = {
     "trainer.optimizer.lr": 3e-6,
     "trainer.optimizer.betas": [0.8, 0.95],
-    "generation.server.api_key": "secret",
+    "generation.server.api_key_file": "/run/secrets/policy_key",
     "generation.sampling.top_p": 0.9,
     "policy.model_cache_dir": "/tmp/models",
     "loss.importance_ratio_cap": None,

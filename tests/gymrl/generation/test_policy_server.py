@@ -19,6 +19,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 import torch
+from pydantic import SecretStr
 from sglang_standin import make_standin
 
 from gymrl.generation.chat_template import ChatFormat
@@ -88,7 +89,7 @@ def scripted(chat_format: ChatFormat, text: str, **kwargs) -> ScriptedEngine:
 def served(engine, chat_format, **overrides) -> Iterator[httpx.Client]:
     settings = {
         "model_name": MODEL,
-        "api_key": KEY,
+        "api_key": SecretStr(KEY),
         "honor_prompt_token_ids": True,
         "default_max_tokens": 64,
         "max_context_tokens": 4096,

@@ -47,6 +47,9 @@ def test_a_started_environment_serves_runs_until_closed(policy_server, tokenizer
     ) as environment:
         assert environment.name == "math"
         assert environment.env_name == "calculator"
+        # They hold the answers and take no key: loopback only, on a cluster too.
+        assert environment.agent_url.startswith("http://127.0.0.1:")
+        assert environment.resources_url.startswith("http://127.0.0.1:")
         result = run_row(environment, row).json()
         assert result["agent_ref"]["name"] == "math"
         assert result["num_turns"] == 1
