@@ -2,11 +2,18 @@
 
 A checkpoint is a folder `step_<n>/` holding the backend's weights and optimizer state (the torch
 trainer: `model.safetensors` and `optimizer.pt`; Megatron: a distributed checkpoint under
-`megatron/`), `trainer_state.json` (:class:`TrainerState`) and, written last, the marker
-`COMPLETE`. It is assembled in a staging folder and renamed into place
-(`gymrl.atomic.atomic_folder`), so a crash mid-save never leaves a `step_<n>/` that looks usable;
-the marker additionally guards against copies made by tools that do not rename atomically (rsync,
-object-store syncs). :func:`latest_checkpoint` only ever returns marked folders.
+`megatron/`), `trainer_state.json` (:class:`TrainerState`), `MANIFEST.json` (the size and
+SHA-256 of every other file) and, written last, the marker `COMPLETE`. It is assembled in a
+staging folder and renamed into place (`gymrl.atomic.atomic_folder`), so a crash mid-save never
+leaves a `step_<n>/` that looks usable; the marker additionally guards against copies made by
+tools that do not rename atomically (rsync, object-store syncs). :func:`latest_checkpoint` only
+ever returns marked folders.
+
+The marker says a save finished; it cannot say the bytes are still the ones written. A full disk
+that truncated a file the writer did not check, a copy cut short, bit rot on a shared filesystem:
+each leaves a marked folder that loads garbage or fails deep inside torch. So a resume goes
+through :func:`latest_verified_checkpoint`, which checks every file against the manifest, reports
+each checkpoint that fails and falls back to the newest one that passes.
 
 The resume state is the same for both trainers: the step, the weight version the generation
 engines must be refitted to, where the data stream is, and the RNG states (Python, NumPy, torch
@@ -18,6 +25,7 @@ in `extra`.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import random
@@ -37,6 +45,7 @@ from gymrl.atomic import STAGING_PREFIX, atomic_folder
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.json"
+MANIFEST_FILE = "MANIFEST.json"
 COMPLETE_MARKER = "COMPLETE"
 _STEP_DIR = re.compile(r"step_(\d+)")
 
@@ -78,8 +87,10 @@ class TrainerState:
         }
 
     def write(self, folder: Path) -> None:
-        """Write `trainer_state.json`, then the `COMPLETE` marker: the last files of a save."""
+        """Write `trainer_state.json`, the manifest of every file in `folder`, then the
+        `COMPLETE` marker: the last files of a save, after the backend wrote its own."""
         (folder / STATE_FILE).write_text(json.dumps(asdict(self), indent=2))
+        write_manifest(folder)
         (folder / COMPLETE_MARKER).write_text(f"{self.step}\n")
 
     @classmethod
@@ -134,6 +145,68 @@ def load_checkpoint(
         )
     restore_rng_state(state.rng[0])
     return state
+
+
+class CorruptCheckpointError(RuntimeError):
+    """A marked checkpoint whose files do not match its manifest."""
+
+
+def write_manifest(folder: Path) -> None:
+    """Record the size and SHA-256 of every file under `folder` in `MANIFEST.json`."""
+    files = {
+        path.relative_to(folder).as_posix(): {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+        for path in sorted(folder.rglob("*"))
+        if path.is_file() and path.name not in (MANIFEST_FILE, COMPLETE_MARKER)
+    }
+    (folder / MANIFEST_FILE).write_text(json.dumps({"files": files}, indent=2))
+
+
+def verify_checkpoint(folder: str | os.PathLike[str]) -> None:
+    """Raise :class:`CorruptCheckpointError` naming every file of `folder` that is missing,
+    of the wrong size or of the wrong content; return if all match the manifest."""
+    folder = Path(folder)
+    try:
+        files = json.loads((folder / MANIFEST_FILE).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CorruptCheckpointError(
+            f"{folder}: no readable {MANIFEST_FILE} ({type(error).__name__}: {error}); it was "
+            "cut short, or written before checkpoints carried checksums"
+        ) from None
+    problems = []
+    for name, expected in files.items():
+        path = folder / name
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+        elif path.stat().st_size != expected["bytes"]:
+            problems.append(f"{name} has {path.stat().st_size} bytes, not {expected['bytes']}")
+        elif _sha256(path) != expected["sha256"]:
+            problems.append(f"{name} does not match its SHA-256")
+    if problems:
+        raise CorruptCheckpointError(f"{folder}: " + "; ".join(problems))
+
+
+def latest_verified_checkpoint(
+    directory: str | os.PathLike[str],
+) -> tuple[Path | None, list[str]]:
+    """The newest complete checkpoint under `directory` whose files match its manifest (None if
+    none), and one sentence per newer checkpoint that failed the check, for the run to report."""
+    root = Path(directory)
+    rejected: list[str] = []
+    if not root.is_dir():
+        return None, rejected
+    for candidate in reversed(complete_checkpoints(root)):
+        try:
+            verify_checkpoint(candidate)
+        except CorruptCheckpointError as error:
+            rejected.append(str(error))
+            continue
+        return candidate, rejected
+    return None, rejected
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as file:
+        return hashlib.file_digest(file, "sha256").hexdigest()
 
 
 def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:

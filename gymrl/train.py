@@ -31,7 +31,7 @@ from ray.util.placement_group import remove_placement_group
 from gymrl.actors import GenerationServer, GymShard, ReplayBufferActor, close_actor
 from gymrl.algo.advantages import grpo_advantages, share_of_groups_with_variance
 from gymrl.algo.trajectory import Trajectory
-from gymrl.checkpoint import latest_checkpoint
+from gymrl.checkpoint import latest_verified_checkpoint
 from gymrl.config.schema import ClusterConfig, RecipeConfig
 from gymrl.config.validate import gym_actor_configs
 from gymrl.data import RowStream, load_rows, load_validation_rows
@@ -239,11 +239,14 @@ class GRPORecipe:
         """The step and row position to start from: 0, 0, or a checkpoint's."""
         if not self.config.resume:
             return 0, 0
-        checkpoint = latest_checkpoint(self.checkpoint_dir)
+        checkpoint, rejected = latest_verified_checkpoint(self.checkpoint_dir)
+        for problem in rejected:
+            print(f"warning: skipping a damaged checkpoint: {problem}", flush=True)
         if checkpoint is None:
             raise FileNotFoundError(
-                f"resume=true but there is no complete checkpoint under {self.checkpoint_dir}; "
-                "run without resume, or point run.output_dir at the run to continue"
+                f"resume=true but there is no complete checkpoint under {self.checkpoint_dir} "
+                f"whose files match their checksums ({len(rejected)} damaged); run without "
+                "resume, or point run.output_dir at the run to continue"
             )
         state = self.trainer.load_checkpoint(checkpoint)
         print(f"resumed from {checkpoint} at step {state['step']}", flush=True)

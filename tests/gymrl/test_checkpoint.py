@@ -10,12 +10,16 @@ import torch
 
 from gymrl.checkpoint import (
     COMPLETE_MARKER,
+    MANIFEST_FILE,
+    CorruptCheckpointError,
     TrainerState,
     capture_rng_state,
     latest_checkpoint,
+    latest_verified_checkpoint,
     load_checkpoint,
     restore_rng_state,
     save_checkpoint,
+    verify_checkpoint,
 )
 
 
@@ -168,3 +172,54 @@ def test_state_schema_round_trips_and_rng_restore_repeats_the_draws(tmp_path):
     assert read == state
     restore_rng_state(read.rng[0])
     assert (random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist()) == draws
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _flip_one_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("damage", "reported"),
+    [
+        (lambda folder: _truncate(folder / "optimizer.pt"), r"optimizer.pt has \d+ bytes, not"),
+        (lambda folder: _flip_one_byte(folder / "model.safetensors"), "model.safetensors does not"),
+        (lambda folder: (folder / "trainer_state.json").unlink(), "trainer_state.json is missing"),
+        (lambda folder: (folder / MANIFEST_FILE).unlink(), f"no readable {MANIFEST_FILE}"),
+    ],
+    ids=["cut-short", "bit-flip", "file-lost", "no-manifest"],
+)
+def test_a_damaged_checkpoint_is_reported_and_the_previous_complete_one_used(
+    tmp_path, damage, reported
+):
+    model, optimizer = _trained(seed=0)
+    _save(tmp_path, 2, model, optimizer)
+    newest = _save(tmp_path, 3, model, optimizer)
+    assert latest_verified_checkpoint(tmp_path) == (newest, [])
+    manifest = json.loads((newest / MANIFEST_FILE).read_text())["files"]
+    assert sorted(manifest) == ["model.safetensors", "optimizer.pt", "trainer_state.json"]
+
+    damage(newest)
+
+    assert latest_checkpoint(tmp_path) == newest  # the marker alone cannot tell
+    with pytest.raises(CorruptCheckpointError, match=reported):
+        verify_checkpoint(newest)
+    chosen, rejected = latest_verified_checkpoint(tmp_path)
+    assert chosen == tmp_path / "step_2"
+    assert len(rejected) == 1 and "step_3" in rejected[0]
+    fresh_model, fresh_optimizer = _trained(seed=1)
+    assert load_checkpoint(chosen, fresh_model, fresh_optimizer).step == 2
+
+
+def test_when_every_checkpoint_is_damaged_none_is_chosen(tmp_path):
+    model, optimizer = _trained(seed=0)
+    _flip_one_byte(_save(tmp_path, 1, model, optimizer) / "optimizer.pt")
+    chosen, rejected = latest_verified_checkpoint(tmp_path)
+    assert chosen is None
+    assert rejected == [f"{tmp_path / 'step_1'}: optimizer.pt does not match its SHA-256"]
+    assert latest_verified_checkpoint(tmp_path / "missing") == (None, [])
