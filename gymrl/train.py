@@ -48,6 +48,7 @@ from gymrl.rollout_producer import (
     RemoteReplayBuffer,
     RolloutProducer,
 )
+from gymrl.stop import StopSignals
 from gymrl.validation import Validator
 from nemo_gym_ext.metrics import per_agent_metrics
 from nemo_gym_ext.postprocess import MalformedGymResultError, NonContiguousEpisodeError
@@ -123,6 +124,21 @@ class GRPORecipe:
         self.output_dir = output_dir
         self.checkpoint_dir = output_dir / "checkpoints"
         self._closers = ExitStack()
+        # Installed by the entry point (`install_stop_signals`); tests drive the recipe without.
+        self.stops = StopSignals(config.stop.step_in_progress, config.stop.deadline_s)
+        self._stops_installed = False
+        # What a checkpoint on stop would hold: the last finished (trained, refitted, logged)
+        # step and the row position at its end; and the newest step on disk. While
+        # `_trainer_ahead` the trainer's state is past `finished_step` (an optimizer step or a
+        # save is under way), so it cannot be saved as that step.
+        self.finished_step = self.saved_step = 0
+        self._finished_position = self._step_end_position = 0
+        self._trainer_ahead = False
+
+    def install_stop_signals(self) -> None:
+        """SIGINT/SIGTERM stop the run cleanly (gymrl/stop.py); main thread only."""
+        self.stops.install()
+        self._stops_installed = True
 
     # --------------------------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -133,6 +149,8 @@ class GRPORecipe:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         start_ray(config.cluster)
         self._on_cleanup("Ray", ray.shutdown)
+        if self._stops_installed:
+            self.stops.install()  # ray.init replaced the driver's SIGTERM handler
         # Async on a CPU: generation and training overlap, one core each; sync: they alternate.
         threads = 1 if config.grpo.async_enabled else 2
         folder = tokenizer_folder(config.policy)  # converts the embedded model once, here
@@ -192,6 +210,8 @@ class GRPORecipe:
         self._on_cleanup("the replay buffer", lambda: close_actor(buffer_actor))
         self.buffer = RemoteReplayBuffer(buffer_actor)
         self.first_step, position = self._resume()
+        self.finished_step = self.saved_step = self.first_step
+        self._finished_position = position
         self._refit(self.first_step)
         rows = load_rows(
             config.env.data, self.actor_configs, config.generation.sampling, config.run.seed
@@ -261,19 +281,21 @@ class GRPORecipe:
             self.logger.log(0, self._validate())
         last = time.monotonic()
         for step in range(self.first_step, config.grpo.num_steps):
-            metrics = self._step(step)
-            if self._validates_after(step + 1):
-                metrics.update(self._validate())
-            now = time.monotonic()
-            metrics["timing/step_s"] = now - last
-            last = now
-            if every and (step + 1) % every == 0:
-                started = time.monotonic()
-                self.trainer.save_checkpoint(
-                    self.checkpoint_dir, step + 1, {"position": self.rows.position}
-                )
-                metrics["timing/checkpoint_s"] = time.monotonic() - started
-            self.logger.log(step + 1, metrics)
+            with self.stops.step():
+                metrics = self._step(step)
+                if self._validates_after(step + 1):
+                    metrics.update(self._validate())
+                now = time.monotonic()
+                metrics["timing/step_s"] = now - last
+                last = now
+                if every and (step + 1) % every == 0:
+                    metrics["timing/checkpoint_s"] = self._save_checkpoint(
+                        step + 1, self._step_end_position
+                    )
+                self.logger.log(step + 1, metrics)
+                self.finished_step, self._finished_position = step + 1, self._step_end_position
+                self._trainer_ahead = False
+            self.stops.step_finished()
         if config.logger.jsonl:
             metrics_path = self.output_dir / METRICS_FILENAME
             picture = plot_run(
@@ -294,6 +316,32 @@ class GRPORecipe:
         metrics["timing/validation_s"] = time.monotonic() - started
         return metrics
 
+    def _save_checkpoint(self, step: int, position: int) -> float:
+        """Save the trainer's state as `step` with the row `position`; returns the seconds."""
+        started = time.monotonic()
+        self.trainer.save_checkpoint(self.checkpoint_dir, step, {"position": position})
+        self.saved_step = step
+        return time.monotonic() - started
+
+    def checkpoint_on_stop(self) -> str:
+        """After a stop signal: save the last finished step if `stop.checkpoint` asks for it and
+        the newest checkpoint does not hold it; returns one sentence saying what was kept."""
+        if not self.config.stop.checkpoint:
+            return (
+                "no checkpoint on stop (stop.checkpoint=false); last finished step "
+                f"{self.finished_step}, newest checkpoint step {self.saved_step}"
+            )
+        if self.saved_step >= self.finished_step:
+            return f"no step finished since the last checkpoint (step {self.saved_step})"
+        if self._trainer_ahead:
+            return (
+                f"step {self.finished_step + 1} was abandoned inside the trainer, whose state is "
+                f"no longer that of step {self.finished_step}; newest checkpoint: step "
+                f"{self.saved_step}"
+            )
+        seconds = self._save_checkpoint(self.finished_step, self._finished_position)
+        return f"saved a checkpoint of step {self.saved_step} in {seconds:.1f} s"
+
     def _refit(self, version: int) -> float:
         started = time.monotonic()
         self.trainer.refit(self.generation, version)
@@ -313,10 +361,15 @@ class GRPORecipe:
             eps=_ADVANTAGE_EPS,
         )
         started = time.monotonic()
+        self._trainer_ahead = True
         train_metrics = self.trainer.train_step(trajectories, advantages)
         trained = time.monotonic() - started
         refit_s = self._refit(step + 1)
         buffer_stats = self.buffer.stats()
+        # Before `advance` lets the producer take the next step's rows: in sync mode exactly the
+        # rows trained so far, so a resume draws the same rows next (async: rows in flight for
+        # later steps are past this position, and a resume skips them).
+        self._step_end_position = self.rows.position
         producer.advance(step + 1, buffer_stats["evicted_stale"])
         results = [r for group in groups for r in producer.summaries.pop(group[0].group_id)]
         metrics = self._metrics(step, trajectories, results, train_metrics, producer)

@@ -10,7 +10,8 @@ Hydra composes conf/ over the schema's defaults (`--cfg job` shows the result); 
 `main` validates the whole tree into a typed `RecipeConfig` (gymrl/config/schema.py), reporting
 every problem at once. Nothing starts before that: a bad config fails in a second, not after the
 cluster came up. Then the run is `GRPORecipe` (gymrl/train.py) in three verbs: setup, train, and
-cleanup, which always runs and closes whatever setup started.
+cleanup, which always runs and closes whatever setup started. SIGINT and SIGTERM stop it cleanly
+(gymrl/stop.py); the exit status is then 128 + the signal's number.
 """
 
 from __future__ import annotations
@@ -42,12 +43,20 @@ def main(cfg: DictConfig) -> None:
     if config.dry_run:
         print("dry run: config valid, nothing started")
         return
-    from gymrl.train import RUN_STOPPING_ERRORS, GRPORecipe  # torch and ray: real runs only
+    from gymrl.stop import StopRequested  # torch and ray: real runs only
+    from gymrl.train import RUN_STOPPING_ERRORS, GRPORecipe
 
     recipe = GRPORecipe(config, output_dir)
+    # SIGINT/SIGTERM end the run through `StopRequested`: the step finishes (or is abandoned),
+    # the last finished step is saved, cleanup closes everything, the status is 128 + signal.
+    recipe.install_stop_signals()
     try:
         recipe.setup()
         recipe.train()
+    except StopRequested as stop:
+        kept = recipe.checkpoint_on_stop()
+        print(f"run stopped by {stop}; {kept}", file=sys.stderr, flush=True)
+        sys.exit(stop.exit_code)
     except RUN_STOPPING_ERRORS as error:
         print(f"run stopped: {type(error).__name__}: {error}", file=sys.stderr)
         sys.exit(1)

@@ -528,6 +528,27 @@ class CheckpointConfig(Strict):
     keep_last: int = Field(default=2, gt=0, description="Checkpoints kept on disk.")
 
 
+class StopConfig(Strict):
+    """What SIGINT/SIGTERM do (Slurm sends SIGTERM before preempting a job); see gymrl/stop.py."""
+
+    step_in_progress: Literal["finish", "abandon"] = Field(
+        default="finish",
+        description="finish: complete the step a signal arrives in (within deadline_s), so its "
+        "work is kept; abandon: stop at once, the step is lost.",
+    )
+    deadline_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="How long a step may take to finish after a signal before it is abandoned; "
+        "keep it under the time Slurm leaves between SIGTERM and SIGKILL, minus a checkpoint.",
+    )
+    checkpoint: bool = Field(
+        default=True,
+        description="Save the last finished step when a signal stops the run (unless the newest "
+        "checkpoint already holds it), so resume=true loses nothing.",
+    )
+
+
 # ------------------------------------------------------------------------------------------- root
 class RecipeConfig(Strict):
     run: RunConfig
@@ -544,3 +565,4 @@ class RecipeConfig(Strict):
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
     grpo: GRPOConfig
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    stop: StopConfig = Field(default_factory=StopConfig)

@@ -1,0 +1,115 @@
+"""Stopping a run on SIGINT or SIGTERM without losing its work.
+
+Slurm sends SIGTERM some time before it kills a preempted job (`--signal`, `KillWait`), and a
+person presses Ctrl-C; either way the run should end on its own terms: the step in progress is
+finished (or abandoned, `stop.step_in_progress`), a checkpoint of the last finished step is
+written (`stop.checkpoint`), the servers and actors are closed, and the exit status names the
+signal (128 + its number, the shell's convention: 130 for SIGINT, 143 for SIGTERM), so a wrapper
+script can tell a preemption from a failure and requeue with `resume=true`.
+
+:class:`StopSignals` turns the signals into a :class:`StopRequested` raised in the main thread:
+
+* outside a step (setup, saving, the first signal in `abandon` mode), at once;
+* inside a step in `finish` mode, when the step ends (:meth:`StopSignals.step_finished`), or when
+  `stop.deadline_s` passes first (a SIGALRM timer), whichever is earlier;
+* a second signal while a step is finishing abandons it at once.
+
+Once raised, further signals are only reported: cleanup has its own deadlines and must not be
+cut short by an impatient second Ctrl-C. `StopRequested` derives from `BaseException`, like
+`KeyboardInterrupt`, so that no `except Exception` on the way swallows it.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Literal
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StopRequested(BaseException):
+    """The run was asked to stop by `signum`; `step_finished` says whether the step it arrived
+    in (if any) was completed."""
+
+    def __init__(self, signum: int, *, step_finished: bool, reason: str):
+        self.signum = signum
+        self.step_finished = step_finished
+        super().__init__(f"{signal.Signals(signum).name}: {reason}")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+class StopSignals:
+    """SIGINT/SIGTERM handlers of the recipe's main thread (see the module docstring)."""
+
+    def __init__(self, step_in_progress: Literal["finish", "abandon"], deadline_s: float):
+        if deadline_s <= 0:
+            raise ValueError(f"deadline_s={deadline_s} must be > 0")
+        self._finish = step_in_progress == "finish"
+        self._deadline_s = deadline_s
+        self._in_step = False
+        self._pending: int | None = None  # a signal waiting for the step to end
+        self._raised = False
+
+    def install(self) -> None:
+        """Take over SIGINT and SIGTERM (again after `ray.init`, which sets its own SIGTERM
+        handler in the driver). Only the main thread can install signal handlers."""
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("StopSignals.install() must run in the main thread")
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self._on_signal)
+        signal.signal(signal.SIGALRM, self._on_deadline)
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """Marks a training step: a signal inside it waits for the step (in `finish` mode)."""
+        self._in_step = True
+        try:
+            yield
+        finally:
+            self._in_step = False
+
+    def step_finished(self) -> None:
+        """Call between steps: raises the stop a signal asked for during the step just ended."""
+        if self._pending is not None:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            self._raise(self._pending, step_finished=True, reason="stopping after the step")
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        name = signal.Signals(signum).name
+        if self._raised:
+            print(f"{name} again: already stopping, closing servers and actors", flush=True)
+            return
+        if self._pending is not None:
+            self._raise(signum, step_finished=False, reason="second signal, step abandoned")
+        if self._in_step and self._finish:
+            self._pending = signum
+            print(
+                f"{name}: finishing the step in progress (at most {self._deadline_s:g} s), "
+                "then stopping; send it again to abandon the step",
+                file=sys.stderr,
+                flush=True,
+            )
+            signal.setitimer(signal.ITIMER_REAL, self._deadline_s)
+            return
+        self._raise(signum, step_finished=not self._in_step, reason="stopping now")
+
+    def _on_deadline(self, _signum: int, _frame: object) -> None:
+        if self._pending is not None and not self._raised:
+            self._raise(
+                self._pending,
+                step_finished=False,
+                reason=f"the step did not finish within stop.deadline_s={self._deadline_s:g} s; "
+                "step abandoned",
+            )
+
+    def _raise(self, signum: int, *, step_finished: bool, reason: str) -> None:
+        self._raised = True
+        self._pending = None
+        raise StopRequested(signum, step_finished=step_finished, reason=reason)
