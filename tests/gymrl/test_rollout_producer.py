@@ -257,3 +257,25 @@ def test_stop_cancels_every_group_in_flight_and_ends_the_thread(started):
     assert not producer.is_alive()
     assert sorted(runner.cancelled) == [0, 1, 2, 3]
     assert producer.fatal is None
+
+
+@pytest.mark.parametrize(("async_enabled", "in_flight"), [(False, 0), (True, 2)])
+def test_the_position_a_checkpoint_records_and_what_a_resume_skips(async_enabled, in_flight):
+    """gymrl/train.py records the row position after a step's batch is taken and before
+    `advance`. Sync: exactly the rows trained, so a resume draws the rows an uninterrupted run
+    would. Async (lookahead 1): the next step's rows are already submitted; a resume starts past
+    them, so those `in_flight` rows are never trained in this pass over the data."""
+    grpo, runner = _grpo(async_enabled=async_enabled, max_age=1, prompts=2), FakeRunner()
+    buffer, stream = _buffer(grpo), RowStream(_rows())
+    producer = RolloutProducer(grpo, stream, runner, buffer, first_step=0, failure_budget=4)
+    producer.start()
+    try:
+        _settled(runner, 2 + in_flight)
+        buffer.get_batch(2, current_step=0, timeout_s=1)  # step 0 trains on r0 and r1
+        position = stream.position
+    finally:
+        producer.stop()
+    assert position == 2 + in_flight
+    assert [row_id for row_id, _ in runner.submitted] == [f"r{i}" for i in range(position)]
+    _, first_row_after_resume = RowStream(_rows(), position).next()
+    assert first_row_after_resume["id"] == f"r{2 + in_flight}"
