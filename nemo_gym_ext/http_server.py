@@ -15,13 +15,20 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 
 LOOPBACK = "127.0.0.1"
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 DEFAULT_MAX_CONCURRENCY = 1024
+_MAX_REPORTED_ERRORS = 5
+_MAX_REPORTED_VALUE_CHARS = 80
 
 
 class _DropCancelledRequests(logging.Filter):
@@ -60,6 +67,39 @@ class RunningServer:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def describe_validation_errors(errors: Sequence[Mapping[str, Any]]) -> str:
+    """FastAPI's validation errors as one line: `field: problem (got value)` for the first few.
+
+    Values are shown only when short scalars: the input may be anything a client sent (bytes
+    that are not UTF-8, megabytes of text), which must neither break the answer nor bloat it.
+    """
+    problems = []
+    for detail in errors[:_MAX_REPORTED_ERRORS]:
+        location = ".".join(str(part) for part in detail["loc"] if part != "body") or "body"
+        value = detail.get("input")
+        shown = ""
+        if (
+            isinstance(value, str | int | float | bool)
+            and len(repr(value)) <= _MAX_REPORTED_VALUE_CHARS
+        ):
+            shown = f" (got {value!r})"
+        problems.append(f"{location}: {detail['msg']}{shown}")
+    more = len(errors) - _MAX_REPORTED_ERRORS
+    suffix = f"; and {more} more" if more > 0 else ""
+    return "invalid request: " + "; ".join(problems) + suffix
+
+
+def refuse_invalid_requests_safely(app: FastAPI) -> None:
+    """Answer a request that fails validation with a 422 `{"detail": "<one line>"}`.
+
+    FastAPI's default handler echoes the raw input back, and fails with a 500 when that input is
+    bytes that are not UTF-8."""
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request: Request, error: RequestValidationError) -> JSONResponse:
+        return JSONResponse({"detail": describe_validation_errors(error.errors())}, 422)
 
 
 class RequestLimits:

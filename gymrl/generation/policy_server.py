@@ -44,7 +44,8 @@ from typing import Any
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import SecretStr, field_validator
+from pydantic import SecretStr, field_validator, model_validator
+from starlette.exceptions import HTTPException
 
 from gymrl.generation.chat_template import (
     ChatFormat,
@@ -59,6 +60,7 @@ from gymrl.generation.types import (
     RequestScheduler,
     SamplingParams,
 )
+from nemo_gym_ext.http_server import describe_validation_errors
 from nemo_gym_ext.wire import (
     ChatChoice,
     ChatCompletion,
@@ -72,8 +74,6 @@ from nemo_gym_ext.wire import (
 )
 
 _OWNER = "gym-grpo-recipes"
-_MAX_REPORTED_ERRORS = 5
-_MAX_REPORTED_VALUE_CHARS = 80
 
 
 # ---------------------------------------------------------------------------------------------
@@ -85,9 +85,21 @@ class PolicyServerRequest(ChatCompletionRequest):
     """A chat completion request, refusing what this server cannot honour.
 
     Refused: `stream`, `n > 1`, `top_logprobs`, `stop` strings and a forced `tool_choice`, each
-    with the fix. `parallel_tool_calls` is accepted and not enforced: every parsed tool call is
-    returned.
+    with the fix; seeds outside [0, 2**64) and text that is not Unicode (lone surrogates, which
+    JSON can encode but the tokenizer cannot). `parallel_tool_calls` is accepted and not
+    enforced: every parsed tool call is returned.
     """
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode_text(cls, data: Any) -> Any:
+        where = _lone_surrogate_at(data)
+        if where is not None:
+            raise ValueError(
+                f"{where} holds a lone UTF-16 surrogate (U+D800..U+DFFF), which is not text; "
+                "send valid Unicode"
+            )
+        return data
 
     @field_validator("stream")
     @classmethod
@@ -123,6 +135,14 @@ class PolicyServerRequest(ChatCompletionRequest):
             )
         return value
 
+    @field_validator("seed")
+    @classmethod
+    def _seed_in_range(cls, value: int | None) -> int | None:
+        # Checked here, not only in the engine: there it would fail the whole batch.
+        if value is not None and not 0 <= value < 2**64:
+            raise ValueError(f"seed={value} is out of range; send an integer in [0, 2**64)")
+        return value
+
     @field_validator("tool_choice")
     @classmethod
     def _auto_tool_choice(cls, value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
@@ -132,6 +152,25 @@ class PolicyServerRequest(ChatCompletionRequest):
                 "tool, so send tool_choice='auto' or leave it out"
             )
         return value
+
+
+def _lone_surrogate_at(data: Any) -> str | None:
+    """The dotted path of the first string (or key) in `data` with a lone surrogate, else None.
+    Iterative: a hostile body may nest deeper than Python's recursion limit allows."""
+    stack: list[tuple[str, Any]] = [("body", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path
+        elif isinstance(value, dict):
+            stack.extend((f"{path}.{key}", key) for key in value)
+            stack.extend((f"{path}.{key}", item) for key, item in value.items())
+        elif isinstance(value, list):
+            stack.extend((f"{path}.{index}", item) for index, item in enumerate(value))
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,23 +373,6 @@ def _error_response(status: int, message: str, error_type: str, param: str | Non
     return JSONResponse(body, status_code=status)
 
 
-def _describe_validation_error(error: RequestValidationError) -> str:
-    problems = []
-    for detail in error.errors()[:_MAX_REPORTED_ERRORS]:
-        location = ".".join(str(part) for part in detail["loc"] if part != "body") or "body"
-        value = detail.get("input")
-        shown = ""
-        if (
-            isinstance(value, str | int | float | bool)
-            and len(repr(value)) <= _MAX_REPORTED_VALUE_CHARS
-        ):
-            shown = f" (got {value!r})"
-        problems.append(f"{location}: {detail['msg']}{shown}")
-    more = len(error.errors()) - _MAX_REPORTED_ERRORS
-    suffix = f"; and {more} more" if more > 0 else ""
-    return "invalid request: " + "; ".join(problems) + suffix
-
-
 def create_policy_server_app(
     engine: GenerationEngine,
     chat_format: ChatFormat,
@@ -424,10 +446,19 @@ def create_policy_server_app(
     async def _on_api_error(_request: Request, error: _ApiError) -> JSONResponse:
         return _error_response(error.status, error.message, error.error_type, error.param)
 
+    @app.exception_handler(HTTPException)
+    async def _on_http_error(_request: Request, error: HTTPException) -> JSONResponse:
+        # FastAPI's own refusals (a body that is not JSON, an unknown route) in OpenAI's shape.
+        error_type = "invalid_request_error" if error.status_code < 500 else "server_error"
+        param = "body" if error.status_code == 400 else None
+        return _error_response(
+            error.status_code, f"request {param or 'route'}: {error.detail}", error_type, param
+        )
+
     @app.exception_handler(RequestValidationError)
     async def _on_invalid_request(_request: Request, error: RequestValidationError) -> JSONResponse:
         return _error_response(
-            400, _describe_validation_error(error), "invalid_request_error", None
+            400, describe_validation_errors(error.errors()), "invalid_request_error", None
         )
 
     @app.get("/v1/models", response_model=ModelList, dependencies=dependencies)

@@ -39,6 +39,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from nemo_gym_ext.http_server import refuse_invalid_requests_safely
 from nemo_gym_ext.wire import (
     ChatCompletion,
     Row,
@@ -294,6 +295,7 @@ def make_agent_app(agent: ToolAgent) -> FastAPI:
             yield
 
     app = FastAPI(title=f"{agent.name} agent", lifespan=lifespan)
+    refuse_invalid_requests_safely(app)
 
     @app.exception_handler(AgentError)
     async def agent_error(request: Request, error: AgentError) -> JSONResponse:

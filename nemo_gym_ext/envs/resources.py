@@ -32,6 +32,7 @@ from typing import Any, Generic, TypeVar
 from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from nemo_gym_ext.http_server import refuse_invalid_requests_safely
 from nemo_gym_ext.wire import AGENT_REF_TYPE
 
 State = TypeVar("State")
@@ -182,6 +183,7 @@ class _Sessions(Generic[State]):
 def make_resources_app(spec: EnvironmentSpec, *, max_sessions: int = 4096) -> FastAPI:
     """A FastAPI resources server for `spec` (routes in the module docstring)."""
     app = FastAPI(title=f"{spec.name} resources server")
+    refuse_invalid_requests_safely(app)
     sessions: _Sessions = _Sessions(max_sessions)
 
     @app.post("/seed_session")
