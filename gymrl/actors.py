@@ -187,6 +187,7 @@ class GymShard:
                 max_concurrent_rollouts=rollout.max_concurrent_rollouts,
                 run_timeout_s=rollout.run_timeout_s,
                 max_retries=rollout.max_retries,
+                max_result_bytes=rollout.max_result_bytes,
             ),
             vocab_size=len(tokenizer),
             decode=partial(decode_text, tokenizer, skip_special_tokens=False),

@@ -11,6 +11,7 @@ it is a property of the pipeline, not a transient fault, and the run should stop
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,11 +63,16 @@ class GroupOutcome:
     retries: int = 0
 
 
+class ResultTooLargeError(ValueError):
+    """An agent's /run answer exceeded `max_result_bytes`."""
+
+
 @dataclass(frozen=True)
 class RolloutSettings:
     max_concurrent_rollouts: int
     run_timeout_s: float
     max_retries: int
+    max_result_bytes: int
 
 
 class RolloutCollector:
@@ -135,19 +141,41 @@ class RolloutCollector:
         return None
 
     async def _post(self, url: str, row: Mapping[str, Any]) -> dict[str, Any]:
-        async with asyncio.timeout(self._settings.run_timeout_s):
-            response = await self._client.post(url, json=dict(row))
+        async with (
+            asyncio.timeout(self._settings.run_timeout_s),
+            self._client.stream("POST", url, json=dict(row)) as response,
+        ):
+            body = await self._read_capped(url, response)
         if response.status_code >= 400:
-            detail = response.text[:500]
+            detail = body[:500].decode(errors="replace")
             if response.status_code < 500:
                 raise RuntimeError(
                     f"agent at {url} rejected the row ({response.status_code}): {detail}"
                 )
             response.raise_for_status()
-        result = response.json()
+        result = json.loads(body)
         if not isinstance(result, dict):
             raise ValueError(f"agent at {url} returned {type(result).__name__}, not an object")
         return result
+
+    async def _read_capped(self, url: str, response: httpx.Response) -> bytes:
+        """The body, refused past `max_result_bytes` (declared or counted) without reading on."""
+        limit = self._settings.max_result_bytes
+        declared = response.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise ResultTooLargeError(
+                f"agent at {url} answered {declared} bytes, more than "
+                f"env.rollout.max_result_bytes={limit}"
+            )
+        chunks, size = [], 0
+        async for chunk in response.aiter_bytes():
+            size += len(chunk)
+            if size > limit:
+                raise ResultTooLargeError(
+                    f"agent at {url} answered more than env.rollout.max_result_bytes={limit} bytes"
+                )
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     async def aclose(self) -> None:
         await self._client.aclose()

@@ -365,6 +365,12 @@ class RolloutConfig(Strict):
         description="Failed episodes (after retries) tolerated per run before "
         "it fails fast with the last cause.",
     )
+    max_result_bytes: int = Field(
+        default=256 * 1024 * 1024,
+        gt=0,
+        description="Largest /run answer read; a bigger one fails the episode (retried, then "
+        "counted) instead of exhausting memory. A 200-turn SWE episode is about 45 MB.",
+    )
 
 
 class DataConfig(Strict):

@@ -21,7 +21,9 @@ from nemo_gym_ext.rollout import (
     UnknownAgentError,
 )
 
-SETTINGS = RolloutSettings(max_concurrent_rollouts=4, run_timeout_s=60, max_retries=1)
+SETTINGS = RolloutSettings(
+    max_concurrent_rollouts=4, run_timeout_s=60, max_retries=1, max_result_bytes=2**26
+)
 AGENT = "guess_number_agent"
 
 
