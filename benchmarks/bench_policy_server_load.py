@@ -194,7 +194,7 @@ def main() -> None:
     parser.add_argument("--cache-dir", type=Path, default=Path(MODEL_CACHE_DIR).expanduser())
     args = parser.parse_args()
     server, tokenizer = serve_policy(args.model, args.threads, args.cache_dir)
-    with server:
+    try:
         report = asyncio.run(
             run_load(
                 f"{server.url}/v1",
@@ -204,6 +204,8 @@ def main() -> None:
                 max_tokens=args.max_tokens,
             )
         )
+    finally:
+        server.close(timeout_s=120.0)  # a batch still decoding for a client that gave up
     print(
         f"{args.model}, {args.clients} clients, {args.duration_s:g} s, max_tokens "
         f"{args.max_tokens}, {args.threads} torch threads"

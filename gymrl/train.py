@@ -26,6 +26,7 @@ from typing import Any
 
 import ray
 import torch
+from ray.exceptions import RayActorError
 from ray.util.placement_group import remove_placement_group
 
 from gymrl.actors import GenerationServer, GymShard, ReplayBufferActor, close_actor
@@ -75,6 +76,8 @@ RUN_STOPPING_ERRORS = (
     UnknownAgentError,
     RolloutBudgetExceeded,
     TimeoutError,
+    # A role's process died (killed, out of memory, its node lost): the message names the actor.
+    RayActorError,
 )
 
 

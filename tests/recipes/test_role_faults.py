@@ -1,0 +1,90 @@
+"""The Ray side of the fault matrix (docs/reliability.md), through the real entry point: after
+the first step, one role's process is killed (SIGKILL, as the OOM killer or a lost node would),
+and the run must stop within a deadline with one message naming the role, exit status 1, no
+traceback, and no process left behind. Minutes per case on two cores, so `slow`.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+MARKER = "GYMRL_ROLE_FAULT_TEST"
+# The policy server's death is noticed when a step's refit reaches it or the failure budget
+# (episodes retried against a closed port) runs out; both well within this.
+STOP_DEADLINE_S = 240
+
+
+def _marked(marker: str) -> list[psutil.Process]:
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get(MARKER) == marker:
+                found.append(process)
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def _steps(out: Path) -> list[int]:
+    metrics = out / "metrics.jsonl"
+    lines = metrics.read_text().splitlines() if metrics.exists() else []
+    return [json.loads(line)["step"] for line in lines if line.endswith("}")]
+
+
+@pytest.mark.parametrize("actor", ["GenerationServer", "PolicyTrainerActor", "ReplayBuffer"])
+def test_a_killed_role_stops_the_run_with_its_name(tmp_path, actor):
+    marker = uuid.uuid4().hex
+    env = {**os.environ, MARKER: marker, "PYTHONPATH": str(ROOT)}
+    out = tmp_path / "run"
+    command = [
+        sys.executable,
+        "recipes/grpo.py",
+        "+experiment=smoke",
+        "grpo.num_steps=50",
+        "checkpoint.every_n_steps=0",
+        "env.rollout.run_timeout_s=20",
+        "env.rollout.max_retries=1",
+        f"run.output_dir={out}",
+        f"hydra.run.dir={out}",
+        "logger.progress_bar=false",
+    ]
+    stderr = tmp_path / "stderr.txt"
+    with stderr.open("w") as err_file:
+        run = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err_file
+        )
+        try:
+            deadline = time.monotonic() + 600
+            while not _steps(out):
+                assert run.poll() is None, stderr.read_text()[-3000:]
+                assert time.monotonic() < deadline, "no step finished within 600 s"
+                time.sleep(0.5)
+            (victim,) = [p for p in _marked(marker) if f"ray::{actor}" in " ".join(p.cmdline())]
+            victim.send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            code = run.wait(timeout=STOP_DEADLINE_S)
+            stop_s = time.monotonic() - killed
+        finally:
+            if run.poll() is None:
+                run.kill()
+    errors = stderr.read_text()
+    print(f"{actor} killed -> exit {code} after {stop_s:.1f} s")  # docs/reliability.md
+    assert code == 1, errors[-3000:]
+    stopped = [line for line in errors.splitlines() if line.startswith("run stopped:")]
+    assert len(stopped) == 1 and actor in errors, errors[-3000:]
+    assert "Traceback" not in errors
+    deadline = time.monotonic() + 30
+    while (left := _marked(marker)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert left == [], f"processes left: {[(p.pid, p.name()) for p in left]}"
