@@ -6,6 +6,7 @@ traceback, and no process left behind. Minutes per case on two cores, so `slow`.
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,9 +21,9 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 MARKER = "GYMRL_ROLE_FAULT_TEST"
-# The policy server's death is noticed when a step's refit reaches it or the failure budget
-# (episodes retried against a closed port) runs out; both well within this.
-STOP_DEADLINE_S = 240
+# A dead role is noticed at the next call to it (at the latest the next step's train or refit)
+# or when episodes failing against a dead policy server use up the failure budget.
+STOP_DEADLINE_S = 300
 
 
 def _marked(marker: str) -> list[psutil.Process]:
@@ -42,8 +43,17 @@ def _steps(out: Path) -> list[int]:
     return [json.loads(line)["step"] for line in lines if line.endswith("}")]
 
 
-@pytest.mark.parametrize("actor", ["GenerationServer", "PolicyTrainerActor", "ReplayBuffer"])
-def test_a_killed_role_stops_the_run_with_its_name(tmp_path, actor):
+@pytest.mark.parametrize(
+    ("actor", "cause"),
+    [
+        # Whichever comes first: the next refit reaches the dead actor, or the agents' calls to
+        # its closed port use up the failure budget.
+        ("GenerationServer", r"GenerationServer|RolloutBudgetExceeded: .*(Connect|policy)"),
+        ("PolicyTrainerActor", "PolicyTrainerActor"),
+        ("ReplayBuffer", "ReplayBuffer"),
+    ],
+)
+def test_a_killed_role_stops_the_run_naming_the_cause(tmp_path, actor, cause):
     marker = uuid.uuid4().hex
     env = {**os.environ, MARKER: marker, "PYTHONPATH": str(ROOT)}
     out = tmp_path / "run"
@@ -53,8 +63,6 @@ def test_a_killed_role_stops_the_run_with_its_name(tmp_path, actor):
         "+experiment=smoke",
         "grpo.num_steps=50",
         "checkpoint.every_n_steps=0",
-        "env.rollout.run_timeout_s=20",
-        "env.rollout.max_retries=1",
         f"run.output_dir={out}",
         f"hydra.run.dir={out}",
         "logger.progress_bar=false",
@@ -82,7 +90,7 @@ def test_a_killed_role_stops_the_run_with_its_name(tmp_path, actor):
     print(f"{actor} killed -> exit {code} after {stop_s:.1f} s")  # docs/reliability.md
     assert code == 1, errors[-3000:]
     stopped = [line for line in errors.splitlines() if line.startswith("run stopped:")]
-    assert len(stopped) == 1 and actor in errors, errors[-3000:]
+    assert len(stopped) == 1 and re.search(cause, errors), errors[-3000:]
     assert "Traceback" not in errors
     deadline = time.monotonic() + 30
     while (left := _marked(marker)) and time.monotonic() < deadline:
