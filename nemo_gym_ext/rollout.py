@@ -152,7 +152,12 @@ class RolloutCollector:
                 raise RuntimeError(
                     f"agent at {url} rejected the row ({response.status_code}): {detail}"
                 )
-            response.raise_for_status()
+            # The agent's own words name what failed behind it (e.g. the policy server).
+            raise httpx.HTTPStatusError(
+                f"agent at {url} answered {response.status_code}: {detail}",
+                request=response.request,
+                response=response,
+            )
         result = json.loads(body)
         if not isinstance(result, dict):
             raise ValueError(f"agent at {url} returned {type(result).__name__}, not an object")

@@ -48,7 +48,7 @@ def _steps(out: Path) -> list[int]:
     [
         # Whichever comes first: the next refit reaches the dead actor, or the agents' calls to
         # its closed port use up the failure budget.
-        ("GenerationServer", r"GenerationServer|RolloutBudgetExceeded: .*(Connect|policy)"),
+        ("GenerationServer", r"GenerationServer|RolloutBudgetExceeded: .*policy server at"),
         ("PolicyTrainerActor", "PolicyTrainerActor"),
         ("ReplayBuffer", "ReplayBuffer"),
     ],
