@@ -2,7 +2,7 @@
 # commands a fresh machine needs; both install first (a no-op when already installed).
 PYTHON ?= python
 
-.PHONY: install train test test-slow test-gpu test-gpu-quick envs-lock envs-check lint format bench
+.PHONY: install train test test-slow test-gpu test-gpu-quick envs-lock envs-check lint format bench gym-venv
 
 # Installing is skipped while the stamp is newer than what defines the environment.
 INSTALL_STAMP := .make/installed
@@ -25,8 +25,22 @@ test: install
 	$(PYTHON) -m pyright
 	$(PYTHON) -m pytest
 
-test-slow:
+test-slow: gym-venv
 	$(PYTHON) -m pytest -m slow
+
+# NeMo-Gym's own environment, for env=gym_launch (docs/environments.md): its servers run as
+# child processes from here, never inside the recipe's interpreter. The 0.7.0 wheel declares
+# Python >= 3.13 but runs on 3.11; --prefer-binary keeps its dependencies at releases that still
+# ship 3.11 wheels instead of building newer ones from source. About 2-3 minutes, 1.5 GB.
+GYM_VENV ?= .venv-gym
+NEMO_GYM_VERSION := 0.7.0
+gym-venv: $(GYM_VENV)/.installed-$(NEMO_GYM_VERSION)
+
+$(GYM_VENV)/.installed-$(NEMO_GYM_VERSION):
+	rm -rf $(GYM_VENV)
+	$(PYTHON) -m venv $(GYM_VENV)
+	$(GYM_VENV)/bin/pip install --prefer-binary --ignore-requires-python nemo-gym==$(NEMO_GYM_VERSION)
+	touch $@
 
 test-gpu:
 	$(PYTHON) -m pytest -m gpu

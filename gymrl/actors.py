@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from contextlib import ExitStack
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from gymrl.config.schema import (
     SGLangGenerationConfig,
     TorchTrainerConfig,
 )
+from gymrl.generation.announce import policy_server_host
 from gymrl.generation.chat_template import ChatFormat
 from gymrl.generation.policy_server import create_policy_server_app
 from gymrl.generation.sglang_engine import SGLangEngine, SGLangServerGroup
@@ -48,10 +50,25 @@ from gymrl.policy import build_policy, tokenizer_folder
 from gymrl.ray_calls import wait_for
 from gymrl.replay_buffer import ReplayBuffer
 from gymrl.trainer.torch_trainer import TorchPolicyTrainer
-from nemo_gym_ext.config import GymActorConfig
+from nemo_gym_ext.config import HEAD_SERVER_URL_KEY, GymActorConfig
 from nemo_gym_ext.envs.registry import start_builtin_environment
+from nemo_gym_ext.gym_launch import PolicyEndpoint, start_deployment
+from nemo_gym_ext.gym_launch import agent_urls as gym_agent_urls
 from nemo_gym_ext.http_server import serve_in_thread
 from nemo_gym_ext.rollout import GroupOutcome, RolloutCollector, RolloutSettings
+
+_GYM_HTTP_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class GymShardLaunch:
+    """Where and how a shard launches its Gym deployment (env.source=gym_launch)."""
+
+    venv: str  # absolute: Ray workers do not share the driver's working directory
+    work_dir: str  # this shard's folder in the run directory: Gym's config and log
+    host: str  # where Gym's servers listen (loopback on one machine)
+    port_range: tuple[int, int]  # this shard's slice of env.gym.port_range
+    start_timeout_s: float
 
 
 @ray.remote(num_cpus=0)
@@ -119,11 +136,10 @@ class GenerationServer:
                 request_timeout_s=server.request_timeout_s,
                 **batching,
             )
-            # On a cluster, Gym agents on other nodes call this server: listen on every interface.
-            host = "127.0.0.1" if config.cluster.ray_address is None else "0.0.0.0"
             http_server = serve_in_thread(
                 app,
-                host=host,
+                host=policy_server_host(config),
+                port=server.port,
                 max_body_bytes=server.max_request_bytes,
                 max_concurrency=server.max_concurrent_requests,
             )
@@ -154,18 +170,58 @@ class GenerationServer:
 
 @ray.remote(num_cpus=0)
 class GymShard:
+    """One Gym shard's agents: built-in environments it serves itself, a Gym deployment it
+    launches as its own child processes (env.source=gym_launch, see nemo_gym_ext.gym_launch),
+    or the agents of a running deployment it joins (gym_join)."""
+
     def __init__(
         self,
         actor_config: GymActorConfig,
         rollout: RolloutConfig,
         *,
-        policy_base_url: str,
-        policy_api_key: SecretStr,
-        policy_model: str,
+        policy: PolicyEndpoint,
         tokenizer_folder: str,
+        launch: GymShardLaunch,
     ):
         tokenizer = load_tokenizer(tokenizer_folder)
-        self._environments = []
+        # What this actor starts; if the constructor fails half-way, it is stopped before the
+        # error leaves (the actor cannot be closed then, only killed).
+        with ExitStack() as started:
+            if actor_config.source == "gym_launch":
+                deployment = start_deployment(
+                    actor_config.gym_config,
+                    policy=policy,
+                    venv=Path(launch.venv),
+                    work_dir=Path(launch.work_dir),
+                    host=launch.host,
+                    port_range=launch.port_range,
+                    timeout_s=launch.start_timeout_s,
+                )
+                started.callback(deployment.stop)
+                agent_urls = gym_agent_urls(deployment.head_url, timeout_s=_GYM_HTTP_TIMEOUT_S)
+            elif actor_config.source == "gym_join":
+                head_url = actor_config.gym_config[HEAD_SERVER_URL_KEY]
+                agent_urls = gym_agent_urls(head_url, timeout_s=_GYM_HTTP_TIMEOUT_S)
+            else:
+                agent_urls = self._builtin_agents(actor_config, policy, started)
+            self._collector = RolloutCollector(
+                agent_urls,
+                actor_config.postprocess,
+                RolloutSettings(
+                    max_concurrent_rollouts=rollout.max_concurrent_rollouts,
+                    run_timeout_s=rollout.run_timeout_s,
+                    max_retries=rollout.max_retries,
+                    max_result_bytes=rollout.max_result_bytes,
+                ),
+                vocab_size=len(tokenizer),
+                decode=partial(decode_text, tokenizer, skip_special_tokens=False),
+            )
+            self._started = started.pop_all()
+
+    @staticmethod
+    def _builtin_agents(
+        actor_config: GymActorConfig, policy: PolicyEndpoint, started: ExitStack
+    ) -> dict[str, str]:
         agent_urls: dict[str, str] = {}
         for name, spec in actor_config.agents.items():
             if spec.environment is None:
@@ -174,24 +230,13 @@ class GymShard:
             environment = start_builtin_environment(
                 spec.environment,
                 agent_name=name,
-                policy_base_url=policy_base_url,
-                policy_api_key=policy_api_key.get_secret_value(),
-                options=spec.agent_options(policy_model=policy_model),
+                policy_base_url=policy.base_url,
+                policy_api_key=policy.api_key,
+                options=spec.agent_options(policy_model=policy.model_name),
             )
-            self._environments.append(environment)
+            started.callback(environment.close)
             agent_urls[name] = environment.agent_url
-        self._collector = RolloutCollector(
-            agent_urls,
-            actor_config.postprocess,
-            RolloutSettings(
-                max_concurrent_rollouts=rollout.max_concurrent_rollouts,
-                run_timeout_s=rollout.run_timeout_s,
-                max_retries=rollout.max_retries,
-                max_result_bytes=rollout.max_result_bytes,
-            ),
-            vocab_size=len(tokenizer),
-            decode=partial(decode_text, tokenizer, skip_special_tokens=False),
-        )
+        return agent_urls
 
     def agents(self) -> list[str]:
         return self._collector.agents
@@ -200,9 +245,9 @@ class GymShard:
         return await self._collector.run_group(row, num_episodes)
 
     async def close(self) -> None:
+        """Close the HTTP client, then stop what this shard started (environments, Gym)."""
         await self._collector.aclose()
-        for environment in self._environments:
-            environment.close()
+        self._started.close()
 
 
 @ray.remote(num_cpus=0)

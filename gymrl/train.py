@@ -29,13 +29,14 @@ import torch
 from ray.exceptions import RayActorError
 from ray.util.placement_group import remove_placement_group
 
-from gymrl.actors import GenerationServer, GymShard, ReplayBufferActor, close_actor
+from gymrl.actors import GenerationServer, GymShard, GymShardLaunch, ReplayBufferActor, close_actor
 from gymrl.algo.advantages import grpo_advantages, share_of_groups_with_variance
 from gymrl.algo.trajectory import Trajectory
 from gymrl.checkpoint import latest_verified_checkpoint
 from gymrl.config.schema import ClusterConfig, RecipeConfig
 from gymrl.config.validate import gym_actor_configs
-from gymrl.data import RowStream, load_rows, load_validation_rows
+from gymrl.data import RowStream, UnservedAgentError, load_rows, load_validation_rows
+from gymrl.generation.announce import announce_policy_server
 from gymrl.generation.api_key import ApiKeyError, resolve_api_key
 from gymrl.metrics_logger import METRICS_FILENAME, build_logger
 from gymrl.placement import actor_options, plan_placement, reserve
@@ -51,6 +52,13 @@ from gymrl.rollout_producer import (
 )
 from gymrl.stop import StopSignals
 from gymrl.validation import Validator
+from nemo_gym_ext.gym_launch import (
+    GymStartError,
+    GymVenvMissingError,
+    PolicyEndpoint,
+    gym_launcher,
+    shard_port_range,
+)
 from nemo_gym_ext.metrics import per_agent_metrics
 from nemo_gym_ext.postprocess import MalformedGymResultError, NonContiguousEpisodeError
 from nemo_gym_ext.rollout import (
@@ -74,10 +82,13 @@ RUN_STOPPING_ERRORS = (
     NonContiguousEpisodeError,
     MalformedGymResultError,
     UnknownAgentError,
+    UnservedAgentError,
     RolloutBudgetExceeded,
     TimeoutError,
     # A role's process died (killed, out of memory, its node lost): the message names the actor.
     RayActorError,
+    GymVenvMissingError,
+    GymStartError,
 )
 
 
@@ -149,6 +160,9 @@ class GRPORecipe:
         config = self.config
         # First: a bad key source must fail before anything starts.
         self.policy_api_key = resolve_api_key(config.generation.server.api_key_file)
+        started = time.monotonic()
+        if config.env.source == "gym_launch":
+            gym_launcher(Path(config.env.gym.venv))  # a missing venv fails before anything starts
         self.output_dir.mkdir(parents=True, exist_ok=True)
         start_ray(config.cluster)
         self._on_cleanup("Ray", ray.shutdown)
@@ -181,30 +195,60 @@ class GRPORecipe:
             timeout_s=_start_timeout_s(config),
             what="starting the generation server",
         )
-        print(f"policy server (OpenAI base URL for Gym agents): {base_url}", flush=True)
+        print(f"policy server up {time.monotonic() - started:.1f} s into setup", flush=True)
+        announce_policy_server(
+            self.output_dir,
+            base_url=base_url,
+            model_name=config.policy.name,
+            api_key=self.policy_api_key.get_secret_value(),
+        )
         self.trainer = build_trainer_role(config, self.output_dir, threads, placement, group)
         self._on_cleanup("the trainer", self.trainer.close)
         self.actor_configs = gym_actor_configs(config)
-        shards_by_agent = {}
-        for actor in self.actor_configs:
+        policy = PolicyEndpoint(
+            base_url, self.policy_api_key.get_secret_value(), config.policy.name
+        )
+        shards_by_agent, shard_names = {}, {}
+        for index, actor in enumerate(self.actor_configs):
             shard = GymShard.options(**actor_options(placement.gym_shards, 0, group)).remote(
                 actor,
                 config.env.rollout,
-                policy_base_url=base_url,
-                policy_api_key=self.policy_api_key,
-                policy_model=config.policy.name,
+                policy=policy,
                 tokenizer_folder=folder,
+                launch=self._gym_launch(index, actor.shard),
             )
             self._on_cleanup(
                 f"Gym shard {actor.shard!r}",
                 lambda shard=shard: close_actor(shard, timeout_s=_SHARD_CLOSE_S),
             )
+            launching = config.env.source == "gym_launch"
             agents = wait_for(
                 shard.agents.remote(),
-                timeout_s=config.cluster.ray_start_timeout_s,
+                timeout_s=config.cluster.ray_start_timeout_s
+                + (config.env.gym.start_timeout_s if launching else 0.0),
                 what="starting a Gym shard",
             )
-            shards_by_agent.update(dict.fromkeys(agents, shard))
+            for agent in agents:
+                if agent in shards_by_agent:
+                    raise UnknownAgentError(
+                        f"agent {agent!r} is served by Gym shards {shard_names[agent]!r} and "
+                        f"{actor.shard!r}; a row's agent must route to exactly one shard"
+                    )
+                shards_by_agent[agent], shard_names[agent] = shard, actor.shard
+        print(
+            f"{len(self.actor_configs)} Gym shard(s) up, {time.monotonic() - started:.1f} s into "
+            f"setup ({config.env.source}), serving {sorted(shards_by_agent)}",
+            flush=True,
+        )
+        # Every row's agent is served, checked before any episode runs.
+        rows = load_rows(
+            config.env.data,
+            self.actor_configs,
+            config.generation.sampling,
+            config.run.seed,
+            served_agents=shards_by_agent,
+            max_output_tokens=config.generation.server.max_tokens_per_turn,
+        )
         grpo = config.grpo
         capacity = (grpo.max_trajectory_age_steps + 2) * grpo.num_prompts_per_step
         buffer_actor = ReplayBufferActor.options(
@@ -216,9 +260,6 @@ class GRPORecipe:
         self.finished_step = self.saved_step = self.first_step
         self._finished_position = position
         self._refit(self.first_step)
-        rows = load_rows(
-            config.env.data, self.actor_configs, config.generation.sampling, config.run.seed
-        )
         self.rows = RowStream(rows, position)
         self.validator = (
             Validator(
@@ -254,6 +295,19 @@ class GRPORecipe:
         )
         self.producer.start()
         self._on_cleanup("the rollout producer", self.producer.stop)
+
+    def _gym_launch(self, index: int, shard: str) -> GymShardLaunch:
+        """Shard `index`'s launch settings (used when env.source=gym_launch)."""
+        gym = self.config.env.gym
+        on_cluster = self.config.cluster.ray_address is not None
+        return GymShardLaunch(
+            venv=str(Path(gym.venv).resolve()),
+            work_dir=str(self.output_dir / "gym" / shard),
+            # On a cluster, agents on other nodes may call this shard's servers.
+            host=ray.util.get_node_ip_address() if on_cluster else "127.0.0.1",
+            port_range=shard_port_range(index, len(self.actor_configs), gym.port_range),
+            start_timeout_s=gym.start_timeout_s,
+        )
 
     def _on_cleanup(self, what: str, close: Callable[[], object]) -> None:
         self._closers.callback(_close_reporting_failure, what, close)

@@ -30,9 +30,64 @@ from nemo_gym_ext.envs.registry import ENVIRONMENTS
 
 SHARDS_KEY = "shards"
 AGENTS_KEY = "agents"
+CONFIG_PATHS_KEY = "config_paths"
+HEAD_SERVER_URL_KEY = "head_server_url"
+# Where a run's environments come from (env.source): the recipe's built-in environments (or
+# agents given by URL), a Gym deployment the recipe launches per shard, or one it joins.
+EnvSource = Literal["builtin", "gym_launch", "gym_join"]
+# Gym global keys a launched deployment may be given (nemo_gym/global_config.py); everything
+# else at the top of env.nemo_gym must be a server block or a recipe key.
+GYM_GLOBAL_KEYS = frozenset(
+    {
+        "server_spinup_timeout_seconds",
+        "model_endpoint_readiness_timeout_seconds",
+        "uvicorn_timeout_worker_healthcheck",
+        "token_id_capture",
+        "model_call_capture_dir",
+        "observability_enabled",
+        "skip_verification",
+        "skip_verification_reward",
+        "error_on_almost_servers",
+        "error_on_agent_without_environment_server",
+        "environment_routing_mode",
+        "nemo_gym_log_dir",
+        "telemetry",
+        "verbose",
+    }
+)
+# Gym global keys the recipe sets itself when it launches Gym (nemo_gym_ext.gym_launch).
+INJECTED_GYM_KEYS = frozenset(
+    {
+        "policy_base_url",
+        "policy_api_key",
+        "policy_model_name",
+        "policy_model",
+        "head_server",
+        "default_host",
+        "port_range_low",
+        "port_range_high",
+        "skip_venv_if_present",
+        "uv_venv_dir",
+        "ray_head_node_address",
+        "dry_run",
+    }
+)
+SERVER_KINDS = frozenset(
+    {"resources_servers", "responses_api_agents", "responses_api_models", "environment_servers"}
+)
+# The top-level keys each source reads (besides the recipe-only keys, `shards` and, for a
+# launched deployment, server blocks).
+_SOURCE_KEYS: dict[str, frozenset[str]] = {
+    "builtin": frozenset({AGENTS_KEY}),
+    "gym_launch": frozenset({CONFIG_PATHS_KEY}) | GYM_GLOBAL_KEYS,
+    "gym_join": frozenset({HEAD_SERVER_URL_KEY}),
+}
 DEFAULT_SHARD_NAME = "default"
 ROUTER_REPLAY_KEY = "policy.router_replay.enabled"
-RECEIPT_MODE_KEY = "token_capture.receipt_mode"
+# NeMo-RL's switch for token-capture receipt mode: a top-level key of the recipe config.
+TOKEN_CAPTURE_KEY = "token_capture.enabled"
+# Gym's own training-token capture (nemo_gym/token_id_capture/config.py): a Gym global key.
+GYM_TOKEN_ID_CAPTURE_KEY = "token_id_capture"
 TRUNCATION_KEY = "truncate_noncontiguous_episodes"
 
 
@@ -47,8 +102,8 @@ class NemoGymPostprocessConfig(BaseModel):
             "When an episode's token history stops being contiguous across turns (a turn's "
             "prompt does not start with every earlier prompt delta and generation), drop that "
             "turn and everything after it and train on the contiguous prefix with the episode's "
-            "reward. False keeps the hard error. Incompatible with policy.router_replay.enabled "
-            "and token_capture.receipt_mode."
+            "reward. False keeps the hard error. Incompatible with policy.router_replay.enabled, "
+            "token_capture.enabled and env.nemo_gym.token_id_capture.enabled."
         ),
     )
     on_malformed_result: Literal["raise", "mask"] = Field(
@@ -171,10 +226,26 @@ class GymActorConfig:
     """What one Gym actor (one shard) is started with."""
 
     shard: str
+    source: EnvSource
     postprocess: NemoGymPostprocessConfig
     gym_config: dict[str, Any]  # Gym's own config, `agents` included, as the user wrote it
-    agents: dict[str, AgentSpec]  # the typed reading of gym_config["agents"]
+    # The typed reading of gym_config["agents"] (source builtin); a Gym deployment's agents are
+    # known once it runs (nemo_gym_ext.gym_launch).
+    agents: dict[str, AgentSpec]
     key_prefix: str  # where this shard's keys are reported: `env.nemo_gym[shard x]`
+
+
+def describe_shard_agents(actor: GymActorConfig) -> str:
+    """What serves a shard's agents, for the plan."""
+    if actor.source == "builtin":
+        return "agents: " + ", ".join(
+            f"{name} ({spec.describe()})" for name, spec in actor.agents.items()
+        )
+    if actor.source == "gym_join":
+        return f"agents of the Gym deployment at {actor.gym_config[HEAD_SERVER_URL_KEY]}"
+    blocks = [key for key, value in actor.gym_config.items() if _is_server_block(value)]
+    paths = list(actor.gym_config.get(CONFIG_PATHS_KEY) or [])
+    return f"agents of a launched Gym deployment: config_paths {paths}, inline servers {blocks}"
 
 
 def shard_names(nemo_gym: Mapping[str, Any]) -> list[str]:
@@ -189,14 +260,18 @@ def build_gym_actor_config(
     nemo_gym: Mapping[str, Any],
     shard: str = DEFAULT_SHARD_NAME,
     *,
+    source: EnvSource,
     router_replay_enabled: bool,
+    token_capture_enabled: bool,
     key_prefix: str = "env.nemo_gym",
 ) -> GymActorConfig:
     """Build the actor config of one shard, or raise :class:`ConfigError` naming every problem.
 
     The shard's overrides (`shards.<shard>`) are merged recursively over the base; the recipe-only
     keys are taken out and validated; the agents are read as :class:`AgentSpec`; compatibility
-    with truncation is checked; the returned Gym config holds neither the recipe-only keys nor
+    with truncation is checked against the run's switches (`router_replay_enabled`,
+    `token_capture_enabled`: NeMo-RL's top-level receipt mode) and the shard's own Gym
+    capture; the returned Gym config holds neither the recipe-only keys nor
     `shards`. Neither `nemo_gym` nor anything in it is mutated: the result is built from deep
     copies.
     """
@@ -205,19 +280,38 @@ def build_gym_actor_config(
     shard_prefix = _shard_key_prefix(nemo_gym, shard, key_prefix)
 
     recipe_only = {key: merged.pop(key) for key in list(merged) if key in RECIPE_ONLY_KEYS}
-    issues.extend(_misspelled_recipe_keys(merged, shard_prefix))
+    misspelled = _misspelled_recipe_keys(merged, shard_prefix)
+    issues.extend(misspelled)
     postprocess = _validated(NemoGymPostprocessConfig, recipe_only, shard_prefix, issues)
-    agents = _agents(merged.get(AGENTS_KEY), f"{shard_prefix}.{AGENTS_KEY}", issues)
+    reported = {issue.key for issue in misspelled}
+    issues.extend(
+        issue
+        for issue in _source_key_issues(merged, source, shard_prefix)
+        if issue.key not in reported
+    )
+    agents = (
+        _agents(merged.get(AGENTS_KEY), f"{shard_prefix}.{AGENTS_KEY}", issues)
+        if source == "builtin"
+        else {}
+    )
 
     if postprocess is not None and postprocess.truncate_noncontiguous_episodes:
         issues.extend(
-            _truncation_conflicts(merged, shard, shard_prefix, router_replay_enabled, key_prefix)
+            _truncation_conflicts(
+                merged,
+                shard,
+                shard_prefix,
+                router_replay_enabled=router_replay_enabled,
+                token_capture_enabled=token_capture_enabled,
+                key_prefix=key_prefix,
+            )
         )
     if issues:
         raise ConfigError(issues)
     assert postprocess is not None
     return GymActorConfig(
         shard=shard,
+        source=source,
         postprocess=postprocess,
         gym_config=merged,
         agents=agents,
@@ -228,7 +322,9 @@ def build_gym_actor_config(
 def build_all_gym_actor_configs(
     nemo_gym: Mapping[str, Any],
     *,
+    source: EnvSource,
     router_replay_enabled: bool,
+    token_capture_enabled: bool,
     key_prefix: str = "env.nemo_gym",
 ) -> list[GymActorConfig]:
     """Build every shard's actor config; raise one :class:`ConfigError` with all shards' issues."""
@@ -240,7 +336,9 @@ def build_all_gym_actor_configs(
                 build_gym_actor_config(
                     nemo_gym,
                     name,
+                    source=source,
                     router_replay_enabled=router_replay_enabled,
+                    token_capture_enabled=token_capture_enabled,
                     key_prefix=key_prefix,
                 )
             )
@@ -421,35 +519,123 @@ def _misspelled_recipe_keys(gym_keys: Mapping[str, Any], shard_prefix: str) -> l
     return issues
 
 
+def _source_key_issues(
+    gym_keys: Mapping[str, Any], source: str, shard_prefix: str
+) -> list[ConfigIssue]:
+    """Keys of a shard's Gym config that its source does not read: an error rather than a key
+    silently forwarded and ignored. A launched deployment also takes server blocks
+    (`<name>: {<server kind>: {<server>: {...}}}`) and the Gym globals the recipe does not set."""
+    issues = []
+    known = _SOURCE_KEYS[source]
+    for key, value in gym_keys.items():
+        if key in known or (source == "gym_launch" and _is_server_block(value)):
+            continue
+        if source == "gym_launch" and key in INJECTED_GYM_KEYS:
+            issues.append(
+                ConfigIssue(
+                    f"{shard_prefix}.{key}",
+                    value,
+                    "the recipe sets this Gym key itself when it launches Gym (the policy "
+                    "server's URL, key and model name, the head server's address, Gym's venv)",
+                    "remove it; see docs/environments.md",
+                )
+            )
+            continue
+        others = [other for other, keys in _SOURCE_KEYS.items() if key in keys]
+        if others:
+            fix = f"select env={others[0]} for it, or remove it"
+        else:
+            close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.7)
+            fix = f"did you mean {close[0]!r}?" if close else f"known keys: {sorted(known)}"
+            if source == "gym_launch":
+                fix += f"; a server block is <name>: {{<one of {sorted(SERVER_KINDS)}>: {{...}}}}"
+        issues.append(
+            ConfigIssue(
+                f"{shard_prefix}.{key}",
+                value,
+                f"unknown key for env.source={source} (it would be ignored)",
+                fix,
+            )
+        )
+    if source == "gym_launch" and not (
+        gym_keys.get(CONFIG_PATHS_KEY) or any(_is_server_block(v) for v in gym_keys.values())
+    ):
+        issues.append(
+            ConfigIssue(
+                f"{shard_prefix}.{CONFIG_PATHS_KEY}",
+                gym_keys.get(CONFIG_PATHS_KEY),
+                "a launched Gym deployment needs its servers",
+                "list Gym config files in config_paths (e.g. resources_servers/<env>/configs/"
+                "<env>.yaml) or give inline server blocks",
+            )
+        )
+    if source == "gym_join" and not isinstance(gym_keys.get(HEAD_SERVER_URL_KEY), str):
+        issues.append(
+            ConfigIssue(
+                f"{shard_prefix}.{HEAD_SERVER_URL_KEY}",
+                gym_keys.get(HEAD_SERVER_URL_KEY),
+                "joining a Gym deployment needs its head server's URL",
+                "set head_server_url: http://host:port (the deployment's head_server)",
+            )
+        )
+    return issues
+
+
+def _is_server_block(value: Any) -> bool:
+    if not isinstance(value, Mapping) or len(value) != 1:
+        return False
+    (kind, servers), *_ = value.items()
+    return kind in SERVER_KINDS and isinstance(servers, Mapping)
+
+
 def _truncation_conflicts(
     gym_config: Mapping[str, Any],
     shard: str,
     shard_prefix: str,
+    *,
     router_replay_enabled: bool,
+    token_capture_enabled: bool,
     key_prefix: str,
 ) -> list[ConfigIssue]:
+    """What truncation cannot coexist with in one shard: router replay, and token capture, where
+    the episode's tokens come from a capture record (NeMo-RL's receipt mode, or Gym's own
+    `token_id_capture`) rather than from the contiguity walk, so truncating would silently do
+    nothing."""
     issues = []
     truncation_key = f"{shard_prefix}.{TRUNCATION_KEY}"
+    truncation_fix = f"{key_prefix}.{TRUNCATION_KEY}=false"
+    conflict = f"incompatible with {truncation_key}=true (shard {shard!r})"
     if router_replay_enabled:
         issues.append(
             ConfigIssue(
                 ROUTER_REPLAY_KEY,
                 True,
-                f"incompatible with {truncation_key}=true (shard {shard!r}): router replay needs "
+                f"{conflict}: router replay needs "
                 "the next contiguous prompt's prefill to repair the retained prefix's final route",
-                f"set {ROUTER_REPLAY_KEY}=false or {key_prefix}.{TRUNCATION_KEY}=false",
+                f"set {ROUTER_REPLAY_KEY}=false or {truncation_fix}",
             )
         )
-    token_capture = gym_config.get("token_capture")
-    receipt_mode = isinstance(token_capture, Mapping) and token_capture.get("receipt_mode") is True
-    if receipt_mode:
+    capture = (
+        "token capture bypasses the token-prefix check, so truncation would silently do nothing"
+    )
+    if token_capture_enabled:
         issues.append(
             ConfigIssue(
-                f"{shard_prefix}.{RECEIPT_MODE_KEY}",
+                TOKEN_CAPTURE_KEY,
                 True,
-                f"incompatible with {truncation_key}=true (shard {shard!r}): receipt mode bypasses "
-                "the token-prefix check, so truncation would silently do nothing",
-                f"set {shard_prefix}.{RECEIPT_MODE_KEY}=false or {truncation_key}=false",
+                f"{conflict}: receipt-mode {capture}",
+                f"set {TOKEN_CAPTURE_KEY}=false or {truncation_fix}",
+            )
+        )
+    gym_capture = gym_config.get(GYM_TOKEN_ID_CAPTURE_KEY)
+    if isinstance(gym_capture, Mapping) and gym_capture.get("enabled") is True:
+        gym_key = f"{shard_prefix}.{GYM_TOKEN_ID_CAPTURE_KEY}.enabled"
+        issues.append(
+            ConfigIssue(
+                gym_key,
+                True,
+                f"{conflict}: Gym's training-{capture}",
+                f"set {gym_key}=false or {truncation_fix}",
             )
         )
     return issues

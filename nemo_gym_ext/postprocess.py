@@ -30,6 +30,8 @@ TRUNCATED_FLAG = "noncontiguous_truncated"
 DROPPED_TURNS_FIELD = "noncontiguous_dropped_turns"
 MALFORMED_FLAG = "malformed_sample"
 OVERLONG_FLAG = "overlong"
+TURNS_FIELD = "trainable_turns"
+GENERATED_TOKENS_FIELD = "generated_tokens"
 _WINDOW = 8
 _ROW_ID_FIELDS = ("id", "task_id", "instance_id")
 
@@ -82,8 +84,9 @@ def postprocess_gym_result(
 
     `message_log` alternates user-delta entries (`{"role": "user", "token_ids"}`) and assistant
     entries (`{"role": "assistant", "token_ids", "generation_logprobs"}`). `full_result` is a
-    shallow copy of `result` with `noncontiguous_truncated`, `noncontiguous_dropped_turns` and
-    `malformed_sample` (all set afresh on every call, so they are rates across a batch).
+    shallow copy of `result` with `noncontiguous_truncated`, `noncontiguous_dropped_turns`,
+    `malformed_sample`, `trainable_turns` (model calls trained on) and `generated_tokens` (all
+    set afresh on every call, so they are rates across a batch, for stock Gym results too).
     `overlong` is the result's own overlong flag, kept even when the turn that hit the limit
     was dropped, so overlong filtering still sees the episode.
 
@@ -104,6 +107,8 @@ def postprocess_gym_result(
     full_result[TRUNCATED_FLAG] = False
     full_result[DROPPED_TURNS_FIELD] = 0
     full_result[MALFORMED_FLAG] = False
+    full_result[TURNS_FIELD] = 0
+    full_result[GENERATED_TOKENS_FIELD] = 0
     overlong = bool(result.get(OVERLONG_FLAG, False))
     # A result without a usable reward cannot join a GRPO group even as a masked sample.
     _check_reward(result, agent, row_id)
@@ -115,6 +120,9 @@ def postprocess_gym_result(
             raise
         full_result[MALFORMED_FLAG] = True
         return {"message_log": [], "full_result": full_result, "overlong": overlong}
+    generations = [entry["token_ids"] for entry in message_log if entry["role"] == "assistant"]
+    full_result[TURNS_FIELD] = len(generations)
+    full_result[GENERATED_TOKENS_FIELD] = sum(map(len, generations))
     if dropped:
         full_result[TRUNCATED_FLAG] = True
         full_result[DROPPED_TURNS_FIELD] = dropped

@@ -17,6 +17,7 @@ from gymrl.config.schema import (
 )
 from gymrl.config.validate import gym_actor_configs
 from gymrl.placement import generation_gpus, shares_one_gpu, trainer_gpus
+from nemo_gym_ext.config import describe_shard_agents
 
 
 def render_plan(config: RecipeConfig, output_dir: str) -> str:
@@ -57,10 +58,10 @@ def render_plan(config: RecipeConfig, output_dir: str) -> str:
     actors = gym_actor_configs(config)
     lines.append(f"  gym shards  {len(actors)}")
     for actor in actors:
-        described = ", ".join(f"{name} ({spec.describe()})" for name, spec in actor.agents.items())
+        described = describe_shard_agents(actor)
         lines.append(
             f"    {actor.shard}: truncate_noncontiguous_episodes="
-            f"{str(actor.postprocess.truncate_noncontiguous_episodes).lower()}; agents: {described}"
+            f"{str(actor.postprocess.truncate_noncontiguous_episodes).lower()}; {described}"
         )
     return "\n".join(lines)
 

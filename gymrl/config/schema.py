@@ -170,6 +170,15 @@ class ModelServerConfig(Strict):
         description="Requests in progress at once; more are answered 503 at once, so a flood "
         "cannot exhaust the server's memory.",
     )
+    host: str | None = Field(
+        default=None,
+        description="Interface the server listens on; null = loopback on one machine, every "
+        "interface when joining a Ray cluster. A Gym deployment started by hand needs a fixed "
+        "address (docs/environments.md).",
+    )
+    port: int = Field(
+        default=0, ge=0, le=65535, description="Port to listen on; 0 = a free one, chosen at start."
+    )
 
 
 class TorchModelServerConfig(ModelServerConfig):
@@ -393,7 +402,39 @@ class DataConfig(Strict):
     )
 
 
+class GymLaunchConfig(Strict):
+    """How the recipe runs a Gym deployment of its own (env.source=gym_launch)."""
+
+    venv: str = Field(
+        default=".venv-gym",
+        description="NeMo-Gym's virtual environment (`make gym-venv` creates it); its "
+        "interpreter runs Gym's servers as child processes, relative paths from the working "
+        "directory.",
+    )
+    start_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="Deadline for a shard's Gym deployment (head server, every server, the "
+        "policy model endpoint) to report ready.",
+    )
+    port_range: tuple[int, int] = Field(
+        default=(20001, 30000),
+        description="Ports [low, high) the launched deployments use, split evenly between the "
+        "shards: each shard's head server takes the first free port of its slice, its servers "
+        "the rest.",
+    )
+
+
 class EnvConfig(Strict):
+    source: Literal["builtin", "gym_launch", "gym_join"] = Field(
+        default="builtin",
+        description="Where the environments come from, selected with the env group: builtin "
+        "(the recipe's own environments, or agents by URL, under env.nemo_gym.agents), "
+        "gym_launch (a NeMo-Gym deployment per shard from env.nemo_gym.config_paths and inline "
+        "server blocks, started and stopped by the recipe), gym_join (a running deployment found "
+        "at env.nemo_gym.head_server_url).",
+    )
+    gym: GymLaunchConfig = Field(default_factory=GymLaunchConfig)
     nemo_gym: dict[str, Any] = Field(
         description="Gym's global config plus the recipe-only postprocess keys and `shards`. "
         "See nemo_gym_ext.config."
@@ -529,6 +570,17 @@ class GRPOConfig(Strict):
     )
 
 
+class TokenCaptureConfig(Strict):
+    enabled: bool = Field(
+        default=False,
+        description="NeMo-RL's token-capture receipt mode: Gym returns capture receipts and the "
+        "trainer fetches the tokens from the capture store. Not implemented here (token ids are "
+        "read from each result's output items), so true is refused; it is also incompatible with "
+        "env.nemo_gym.truncate_noncontiguous_episodes. Gym's own capture is "
+        "env.nemo_gym.token_id_capture.",
+    )
+
+
 class CheckpointConfig(Strict):
     every_n_steps: int = Field(default=0, ge=0, description="Save every N steps; 0 = never.")
     keep_last: int = Field(default=2, gt=0, description="Checkpoints kept on disk.")
@@ -572,3 +624,4 @@ class RecipeConfig(Strict):
     grpo: GRPOConfig
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     stop: StopConfig = Field(default_factory=StopConfig)
+    token_capture: TokenCaptureConfig = Field(default_factory=TokenCaptureConfig)

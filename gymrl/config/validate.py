@@ -25,6 +25,7 @@ from pydantic import BaseModel, ValidationError
 
 from gymrl.config.context import context_issues
 from gymrl.config.schema import (
+    EnvConfig,
     MegatronTrainerConfig,
     PolicyConfig,
     RecipeConfig,
@@ -38,6 +39,7 @@ from gymrl.trainer.capabilities import unsupported_by_trainer
 from nemo_gym_ext.config import (
     ConfigError,
     ConfigIssue,
+    EnvSource,
     GymActorConfig,
     build_all_gym_actor_configs,
 )
@@ -65,7 +67,10 @@ def validate_config(raw: Mapping[str, Any]) -> RecipeConfig:
 def gym_actor_configs(config: RecipeConfig) -> list[GymActorConfig]:
     """Every shard's Gym actor config of a validated recipe config."""
     return build_all_gym_actor_configs(
-        config.env.nemo_gym, router_replay_enabled=config.policy.router_replay.enabled
+        config.env.nemo_gym,
+        source=config.env.source,
+        router_replay_enabled=config.policy.router_replay.enabled,
+        token_capture_enabled=config.token_capture.enabled,
     )
 
 
@@ -153,17 +158,30 @@ def _is_model(value: Any) -> bool:
 # ------------------------------------------------------------------------------------ pass 2
 def _gym_issues(raw: Mapping[str, Any]) -> list[ConfigIssue]:
     env = raw.get("env")
-    nemo_gym = env.get("nemo_gym") if isinstance(env, Mapping) else None
-    if not isinstance(nemo_gym, Mapping):
+    if not isinstance(env, Mapping) or not isinstance(env.get("nemo_gym"), Mapping):
         return []  # pass 1 reports the missing or mistyped env.nemo_gym
-    policy = raw.get("policy")
-    replay = policy.get("router_replay") if isinstance(policy, Mapping) else None
-    router_replay_enabled = isinstance(replay, Mapping) and replay.get("enabled") is True
+    nemo_gym = env["nemo_gym"]
+    source = env.get("source", EnvConfig.model_fields["source"].default)
+    if source not in typing.get_args(EnvSource):
+        return []  # pass 1 reports the unknown source
     try:
-        build_all_gym_actor_configs(nemo_gym, router_replay_enabled=router_replay_enabled)
+        build_all_gym_actor_configs(
+            nemo_gym,
+            source=source,
+            router_replay_enabled=_raw_switch(raw, "policy", "router_replay", "enabled"),
+            token_capture_enabled=_raw_switch(raw, "token_capture", "enabled"),
+        )
     except ConfigError as error:
         return list(error.issues)
     return []
+
+
+def _raw_switch(raw: Mapping[str, Any], *path: str) -> bool:
+    """Whether the boolean at `path` of the raw tree is true (pass 1 reports a mistyped one)."""
+    node: Any = raw
+    for key in path:
+        node = node.get(key) if isinstance(node, Mapping) else None
+    return node is True
 
 
 def _cross_field_issues(config: RecipeConfig) -> list[ConfigIssue]:
@@ -194,6 +212,17 @@ def _cross_field_issues(config: RecipeConfig) -> list[ConfigIssue]:
                 True,
                 "router replay needs an MoE policy",
                 "set policy.router_replay.enabled=false or use an MoE policy (is_moe=true)",
+            )
+        )
+    if config.token_capture.enabled:
+        issues.append(
+            ConfigIssue(
+                "token_capture.enabled",
+                True,
+                "receipt mode is not implemented: this recipe reads token ids from each Gym "
+                "result's output items, not from a capture store",
+                "set token_capture.enabled=false (Gym's own capture, "
+                "env.nemo_gym.token_id_capture, rebuilds the output items instead)",
             )
         )
     if config.grpo.async_enabled and not config.loss.importance_sampling_correction:

@@ -6,14 +6,27 @@ import json
 import pytest
 
 from gymrl.config.schema import DataConfig, SamplingConfig
-from gymrl.data import RowStream, load_rows, load_validation_rows
+from gymrl.data import RowStream, UnservedAgentError, load_rows, load_validation_rows
 from nemo_gym_ext.config import build_gym_actor_config
 
 SAMPLING = SamplingConfig(temperature=0.7, top_p=0.9)
 
 
+def _load(data, actors, sampling=SAMPLING, served=("remote",), seed=0):
+    return load_rows(
+        data, actors, sampling, seed=seed, served_agents=set(served), max_output_tokens=48
+    )
+
+
 def _actors(agents):
-    return [build_gym_actor_config({"agents": agents}, router_replay_enabled=False)]
+    return [
+        build_gym_actor_config(
+            {"agents": agents},
+            source="builtin",
+            router_replay_enabled=False,
+            token_capture_enabled=False,
+        )
+    ]
 
 
 def test_row_stream_cycles_from_its_position_and_counts_past_the_end():
@@ -37,8 +50,20 @@ def test_jsonl_rows_get_the_sampling_temperature_the_trainer_uses(tmp_path):
         "agent_ref": {"name": "remote"},
     }
     path.write_text(json.dumps(row) + "\n\n")
-    (loaded,) = load_rows(DataConfig(train_jsonl=str(path)), [], SAMPLING, seed=0)
-    assert loaded["responses_create_params"] == {"input": [], "temperature": 0.7, "top_p": 0.9}
+    (loaded,) = load_rows(
+        DataConfig(train_jsonl=str(path)),
+        [],
+        SAMPLING,
+        seed=0,
+        served_agents={"remote"},
+        max_output_tokens=48,
+    )
+    assert loaded["responses_create_params"] == {
+        "input": [],
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "max_output_tokens": 48,
+    }
     assert row["responses_create_params"]["temperature"] == 0.1  # the input is not mutated
 
 
@@ -54,14 +79,12 @@ def test_a_bad_rows_file_names_the_line(tmp_path, content, message):
     path = tmp_path / "rows.jsonl"
     path.write_text(content)
     with pytest.raises(ValueError, match=message):
-        load_rows(DataConfig(train_jsonl=str(path)), [], SamplingConfig(), seed=0)
+        _load(DataConfig(train_jsonl=str(path)), [], SamplingConfig())
 
 
 def test_a_missing_rows_file_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"missing\.jsonl"):
-        load_rows(
-            DataConfig(train_jsonl=str(tmp_path / "missing.jsonl")), [], SamplingConfig(), seed=0
-        )
+        _load(DataConfig(train_jsonl=str(tmp_path / "missing.jsonl")), [], SamplingConfig())
 
 
 def test_builtin_agents_get_interleaved_rows_and_remote_agents_none():
@@ -72,7 +95,7 @@ def test_builtin_agents_get_interleaved_rows_and_remote_agents_none():
             "remote": {"url": "http://gym-head:8000/remote"},
         }
     )
-    rows = load_rows(DataConfig(num_builtin_rows_per_agent=2), actors, SAMPLING, seed=0)
+    rows = _load(DataConfig(num_builtin_rows_per_agent=2), actors)
     assert [row["agent_ref"]["name"] for row in rows] == ["calc", "guess", "calc", "guess"]
     for row in rows:
         params = row["responses_create_params"]
@@ -82,7 +105,7 @@ def test_builtin_agents_get_interleaved_rows_and_remote_agents_none():
 def test_only_remote_agents_need_a_jsonl():
     actors = _actors({"remote": {"url": "http://gym-head:8000/remote"}})
     with pytest.raises(ValueError, match="no agent is a built-in environment"):
-        load_rows(DataConfig(), actors, SAMPLING, seed=0)
+        _load(DataConfig(), actors)
 
 
 def test_a_jsonl_row_without_its_agent_is_refused_with_its_line(tmp_path):
@@ -92,10 +115,29 @@ def test_a_jsonl_row_without_its_agent_is_refused_with_its_line(tmp_path):
     path.write_text(f"{json.dumps(good)}\n\n{json.dumps(bad)}\n", encoding="utf-8")
     actors = _actors({"remote": {"url": "http://gym-head:8000/remote"}})
     with pytest.raises(ValueError, match=rf"{path}:3: the row has no agent_ref\.name"):
-        load_rows(DataConfig(train_jsonl=str(path)), actors, SAMPLING, seed=0)
+        _load(DataConfig(train_jsonl=str(path)), actors)
     path.write_text(json.dumps(good) + "\n", encoding="utf-8")
-    (row,) = load_rows(DataConfig(train_jsonl=str(path)), actors, SAMPLING, seed=0)
-    assert row["responses_create_params"] == {"input": "hi", "temperature": 0.7, "top_p": 0.9}
+    (row,) = _load(DataConfig(train_jsonl=str(path)), actors)
+    assert row["responses_create_params"] == {
+        "input": "hi",
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "max_output_tokens": 48,
+    }
+
+
+def test_rows_of_unserved_agents_are_listed_with_their_lines(tmp_path):
+    lines = [
+        {"responses_create_params": {"input": "hi"}, "agent_ref": {"name": name}}
+        for name in ["served", "typo_agent", "served", "other", "typo_agent"]
+    ]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in lines), encoding="utf-8")
+    with pytest.raises(UnservedAgentError) as raised:
+        _load(DataConfig(train_jsonl=str(path)), [], served=["served"])
+    message = str(raised.value)
+    assert "'other' on line 4; 'typo_agent' on lines 2, 5." in message
+    assert "Served: ['served']" in message
 
 
 def test_validation_rows_are_held_out_the_same_for_every_seed_and_greedy_by_default():
@@ -103,7 +145,7 @@ def test_validation_rows_are_held_out_the_same_for_every_seed_and_greedy_by_defa
     data = DataConfig(num_builtin_rows_per_agent=64, num_builtin_val_rows_per_agent=32)
     by_seed = []
     for seed in (0, 1):
-        train = load_rows(data, actors, SAMPLING, seed=seed)
+        train = _load(data, actors, seed=seed)
         held_out = load_validation_rows(data, actors, train, temperature=0.0, top_p=0.9)
         assert len(held_out) == 32
         train_tasks = {row["question"] for row in train}
@@ -118,7 +160,7 @@ def test_validation_rows_are_held_out_the_same_for_every_seed_and_greedy_by_defa
 def test_validation_rows_sample_with_the_configured_temperature_and_top_p():
     actors = _actors({"calc": {"environment": "calculator"}})
     data = DataConfig(num_builtin_rows_per_agent=4, num_builtin_val_rows_per_agent=2)
-    train = load_rows(data, actors, SAMPLING, seed=0)
+    train = _load(data, actors)
     rows = load_validation_rows(data, actors, train, temperature=0.5, top_p=0.9)
     sampling = {
         (r["responses_create_params"]["temperature"], r["responses_create_params"]["top_p"])
@@ -130,7 +172,7 @@ def test_validation_rows_sample_with_the_configured_temperature_and_top_p():
 def test_too_few_distinct_held_out_tasks_is_an_error_naming_the_key():
     actors = _actors({"calc": {"environment": "calculator"}})
     data = DataConfig(num_builtin_rows_per_agent=8, num_builtin_val_rows_per_agent=100_000)
-    train = load_rows(data, actors, SAMPLING, seed=0)
+    train = _load(data, actors)
     with pytest.raises(ValueError, match=r"num_builtin_val_rows_per_agent=100000.*'calculator'"):
         load_validation_rows(data, actors, train, temperature=0.0, top_p=1.0)
 

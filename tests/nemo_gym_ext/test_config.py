@@ -1,6 +1,7 @@
 """build_gym_actor_config: shard merging, recipe-only keys, and the truncation guard matrix."""
 
 import copy
+import functools
 import itertools
 
 import pytest
@@ -30,23 +31,26 @@ def test_absent_false_true_resolution(value):
     nemo_gym = {"agents": AGENTS}
     if value is not None:
         nemo_gym["truncate_noncontiguous_episodes"] = value
-    actor = build_gym_actor_config(nemo_gym, router_replay_enabled=False)
+    actor = build_gym_actor_config(
+        nemo_gym, source="builtin", router_replay_enabled=False, token_capture_enabled=False
+    )
     assert actor.shard == "default"
     assert actor.postprocess.truncate_noncontiguous_episodes is bool(value)
     assert actor.gym_config == {"agents": AGENTS}
 
 
-def _nemo_gym(truncate_where, receipt_where):
-    """A two-shard config with truncation / receipt mode set in the base, one shard, or nowhere."""
+def _nemo_gym(truncate_where, gym_capture_where):
+    """A two-shard config with truncation / Gym's token-id capture set in the base, one shard,
+    or nowhere."""
     nemo_gym = {
         "shards": {
-            "a": {"agents": {"a1": {"url": "http://a"}}},
-            "b": {"agents": {"b1": {"url": "http://b"}}},
+            "a": {"config_paths": ["a.yaml"]},
+            "b": {"config_paths": ["b.yaml"]},
         }
     }
     for key, where, value in (
         ("truncate_noncontiguous_episodes", truncate_where, True),
-        ("token_capture", receipt_where, {"receipt_mode": True}),
+        ("token_id_capture", gym_capture_where, {"enabled": True, "all_agents": True}),
     ):
         if where == "base":
             nemo_gym[key] = value
@@ -56,59 +60,92 @@ def _nemo_gym(truncate_where, receipt_where):
 
 
 PLACES = [None, "base", "shard_b"]
+# Each capture switch: none, NeMo-RL's top-level receipt mode, Gym's capture in the base or in
+# shard b only.
+CAPTURE_SWITCHES = [None, "token_capture", "gym_base", "gym_shard_b"]
 
 
 @pytest.mark.parametrize(
-    ("truncate_where", "receipt_where", "router_replay"),
-    list(itertools.product(PLACES, PLACES, [False, True])),
+    ("truncate_where", "capture", "router_replay"),
+    list(itertools.product(PLACES, CAPTURE_SWITCHES, [False, True])),
 )
-def test_truncation_guard_matrix(truncate_where, receipt_where, router_replay):
-    nemo_gym = _nemo_gym(truncate_where, receipt_where)
+def test_truncation_guard_matrix(truncate_where, capture, router_replay):
+    gym_capture_where = {"gym_base": "base", "gym_shard_b": "shard_b"}.get(capture)
+    nemo_gym = _nemo_gym(truncate_where, gym_capture_where)
     before = copy.deepcopy(nemo_gym)
 
     truncating = {"a": truncate_where == "base", "b": truncate_where is not None}
-    receipt = {"a": receipt_where == "base", "b": receipt_where is not None}
+    gym_capture = {"a": gym_capture_where == "base", "b": gym_capture_where is not None}
     expected_conflicts = {
         (shard, kind)
         for shard in "ab"
         if truncating[shard]
-        for kind, on in (("router", router_replay), ("receipt", receipt[shard]))
+        for kind, on in (
+            ("router", router_replay),
+            ("token_capture", capture == "token_capture"),
+            ("gym_capture", gym_capture[shard]),
+        )
         if on
     }
+    build = functools.partial(
+        build_all_gym_actor_configs,
+        nemo_gym,
+        source="gym_launch",
+        router_replay_enabled=router_replay,
+        token_capture_enabled=capture == "token_capture",
+    )
     if not expected_conflicts:
-        actors = build_all_gym_actor_configs(nemo_gym, router_replay_enabled=router_replay)
         assert {
-            actor.shard: actor.postprocess.truncate_noncontiguous_episodes for actor in actors
+            actor.shard: actor.postprocess.truncate_noncontiguous_episodes for actor in build()
         } == truncating
     else:
         with pytest.raises(ConfigError) as raised:
-            build_all_gym_actor_configs(nemo_gym, router_replay_enabled=router_replay)
+            build()
+        keys = {
+            "policy.router_replay.enabled": "router",
+            "token_capture.enabled": "token_capture",
+        }
         found = set()
         for issue in raised.value.issues:
             shard = "a" if "shard 'a'" in issue.problem else "b"
-            kind = "router" if issue.key == "policy.router_replay.enabled" else "receipt"
+            kind = keys.get(issue.key, "gym_capture")
             found.add((shard, kind))
             # the message names the shard and both keys
             assert "truncate_noncontiguous_episodes" in issue.problem
             assert f"shard {shard}" in issue.problem
-            if kind == "receipt":
-                assert issue.key == f"env.nemo_gym[shard {shard}].token_capture.receipt_mode"
+            if kind == "gym_capture":
+                assert issue.key == f"env.nemo_gym[shard {shard}].token_id_capture.enabled"
+                assert issue.fix.startswith(f"set {issue.key}=false")
         assert found == expected_conflicts
     assert nemo_gym == before, "the caller's config must not be mutated"
+
+
+def test_gym_capture_switched_off_in_a_shard_does_not_conflict():
+    nemo_gym = _nemo_gym("base", "base")
+    nemo_gym["shards"]["a"]["token_id_capture"] = {"enabled": False}
+    with pytest.raises(ConfigError) as raised:
+        build_all_gym_actor_configs(
+            nemo_gym, source="gym_launch", router_replay_enabled=False, token_capture_enabled=False
+        )
+    assert [issue.key for issue in raised.value.issues] == [
+        "env.nemo_gym[shard b].token_id_capture.enabled"
+    ]
 
 
 def test_no_recipe_only_key_reaches_any_shard_gym_config():
     nemo_gym = {
         "truncate_noncontiguous_episodes": True,
         "on_malformed_result": "mask",
-        "head_server": {"port": 11000},
+        "token_id_capture": {"dir": "/tmp/capture"},
         "shards": {
-            "a": {"agents": {"a1": {"url": "http://a"}}, "truncate_noncontiguous_episodes": False},
-            "b": {"agents": {"b1": {"url": "http://b"}}, "head_server": {"host": "h"}},
+            "a": {"config_paths": ["a.yaml"], "truncate_noncontiguous_episodes": False},
+            "b": {"config_paths": ["b.yaml"], "token_id_capture": {"delta_records": True}},
         },
     }
     before = copy.deepcopy(nemo_gym)
-    actors = build_all_gym_actor_configs(nemo_gym, router_replay_enabled=False)
+    actors = build_all_gym_actor_configs(
+        nemo_gym, source="gym_launch", router_replay_enabled=False, token_capture_enabled=False
+    )
     for actor in actors:
         assert not RECIPE_ONLY_KEYS & set(actor.gym_config)
         assert "shards" not in actor.gym_config
@@ -117,17 +154,21 @@ def test_no_recipe_only_key_reaches_any_shard_gym_config():
     assert by_shard["b"].postprocess.truncate_noncontiguous_episodes is True
     assert by_shard["b"].postprocess.on_malformed_result == "mask"
     # shard overrides merge recursively over the base
-    assert by_shard["b"].gym_config["head_server"] == {"port": 11000, "host": "h"}
-    assert by_shard["a"].gym_config["head_server"] == {"port": 11000}
+    capture = {"dir": "/tmp/capture", "delta_records": True}
+    assert by_shard["b"].gym_config["token_id_capture"] == capture
+    assert by_shard["a"].gym_config["token_id_capture"] == {"dir": "/tmp/capture"}
     # the returned configs are independent copies
-    by_shard["a"].gym_config["head_server"]["port"] = 1
+    by_shard["a"].gym_config["token_id_capture"]["dir"] = "elsewhere"
     assert nemo_gym == before
 
 
 def test_misspelled_recipe_only_key_is_named_not_forwarded():
     with pytest.raises(ConfigError) as raised:
         build_gym_actor_config(
-            {"truncate_noncontigous_episodes": True, "agents": AGENTS}, router_replay_enabled=False
+            {"truncate_noncontigous_episodes": True, "agents": AGENTS},
+            source="builtin",
+            router_replay_enabled=False,
+            token_capture_enabled=False,
         )
     (issue,) = raised.value.issues
     assert issue.key == "env.nemo_gym.truncate_noncontigous_episodes"
@@ -138,7 +179,9 @@ def test_wrong_type_of_recipe_only_key_names_key_value_and_fix():
     with pytest.raises(ConfigError) as raised:
         build_gym_actor_config(
             {"truncate_noncontiguous_episodes": "sometimes", "agents": AGENTS},
+            source="builtin",
             router_replay_enabled=False,
+            token_capture_enabled=False,
         )
     (issue,) = raised.value.issues
     assert issue.key == "env.nemo_gym.truncate_noncontiguous_episodes"
@@ -151,13 +194,25 @@ def test_shard_names_and_unknown_shard():
     assert shard_names({"agents": AGENTS}) == ["default"]
     assert shard_names({"shards": {"x": {}, "y": None}}) == ["x", "y"]
     with pytest.raises(KeyError, match="no shard 'z'"):
-        build_gym_actor_config({"shards": {"x": {}}}, "z", router_replay_enabled=False)
+        build_gym_actor_config(
+            {"shards": {"x": {}}},
+            "z",
+            source="builtin",
+            router_replay_enabled=False,
+            token_capture_enabled=False,
+        )
 
 
 def test_nested_shards_are_refused():
     nemo_gym = {"shards": {"x": {"shards": {"y": {}}}}}
     with pytest.raises(ConfigError, match="cannot be nested"):
-        build_gym_actor_config(nemo_gym, "x", router_replay_enabled=False)
+        build_gym_actor_config(
+            nemo_gym,
+            "x",
+            source="builtin",
+            router_replay_enabled=False,
+            token_capture_enabled=False,
+        )
 
 
 def test_deep_merge_returns_new_containers():
@@ -170,14 +225,21 @@ def test_deep_merge_returns_new_containers():
 
 def _agent_issues(agents):
     with pytest.raises(ConfigError) as raised:
-        build_gym_actor_config({"agents": agents}, router_replay_enabled=False)
+        build_gym_actor_config(
+            {"agents": agents},
+            source="builtin",
+            router_replay_enabled=False,
+            token_capture_enabled=False,
+        )
     return {issue.key: issue for issue in raised.value.issues}
 
 
 def test_agents_are_read_once_as_typed_specs():
     actor = build_gym_actor_config(
         {"agents": {**AGENTS, "swe": {"url": "http://gym-head:8000/swe/"}}},
+        source="builtin",
         router_replay_enabled=False,
+        token_capture_enabled=False,
     )
     assert actor.agents == {
         "calc": AgentSpec(environment="calculator", options=AgentOptions(max_turns=3)),
@@ -192,7 +254,10 @@ def test_agents_are_read_once_as_typed_specs():
 
 def test_a_builtin_agent_calls_the_recipe_policy_unless_its_options_name_one():
     (spec,) = build_gym_actor_config(
-        {"agents": AGENTS}, router_replay_enabled=False
+        {"agents": AGENTS},
+        source="builtin",
+        router_replay_enabled=False,
+        token_capture_enabled=False,
     ).agents.values()
     options = spec.agent_options(policy_model="smollm2")
     assert (options.policy_model, options.max_turns) == ("smollm2", 3)
@@ -264,7 +329,45 @@ def test_an_agent_served_by_two_shards_is_refused():
         }
     }
     with pytest.raises(ConfigError) as raised:
-        build_all_gym_actor_configs(nemo_gym, router_replay_enabled=False)
+        build_all_gym_actor_configs(
+            nemo_gym, source="builtin", router_replay_enabled=False, token_capture_enabled=False
+        )
     (issue,) = raised.value.issues
     assert issue.key == "env.nemo_gym[shard b].agents.x"
     assert issue.problem == "agent 'x' is served by shards 'a' and 'b'"
+
+
+def _source_issues(nemo_gym, source):
+    with pytest.raises(ConfigError) as raised:
+        build_gym_actor_config(
+            nemo_gym, source=source, router_replay_enabled=False, token_capture_enabled=False
+        )
+    return {issue.key: issue for issue in raised.value.issues}
+
+
+SERVER_BLOCK = {"responses_api_agents": {"simple_agent": {"entrypoint": "app.py"}}}
+
+
+def test_each_source_refuses_the_keys_it_does_not_read():
+    issues = _source_issues({"agents": AGENTS, "config_paths": ["x.yaml"]}, "builtin")
+    assert issues["env.nemo_gym.config_paths"].fix == "select env=gym_launch for it, or remove it"
+    issues = _source_issues({"head_server_url": "http://h:1", "agents": AGENTS}, "gym_join")
+    assert issues["env.nemo_gym.agents"].fix == "select env=builtin for it, or remove it"
+    issues = _source_issues({"config_paths": ["x.yaml"], "head_server": {"port": 1}}, "gym_launch")
+    assert "the recipe sets this Gym key itself" in issues["env.nemo_gym.head_server"].problem
+    issues = _source_issues({"config_paths": ["x.yaml"], "skip_verifcation": 1}, "gym_launch")
+    assert issues["env.nemo_gym.skip_verifcation"].fix.startswith(
+        "did you mean 'skip_verification'?"
+    )
+    # a mapping that is not shaped like a server block is not one
+    issues = _source_issues({"my_agent": {"simple_agent": {"entrypoint": "app.py"}}}, "gym_launch")
+    assert set(issues) == {"env.nemo_gym.my_agent", "env.nemo_gym.config_paths"}
+
+
+def test_launch_takes_config_paths_or_inline_server_blocks_and_join_needs_its_url():
+    for nemo_gym in ({"config_paths": ["x.yaml"]}, {"my_agent": SERVER_BLOCK}):
+        actor = build_gym_actor_config(
+            nemo_gym, source="gym_launch", router_replay_enabled=False, token_capture_enabled=False
+        )
+        assert actor.gym_config == nemo_gym and actor.agents == {}
+    assert set(_source_issues({}, "gym_join")) == {"env.nemo_gym.head_server_url"}

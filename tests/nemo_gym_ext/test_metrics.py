@@ -151,6 +151,8 @@ def test_postprocessed_batch_has_exactly_the_documented_keys(episode_builder, tu
         "noncontiguous_truncated",
         "noncontiguous_dropped_turns",
         "malformed_sample",
+        "trainable_turns",
+        "generated_tokens",
     )
     reductions = ("mean", "min", "max")
     assert set(per_agent_metrics([full])) == {

@@ -547,3 +547,17 @@ def test_errors_survive_pickling_across_processes(episode_builder, divergence_at
     )
     malformed = MalformedGymResultError("row 'x': reward must be a finite number")
     assert str(pickle.loads(pickle.dumps(malformed))) == str(malformed)
+
+
+def test_turns_and_generated_tokens_are_counted_for_any_agent(episode_builder, turn_maker):
+    episode = episode_builder(turn_maker(21, 3), agent="stock", reward=1.0)
+    full = postprocess_gym_result(episode.row, episode.result, NemoGymPostprocessConfig())[
+        "full_result"
+    ]
+    generations = [
+        item["generation_token_ids"]
+        for item in episode.result["response"]["output"]
+        if item.get("generation_token_ids")
+    ]
+    assert full["trainable_turns"] == len(generations) == 3
+    assert full["generated_tokens"] == sum(map(len, generations))

@@ -44,14 +44,32 @@ def test_megatron_limits_are_reported_at_composition_time():
     assert issues["loss.kl_coef"].fix == "set loss.kl_coef=0"
 
 
-def test_receipt_mode_in_one_shard_is_refused_naming_that_shard():
+def test_gym_token_id_capture_in_one_shard_is_refused_naming_that_shard():
     issues = _issues(
         [
-            "+experiment=swe_bench_30b",
-            "+env.nemo_gym.shards.mini_swe.token_capture.receipt_mode=true",
+            "env=gym_launch",
+            "+env.nemo_gym.config_paths=[a.yaml]",
+            "env.nemo_gym.truncate_noncontiguous_episodes=true",
+            "+env.nemo_gym.shards.one={}",
+            "+env.nemo_gym.shards.two.token_id_capture.enabled=true",
         ]
     )
-    assert set(issues) == {"env.nemo_gym[shard mini_swe].token_capture.receipt_mode"}
+    assert set(issues) == {"env.nemo_gym[shard two].token_id_capture.enabled"}
+
+
+def test_receipt_mode_is_refused_and_named_against_truncation_in_every_shard():
+    with pytest.raises(ConfigError) as raised:
+        validate_config(compose_raw(["+experiment=swe_bench_30b", "token_capture.enabled=true"]))
+    problems = [i.problem for i in raised.value.issues if i.key == "token_capture.enabled"]
+    assert any(p.startswith("receipt mode is not implemented") for p in problems)
+    assert {s for s in ("openhands", "mini_swe") for p in problems if f"'{s}'" in p} == {
+        "openhands",
+        "mini_swe",
+    }
+
+
+def test_the_invented_receipt_mode_key_is_gone():
+    assert "receipt_mode" not in str(compose_raw(["+experiment=swe_bench_30b"]))
 
 
 def test_gym_guard_reports_alongside_unrelated_type_errors():
@@ -255,3 +273,10 @@ def test_unknown_parsers_and_templates_are_refused_with_what_the_recipe_has():
 def test_every_policy_file_names_parsers_and_a_template_the_recipe_has():
     for policy in ("smollm2_135m", "tiny_llama", "qwen3_30b_a3b", "qwen2p5_math_1p5b"):
         validate_config(compose_raw([f"policy={policy}"]))
+
+
+def test_an_env_option_inherits_nothing_from_another():
+    issues = _issues(["env=gym_join", "+env.nemo_gym.agents.calc.environment=calculator"])
+    assert issues["env.nemo_gym.agents"].fix == "select env=builtin for it, or remove it"
+    issues = _issues(["env=gym_launch"])
+    assert set(issues) == {"env.nemo_gym.config_paths"}

@@ -1,0 +1,67 @@
+"""Serve the configured policy alone, until stopped: Gym agents against a checkpoint, no training.
+
+The same config tree and the same generation server as a training run (`GenerationServer`: the
+engine behind the OpenAI-compatible policy server), started on a local or joined Ray cluster,
+announced like a run's (`gymrl.generation.announce`), and stopped in reverse order when `stop`
+is set (SIGINT or SIGTERM set it), or when an error leaves.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from contextlib import ExitStack
+from pathlib import Path
+
+import ray
+from ray.util.placement_group import remove_placement_group
+
+from gymrl.actors import GenerationServer, close_actor
+from gymrl.config.schema import RecipeConfig
+from gymrl.generation.announce import announce_policy_server
+from gymrl.generation.api_key import resolve_api_key
+from gymrl.placement import actor_options, plan_placement, reserve
+from gymrl.ray_calls import wait_for
+from gymrl.train import _GENERATION_CLOSE_S, _start_timeout_s, start_ray
+
+
+def serve_policy(config: RecipeConfig, output_dir: Path, stop: threading.Event) -> None:
+    """Start the policy server, announce it, and return once `stop` is set and it is closed."""
+    api_key = resolve_api_key(config.generation.server.api_key_file)  # fails before anything starts
+    output_dir.mkdir(parents=True, exist_ok=True)
+    with ExitStack() as started:
+        start_ray(config.cluster)
+        started.callback(ray.shutdown)
+        # After ray.init, which installs a SIGTERM handler that aborts the driver: a signal now
+        # only asks for the orderly stop below.
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, lambda *_: stop.set())
+        placement = plan_placement(config)
+        group = reserve(placement, config.cluster.ray_start_timeout_s)
+        if group is not None:
+            started.callback(remove_placement_group, group)
+        server = GenerationServer.options(
+            **actor_options(placement.policy_server, 0, group)
+        ).remote(
+            config,
+            output_dir=str(output_dir),
+            torch_threads=2,  # nothing else runs: generation takes both cores of a laptop
+            placement=placement,
+            placement_group=group,
+            api_key=api_key,
+        )
+        started.callback(close_actor, server, timeout_s=_GENERATION_CLOSE_S)
+        base_url = wait_for(
+            server.base_url.remote(),
+            timeout_s=_start_timeout_s(config),
+            what="starting the policy server",
+        )
+        announce_policy_server(
+            output_dir,
+            base_url=base_url,
+            model_name=config.policy.name,
+            api_key=api_key.get_secret_value(),
+        )
+        print("serving until interrupted (Ctrl-C or SIGTERM)", flush=True)
+        stop.wait()
+        print("stopping the policy server", flush=True)

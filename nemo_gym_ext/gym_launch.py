@@ -1,0 +1,316 @@
+"""Run a NeMo-Gym deployment for one shard, or find the agents of one someone else runs.
+
+NeMo-Gym runs from its own virtual environment (`make gym-venv`, `env.gym.venv`): its wheel pins
+dependencies the recipe's own environment does not share, so this module never imports
+`nemo_gym`. It writes the deployment's config to a YAML file, runs Gym's own launcher (`ng_run`,
+which starts the head server and every server of the config as its children) in a new session,
+and talks to the head server over HTTP: `/readyz` for readiness, `/server_instances` for the
+agents' URLs. Stopping signals the whole process group (the launcher, its servers and the Ray
+instance it starts), never processes by name, so nothing outlives the shard, also when start-up
+fails.
+
+What Gym receives is the shard's `env.nemo_gym` (recipe-only keys already taken out) plus what
+only the recipe knows (:func:`deployment_config`): the policy server's URL, key and model name,
+the head server's address and the shard's port range, a `policy_model` server (Gym's `vllm_model`
+adapter in training mode, returning token ids) and where each server's virtual environment is
+(Gym's own, linked per server by :func:`link_server_venvs`, so no server installs anything).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from nemo_gym_ext.config import SERVER_KINDS
+
+GYM_VENV_TARGET = "make gym-venv"
+# Where every server Gym ships is linked to Gym's own environment (Gym's `uv_venv_dir` layout:
+# <dir>/<server kind>/<server>/.venv).
+SERVER_VENVS_DIR = "server-venvs"
+POLICY_MODEL_SERVER = "policy_model"
+AGENT_KIND = "responses_api_agents"
+_POLL_S = 1.0
+_STOP_GRACE_S = 8.0  # three waits of it fit the recipe's deadline for closing a shard
+_LOG_TAIL_CHARS = 3000
+
+
+class GymVenvMissingError(FileNotFoundError):
+    """NeMo-Gym's virtual environment (or its launcher) is not where the config says."""
+
+
+class GymStartError(RuntimeError):
+    """A Gym deployment that exited or did not become ready within its deadline."""
+
+
+@dataclass(frozen=True)
+class PolicyEndpoint:
+    """What a Gym deployment needs to call the policy server."""
+
+    base_url: str  # the OpenAI base URL, `.../v1`
+    api_key: str = field(repr=False)  # a secret: never in a repr, a log or an error message
+    model_name: str
+
+
+def gym_launcher(venv: Path) -> Path:
+    """Gym's launcher in `venv`, or an error naming the make target that creates it."""
+    launcher = venv / "bin" / "ng_run"
+    if not launcher.is_file():
+        raise GymVenvMissingError(
+            f"NeMo-Gym's virtual environment is missing: {launcher} does not exist "
+            f"(env.gym.venv = {str(venv)!r}). Create it with `{GYM_VENV_TARGET}` (about 3 minutes, "
+            "1.5 GB), or point env.gym.venv at one."
+        )
+    return launcher
+
+
+def link_server_venvs(venv: Path) -> Path:
+    """Give every server Gym ships (`<site-packages>/<kind>/<server>/`) Gym's own environment
+    as its venv, in Gym's `uv_venv_dir` layout, and return that directory. With
+    `skip_venv_if_present`, Gym then starts each server with this interpreter instead of
+    creating and installing a venv per server (a network install of about 1.5 GB each).
+    Idempotent, so shards starting at once may all call it."""
+    root = venv / SERVER_VENVS_DIR
+    for kind in SERVER_KINDS:
+        for server in sorted(venv.glob(f"lib/python*/site-packages/{kind}/*/")):
+            if not ((server / "requirements.txt").exists() or (server / "pyproject.toml").exists()):
+                continue
+            link = root / kind / server.name / ".venv"
+            link.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileExistsError):
+                link.symlink_to(venv.resolve(), target_is_directory=True)
+    return root
+
+
+def deployment_config(
+    gym_config: Mapping[str, Any],
+    *,
+    policy: PolicyEndpoint,
+    host: str,
+    head_port: int,
+    port_range: tuple[int, int],
+    server_venvs: Path,
+) -> dict[str, Any]:
+    """The config Gym receives: the shard's own keys plus what only the recipe knows.
+
+    `gym_config` is not mutated. The validator refuses every key set here when a user writes it
+    (`nemo_gym_ext.config.INJECTED_GYM_KEYS`), so nothing the user wrote is overwritten."""
+    config = copy.deepcopy(dict(gym_config))
+    config.update(
+        policy_base_url=policy.base_url,
+        policy_api_key=policy.api_key,
+        policy_model_name=policy.model_name,
+        head_server={"host": host, "port": head_port},
+        default_host=host,
+        port_range_low=port_range[0],
+        port_range_high=port_range[1],
+        skip_venv_if_present=True,
+        uv_venv_dir=str(server_venvs),
+    )
+    config[POLICY_MODEL_SERVER] = {
+        "responses_api_models": {
+            "vllm_model": {
+                "entrypoint": "app.py",
+                "base_url": "${policy_base_url}",
+                "api_key": "${policy_api_key}",
+                "model": "${policy_model_name}",
+                # Training mode: every output item carries the token ids the policy produced.
+                "return_token_id_information": True,
+                "uses_reasoning_parser": False,
+            }
+        }
+    }
+    return config
+
+
+def free_port(host: str, low: int, high: int) -> int:
+    """The first port in [low, high) nothing listens on, for the head server."""
+    for port in range(low, high):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise GymStartError(f"no free port in [{low}, {high}) on {host} for the Gym head server")
+
+
+def shard_port_range(index: int, shards: int, port_range: tuple[int, int]) -> tuple[int, int]:
+    """Shard `index`'s slice of `port_range`, so that shards on one node never share ports."""
+    low, high = port_range
+    width = (high - low) // shards
+    return low + index * width, low + (index + 1) * width
+
+
+class GymDeployment:
+    """One shard's Gym deployment: `ng_run` and everything it starts, in one process group."""
+
+    def __init__(self, config: Mapping[str, Any], *, venv: Path, work_dir: Path):
+        """Write the config; start nothing yet (`start`)."""
+        self._launcher = gym_launcher(venv)
+        self.work_dir = work_dir
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.config_path = work_dir / "gym_config.yaml"
+        # Owner-only from creation: the config carries the policy server's key.
+        descriptor = os.open(self.config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(descriptor, "w") as stream:
+            stream.write(yaml.safe_dump(dict(config), sort_keys=False))
+        self.log_path = work_dir / "gym.log"
+        head = config["head_server"]
+        self.head_url = f"http://{head['host']}:{head['port']}"
+        self._process: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float) -> None:
+        """Start Gym and wait until its head server says every server is ready; on failure
+        everything started is stopped before the error leaves."""
+        with self.log_path.open("ab") as log:
+            self._process = subprocess.Popen(
+                [str(self._launcher), f"+config_paths=[{self.config_path}]"],
+                cwd=self.work_dir,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=_gym_environment(),
+                start_new_session=True,  # its own process group: stopped as one
+            )
+        try:
+            self._wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        assert self._process is not None
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=5.0) as client:
+            while True:
+                code = self._process.poll()
+                if code is not None:
+                    raise GymStartError(
+                        f"the Gym deployment exited with code {code} before it was ready; "
+                        f"its log ({self.log_path}) ends with:\n{self.log_tail()}"
+                    )
+                with contextlib.suppress(httpx.HTTPError):
+                    if client.get(f"{self.head_url}/readyz").status_code == 200:
+                        return
+                if time.monotonic() > deadline:
+                    raise GymStartError(
+                        f"the Gym deployment was not ready within env.gym.start_timeout_s="
+                        f"{timeout_s:g} s (head server {self.head_url}); raise the deadline or see "
+                        f"its log ({self.log_path}), which ends with:\n{self.log_tail()}"
+                    )
+                time.sleep(_POLL_S)
+
+    def log_tail(self) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return text[-_LOG_TAIL_CHARS:]
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    def stop(self) -> None:
+        """Signal the process group, give it `_STOP_GRACE_S` to exit, then kill what is left.
+        The group outlives its leader when a server ignores the first signal, so it is killed
+        even after the launcher exited."""
+        if self._process is None:
+            return
+        group = self._process.pid  # the session leader's pid is the group's id
+        _signal_group(group, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._process.wait(timeout=_STOP_GRACE_S)
+        _wait_group_gone(group, _STOP_GRACE_S)
+        _signal_group(group, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._process.wait(timeout=_STOP_GRACE_S)
+        _wait_group_gone(group, _STOP_GRACE_S)
+        self._process = None
+
+
+def start_deployment(
+    gym_config: Mapping[str, Any],
+    *,
+    policy: PolicyEndpoint,
+    venv: Path,
+    work_dir: Path,
+    host: str,
+    port_range: tuple[int, int],
+    timeout_s: float,
+) -> GymDeployment:
+    """Launch one shard's deployment and return it once ready (stopped again if it is not)."""
+    head_port = free_port(host, *port_range)
+    config = deployment_config(
+        gym_config,
+        policy=policy,
+        host=host,
+        head_port=head_port,
+        port_range=(head_port + 1, port_range[1]),
+        server_venvs=link_server_venvs(gym_launcher(venv).parent.parent),
+    )
+    deployment = GymDeployment(config, venv=venv, work_dir=work_dir)
+    deployment.start(timeout_s)
+    return deployment
+
+
+def agent_urls(head_url: str, *, timeout_s: float) -> dict[str, str]:
+    """Agent name -> base URL of every agent server a Gym head server knows (rows name an
+    agent by its top-level config name, which Gym calls the process name)."""
+    response = httpx.get(f"{head_url.rstrip('/')}/server_instances", timeout=timeout_s)
+    response.raise_for_status()
+    agents = {
+        instance["process_name"]: instance["url"]
+        for instance in response.json()
+        if instance.get("server_type") == AGENT_KIND and instance.get("url")
+    }
+    if not agents:
+        raise GymStartError(f"the Gym head server at {head_url} lists no agent server")
+    return agents
+
+
+def _gym_environment() -> dict[str, str]:
+    """This process's environment minus what would pull Gym into the recipe's interpreter or
+    its Ray cluster: Gym starts a Ray instance of its own."""
+    return {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith("RAY_") and key not in ("PYTHONPATH", "VIRTUAL_ENV")
+    }
+
+
+def _signal_group(group: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(group, signum)
+
+
+def _wait_group_gone(group: int, timeout_s: float) -> None:
+    """Until no process of `group` is left (zombies awaiting their reaper count as gone)."""
+    deadline = time.monotonic() + timeout_s
+    while _group_members(group) and time.monotonic() < deadline:
+        time.sleep(_POLL_S / 5)
+
+
+def _group_members(group: int) -> list[int]:
+    """Live (non-zombie) processes of process group `group`, from /proc."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        # After the command: state, ppid, pgrp.
+        if fields[0] != "Z" and int(fields[2]) == group:
+            members.append(int(entry.name))
+    return members

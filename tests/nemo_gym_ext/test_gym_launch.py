@@ -1,0 +1,188 @@
+"""The Gym launcher: what Gym receives, the readiness deadline, and that stopping ends every
+process it started (by process group), on success and on failure. A stand-in `ng_run`
+(fake_ng_run.py) plays Gym with real processes and a real head server on loopback."""
+
+import copy
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from nemo_gym_ext import gym_launch
+from nemo_gym_ext.config import INJECTED_GYM_KEYS, RECIPE_ONLY_KEYS, build_gym_actor_config
+from nemo_gym_ext.gym_launch import (
+    GymDeployment,
+    GymStartError,
+    GymVenvMissingError,
+    PolicyEndpoint,
+    agent_urls,
+    deployment_config,
+    free_port,
+    link_server_venvs,
+    shard_port_range,
+)
+
+POLICY = PolicyEndpoint("http://10.0.0.1:8000/v1", "run-key", "SmolLM2-135M-Instruct")
+
+
+@pytest.fixture
+def venv(tmp_path):
+    """A directory shaped like Gym's venv whose `ng_run` is the stand-in."""
+    launcher = tmp_path / "venv" / "bin" / "ng_run"
+    launcher.parent.mkdir(parents=True)
+    source = (Path(__file__).parent / "fake_ng_run.py").read_text()
+    launcher.write_text(f"#!{sys.executable}\n{source}")
+    launcher.chmod(0o755)
+    return launcher.parent.parent
+
+
+def _config(tmp_path, **fake):
+    config = deployment_config(
+        {"config_paths": ["x.yaml"], "fake_gym": fake},
+        policy=POLICY,
+        host="127.0.0.1",
+        head_port=free_port("127.0.0.1", 21000, 22000),
+        port_range=(21000, 22000),
+        server_venvs=tmp_path / "server-venvs",
+    )
+    return config
+
+
+def _alive(pid):
+    """Running and not a zombie waiting for a parent that is gone."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def _pids(deployment):
+    return [int(pid) for pid in (deployment.work_dir / "pids").read_text().split()]
+
+
+def test_gym_receives_its_config_plus_exactly_the_injected_keys(tmp_path):
+    nemo_gym = {
+        "truncate_noncontiguous_episodes": True,
+        "on_malformed_result": "mask",
+        "config_paths": ["resources_servers/a/configs/a.yaml"],
+        "my_agent": {"responses_api_agents": {"simple_agent": {"entrypoint": "app.py"}}},
+        "token_id_capture": {"dir": "/tmp/c"},
+    }
+    before = copy.deepcopy(nemo_gym)
+    actor = build_gym_actor_config(
+        nemo_gym, source="gym_launch", router_replay_enabled=False, token_capture_enabled=False
+    )
+    gym_config = copy.deepcopy(actor.gym_config)
+    config = deployment_config(
+        actor.gym_config,
+        policy=POLICY,
+        host="10.0.0.2",
+        head_port=20001,
+        port_range=(20001, 25000),
+        server_venvs=Path("/venv/server-venvs"),
+    )
+    assert nemo_gym == before and actor.gym_config == gym_config, "inputs are not mutated"
+    assert not RECIPE_ONLY_KEYS & set(config)
+    injected = {key: config[key] for key in set(config) - set(gym_config)}
+    assert set(injected) <= INJECTED_GYM_KEYS
+    assert injected == {
+        "policy_base_url": "http://10.0.0.1:8000/v1",
+        "policy_api_key": "run-key",
+        "policy_model_name": "SmolLM2-135M-Instruct",
+        "head_server": {"host": "10.0.0.2", "port": 20001},
+        "default_host": "10.0.0.2",
+        "port_range_low": 20001,
+        "port_range_high": 25000,
+        "skip_venv_if_present": True,
+        "uv_venv_dir": "/venv/server-venvs",
+        "policy_model": {
+            "responses_api_models": {
+                "vllm_model": {
+                    "entrypoint": "app.py",
+                    "base_url": "${policy_base_url}",
+                    "api_key": "${policy_api_key}",
+                    "model": "${policy_model_name}",
+                    "return_token_id_information": True,
+                    "uses_reasoning_parser": False,
+                }
+            }
+        },
+    }
+    assert {key: config[key] for key in gym_config} == gym_config
+
+
+def test_every_shipped_server_gets_gyms_own_venv(tmp_path):
+    venv = tmp_path / "venv"
+    site = venv / "lib" / "python3.11" / "site-packages"
+    for server, marker in [
+        ("resources_servers/example_multi_step", "requirements.txt"),
+        ("responses_api_models/vllm_model", "pyproject.toml"),
+        ("responses_api_agents/not_a_server", "README.md"),
+    ]:
+        (site / server).mkdir(parents=True)
+        (site / server / marker).write_text("")
+    root = link_server_venvs(venv)
+    assert link_server_venvs(venv) == root  # a second shard finds the links made
+    linked = sorted(str(p.relative_to(root)) for p in root.glob("*/*/.venv"))
+    assert linked == [
+        "resources_servers/example_multi_step/.venv",
+        "responses_api_models/vllm_model/.venv",
+    ]
+    assert (root / linked[0]).resolve() == venv.resolve()
+
+
+def test_shards_get_disjoint_port_ranges():
+    ranges = [shard_port_range(i, 3, (20000, 29000)) for i in range(3)]
+    assert ranges == [(20000, 23000), (23000, 26000), (26000, 29000)]
+
+
+def test_a_missing_venv_names_the_make_target(tmp_path):
+    with pytest.raises(GymVenvMissingError, match="make gym-venv"):
+        GymDeployment(_config(tmp_path), venv=tmp_path / "nowhere", work_dir=tmp_path / "w")
+
+
+def test_ready_deployment_lists_its_agents_and_stops_every_process(venv, tmp_path):
+    deployment = GymDeployment(_config(tmp_path), venv=venv, work_dir=tmp_path / "w")
+    deployment.start(timeout_s=60)
+    try:
+        assert yaml.safe_load(deployment.config_path.read_text())["policy_api_key"] == "run-key"
+        assert agent_urls(deployment.head_url, timeout_s=5) == {"my_agent": "http://h:1"}
+        pids = _pids(deployment)
+        assert all(_alive(pid) for pid in pids)
+    finally:
+        deployment.stop()
+    assert not any(_alive(pid) for pid in pids)
+
+
+def test_not_ready_within_the_deadline_stops_everything_and_says_so(venv, tmp_path):
+    deployment = GymDeployment(
+        _config(tmp_path, mode="never_ready"), venv=venv, work_dir=tmp_path / "w"
+    )
+    started = time.monotonic()
+    with pytest.raises(GymStartError, match=r"env\.gym\.start_timeout_s=3 s"):
+        deployment.start(timeout_s=3)
+    assert time.monotonic() - started < 30
+    assert not any(_alive(pid) for pid in _pids(deployment))
+
+
+def test_a_deployment_that_exits_reports_its_code_and_log(venv, tmp_path):
+    deployment = GymDeployment(_config(tmp_path, mode="exit"), venv=venv, work_dir=tmp_path / "w")
+    with pytest.raises(GymStartError, match="exited with code 3") as raised:
+        deployment.start(timeout_s=60)
+    assert "fake gym: refusing this config" in str(raised.value)
+
+
+def test_a_server_ignoring_sigterm_is_killed_with_its_group(venv, tmp_path, monkeypatch):
+    monkeypatch.setattr(gym_launch, "_STOP_GRACE_S", 1.0)
+    deployment = GymDeployment(
+        _config(tmp_path, stubborn_child=True), venv=venv, work_dir=tmp_path / "w"
+    )
+    deployment.start(timeout_s=60)
+    launcher, child = _pids(deployment)
+    deployment.stop()
+    assert not _alive(launcher) and not _alive(child)
+    assert os.getpgid(os.getpid()) != launcher, "the group stopped is Gym's, not ours"
