@@ -7,10 +7,10 @@ Metric keys are API and documented in docs/metrics.md.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
@@ -43,8 +43,29 @@ class JsonlSink:
         self._file.close()
 
 
+# The W&B x axis of every chart: the GRPO step, logged with each record (as in metrics.jsonl).
+STEP_KEY = "step"
+# Run summaries (the runs table, sweep comparisons) beyond W&B's default "last", first match wins.
+SUMMARIES: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"^(train|validation)/(.+/)?reward/mean$"), "last,max"),
+    (re.compile(r"^train/(loss|pg_loss|kl)$"), "last,min"),
+    (re.compile(r"^(timing|perf)/"), "mean,last"),
+    (re.compile(r"^async/trajectory_age/max$"), "max"),
+)
+
+
 class WandbSink:
-    def __init__(self, config: LoggerConfig, run_name: str, output_dir: Path, hparams: dict):
+    """One W&B run per run folder: `run_id` comes from the folder's run.json, so a resume
+    continues the same W&B run and a fresh run never does."""
+
+    def __init__(
+        self,
+        config: LoggerConfig,
+        run_name: str,
+        output_dir: Path,
+        hparams: dict,
+        run_id: str,
+    ):
         import wandb
 
         os.environ.setdefault("WANDB_SILENT", "true")
@@ -52,15 +73,26 @@ class WandbSink:
             project=config.wandb.project,
             entity=config.wandb.entity,
             name=run_name,
+            group=config.wandb.group,
+            job_type=config.wandb.job_type,
+            tags=config.wandb.tags,
             mode=config.wandb.mode,
             dir=str(output_dir),
             config=hparams,
-            resume="allow",
-            id=_stable_run_id(output_dir),
+            resume="allow",  # the id is this folder's alone (gymrl.run_folder)
+            id=run_id,
         )
+        self._run.define_metric(STEP_KEY)
+        self._run.define_metric("*", step_metric=STEP_KEY)
+        self._summarised: set[str] = set()
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        self._run.log(metrics, step=step)
+        for key in metrics.keys() - self._summarised:
+            self._summarised.add(key)
+            summary = next((s for pattern, s in SUMMARIES if pattern.match(key)), None)
+            if summary:
+                self._run.define_metric(key, step_metric=STEP_KEY, summary=summary)
+        self._run.log({STEP_KEY: step, **metrics})
 
     def close(self) -> None:
         self._run.finish()
@@ -112,20 +144,16 @@ def build_logger(
     hparams: dict[str, Any],
     total_steps: int,
     first_step: int,
+    run_id: str,
 ) -> MetricsLogger:
     sinks: list[MetricsSink] = []
     if config.jsonl:
         sinks.append(JsonlSink(output_dir / METRICS_FILENAME))
     if config.wandb.mode != "disabled":
-        sinks.append(WandbSink(config, run_name, output_dir, hparams))
+        sinks.append(WandbSink(config, run_name, output_dir, hparams, run_id))
     if config.progress_bar:
         sinks.append(ProgressSink(total_steps, first_step))
     return MetricsLogger(sinks)
-
-
-def _stable_run_id(output_dir: Path) -> str:
-    """The same output folder resumes the same W&B run."""
-    return hashlib.sha1(str(output_dir.resolve()).encode()).hexdigest()[:16]
 
 
 def _jsonable(value: float) -> float | None:

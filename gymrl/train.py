@@ -50,6 +50,7 @@ from gymrl.rollout_producer import (
     RemoteReplayBuffer,
     RolloutProducer,
 )
+from gymrl.run_folder import RunFolderInUseError, claim_run_folder
 from gymrl.stop import StopSignals
 from gymrl.validation import Validator
 from nemo_gym_ext.gym_launch import (
@@ -79,6 +80,7 @@ class ClusterUnavailableError(RuntimeError):
 RUN_STOPPING_ERRORS = (
     ClusterUnavailableError,
     ApiKeyError,
+    RunFolderInUseError,
     NonContiguousEpisodeError,
     MalformedGymResultError,
     UnknownAgentError,
@@ -163,7 +165,7 @@ class GRPORecipe:
         started = time.monotonic()
         if config.env.source == "gym_launch":
             gym_launcher(Path(config.env.gym.venv))  # a missing venv fails before anything starts
-        self.output_dir.mkdir(parents=True, exist_ok=True)
+        identity = claim_run_folder(self.output_dir, resume=config.resume)
         start_ray(config.cluster)
         self._on_cleanup("Ray", ray.shutdown)
         if self._stops_installed:
@@ -283,6 +285,7 @@ class GRPORecipe:
             hparams=config.model_dump(mode="json"),
             total_steps=grpo.num_steps,
             first_step=self.first_step,
+            run_id=identity.wandb_run_id,
         )
         self._on_cleanup("the metrics logger", self.logger.close)
         self.producer = RolloutProducer(

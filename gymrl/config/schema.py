@@ -525,6 +525,19 @@ class WandbConfig(Strict):
     )
     project: str = Field(default="gym-grpo", description="W&B project.")
     entity: str | None = Field(default=None, description="W&B entity (team or user).")
+    group: str | None = Field(
+        default=None,
+        description="W&B group. null = in a Hydra multirun, one group per sweep "
+        "(<run.name>-<sweep folder>); a single run has none.",
+    )
+    job_type: str | None = Field(
+        default=None, description="W&B job type. null = the experiment's name (+experiment=...)."
+    )
+    tags: list[str] | None = Field(
+        default=None,
+        description="W&B tags. null = the experiment's name and, in a sweep, key=value of each "
+        "swept key.",
+    )
 
 
 class LoggerConfig(Strict):

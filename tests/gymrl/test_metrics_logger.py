@@ -18,6 +18,7 @@ def _build(config, tmp_path, first_step=0):
         hparams={"lr": 1e-4},
         total_steps=3,
         first_step=first_step,
+        run_id="0123456789abcdef",
     )
 
 
@@ -56,11 +57,19 @@ def test_with_every_sink_off_logging_is_a_no_op(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_wandb_offline_writes_a_local_run_that_the_same_folder_resumes(tmp_path):
-    config = _config(jsonl=False, progress_bar=False, wandb={"mode": "offline"})
+def test_wandb_offline_writes_a_local_run_under_the_given_id_with_labels(tmp_path):
+    config = _config(
+        jsonl=False,
+        progress_bar=False,
+        wandb={"mode": "offline", "group": "sweep-a", "job_type": "smoke", "tags": ["x=1"]},
+    )
     logger = _build(config, tmp_path)
-    logger.log(1, {"train/loss": 1.0})
+    logger.log(1, {"train/loss": 1.0, "train/reward/mean": 0.5})
     logger.close()
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
-    assert len(runs) == 1
-    assert any(runs[0].glob("*.wandb")), "the offline run holds no data file"
+    assert len(runs) == 1 and runs[0].name.endswith("-0123456789abcdef")
+    (data,) = runs[0].glob("*.wandb")
+    # The run's records hold the labels and the step axis (a binary protobuf stream).
+    raw = data.read_bytes()
+    for label in (b"sweep-a", b"smoke", b"x=1", b"step"):
+        assert label in raw, label
