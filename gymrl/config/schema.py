@@ -37,6 +37,16 @@ class RunConfig(Strict):
         "directory of this job (outputs/<name> for a single run, one folder per job in a sweep).",
     )
     seed: int = Field(default=0, description="Seeds data order, sampling and initialisation.")
+    objective: str = Field(
+        default="train/reward/mean",
+        description="The metric key (docs/metrics.md) whose mean over the last "
+        "`objective_last_steps` logged steps the run returns to a Hydra sweeper (Optuna "
+        "optimises it in the direction `hydra.sweeper.direction`); NaN when the run failed or "
+        "never logged it, which Optuna records as a failed trial.",
+    )
+    objective_last_steps: int = Field(
+        default=1, gt=0, description="Logged steps the objective averages over, from the end."
+    )
 
 
 # ------------------------------------------------------------------------------------------ policy

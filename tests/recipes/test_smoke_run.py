@@ -6,32 +6,16 @@ module is `slow` (`python -m pytest -m slow`, which .ci/run runs after `make tes
 """
 
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from metric_docs import documented_patterns
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-PLACEHOLDERS = {
-    "<agent>": r"[A-Za-z0-9_.-]+",
-    "<field>": r"[A-Za-z0-9_.-]+",
-    "<red>": r"(mean|min|max)",
-}
-
-
-def documented_patterns() -> list[re.Pattern]:
-    patterns = []
-    first_cells = re.findall(r"^\| (`[^|]+)\|", (ROOT / "docs/metrics.md").read_text(), re.M)
-    for key in (key for cell in first_cells for key in re.findall(r"`([^`]+)`", cell)):
-        pattern = re.escape(key)
-        for placeholder, regex in PLACEHOLDERS.items():
-            pattern = pattern.replace(re.escape(placeholder), regex)
-        patterns.append(re.compile(pattern + "$"))
-    return patterns
 
 
 def run_recipe(tmp_path: Path, *overrides: str, timeout: int = 300):
