@@ -78,7 +78,11 @@ def main(cfg: DictConfig) -> float | None:
         else:
             objective = train(config, output_dir)
     except Exception as error:  # any failure ends this point only; the sweep goes on
-        message = str(error) if isinstance(error, RunFailed) else traceback.format_exc()
+        if isinstance(error, RunFailed):
+            message = str(error)
+        else:  # unexpected: the traceback to the log, its last line to the summary
+            traceback.print_exc()
+            message = f"{type(error).__name__}: {error}"
         print(message, file=sys.stderr, flush=True)
         record_point(
             point, output_dir=output_dir, overrides=overrides, status="failed", error=message
@@ -132,9 +136,12 @@ def train_on_allocation(config: RecipeConfig, overrides: list[str], output_dir: 
     this point's W&B labels passed on to that single run."""
     wandb = config.logger.wandb
     labels = [
-        f"logger.wandb.group={json.dumps(wandb.group)}",
-        f"logger.wandb.job_type={json.dumps(wandb.job_type)}",
-        f"logger.wandb.tags={json.dumps(wandb.tags)}",
+        f"logger.wandb.{key}={json.dumps(value, separators=(',', ':'))}"
+        for key, value in (
+            ("group", wandb.group),
+            ("job_type", wandb.job_type),
+            ("tags", wandb.tags),
+        )
     ]
     code = run_on_allocation([*overrides, *labels], output_dir)
     if code != 0:
