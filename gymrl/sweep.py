@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from gymrl.config.schema import RecipeConfig
 from gymrl.metrics_logger import METRICS_FILENAME
+from gymrl.plot import read_records
 
 SWEEP_FILENAME = "sweep.json"
 POINT_FILENAME = "point.json"
@@ -114,18 +115,11 @@ def record_point(
     (folder / POINT_FILENAME).write_text(json.dumps(record, indent=1) + "\n")
 
 
-def read_records(output_dir: Path) -> list[dict[str, Any]]:
-    path = output_dir / METRICS_FILENAME
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def read_point(folder: Path) -> Point:
     """A point from its folder: its point.json, or (a plain run folder) its metrics alone."""
     overrides_file = folder / ".hydra" / "overrides.yaml"
     overrides = (
-        [str(o) for o in OmegaConf.load(overrides_file)]  # type: ignore[union-attr]
+        [str(o) for o in OmegaConf.load(overrides_file)]  # a list: Hydra writes one override a line
         if overrides_file.is_file()
         else []
     )
@@ -138,7 +132,9 @@ def read_point(folder: Path) -> Point:
     else:
         output_dir, error, objective = folder, None, None
         status = "completed" if (folder / METRICS_FILENAME).is_file() else "unfinished"
-    return Point(folder, output_dir, overrides, status, error, objective, read_records(output_dir))
+    metrics = output_dir / METRICS_FILENAME
+    records = read_records(metrics) if metrics.is_file() else []
+    return Point(folder, output_dir, overrides, status, error, objective, records)
 
 
 def sweep_points(sweep_dir: Path) -> list[Point]:

@@ -39,7 +39,9 @@ from gymrl.config.compose import register_schema_defaults, to_plain_dict
 from gymrl.config.plan import render_plan
 from gymrl.config.schema import RecipeConfig
 from gymrl.config.validate import validate_config
-from gymrl.sweep import read_records, record_point, run_labels
+from gymrl.metrics_logger import METRICS_FILENAME
+from gymrl.plot import read_records
+from gymrl.sweep import record_point, run_labels
 from nemo_gym_ext.config import ConfigError
 
 register_schema_defaults()  # conf/ builds on the schema's defaults; Hydra composes in main()
@@ -156,7 +158,9 @@ def train_on_allocation(config: RecipeConfig, overrides: list[str], output_dir: 
 def objective(config: RecipeConfig, output_dir: Path) -> float:
     """The mean of `run.objective` over the last `run.objective_last_steps` logged steps."""
     key = config.run.objective
-    values = [r[key] for r in read_records(output_dir) if r.get(key) is not None]
+    metrics = output_dir / METRICS_FILENAME
+    records = read_records(metrics) if metrics.is_file() else []
+    values = [r[key] for r in records if r.get(key) is not None]
     if not values:
         print(f"warning: run.objective={key!r} was never logged; the objective is NaN", flush=True)
         return math.nan
