@@ -178,27 +178,3 @@ def test_optuna_searches_the_smoke_experiment_for_the_best_objective(tmp_path):
     assert len(learning_rates) == 3, "each trial tried its own learning rate"
     best = OmegaConf.load(tmp_path / "optimization_results.yaml")
     assert best.best_value == max(t["objective"] for t in trials)
-
-
-def test_the_slurm_ray_launcher_is_submitit_slurm_with_one_task_per_node():
-    done = subprocess.run(
-        [
-            sys.executable,
-            "recipes/grpo.py",
-            "hydra/launcher=slurm_ray",
-            "hydra.launcher.nodes=16",
-            "+experiment=swe_bench_30b",
-            "--cfg",
-            "hydra",
-            "--package",
-            "hydra.launcher",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    launcher = OmegaConf.create(done.stdout)  # the package's own keys
-    assert launcher._target_.endswith("submitit_launcher.SlurmLauncher")
-    assert (launcher.nodes, launcher.tasks_per_node) == (16, 1)
