@@ -4,22 +4,27 @@ import json
 import re
 
 import pytest
-from metric_docs import PLACEHOLDERS, documented_keys, documented_patterns
+from metric_docs import documented_keys, documented_patterns
 
 from gymrl.dashboard import SECTIONS, build_workspace
 from gymrl.metrics_logger import STEP_KEY
 
-# Concrete stand-ins for the placeholders: `<field>` gets a name no row spells out, so a panel
-# pattern naming a field must match a row that documents that field itself.
-EXAMPLES = {"<agent>": "calculator_agent", "<field>": "undocumented_field", "<red>": "mean"}
+# Concrete stand-ins for the placeholders. `<field>` stands for each field some row spells out
+# (`train/<agent>/reward/<red>` -> reward), so a panel pattern naming a field that no row names
+# matches nothing.
+EXAMPLES = {"<agent>": "calculator_agent", "<red>": "mean"}
 
 
 def documented_examples() -> list[str]:
+    keys = documented_keys()
+    fields = {m[1] for key in keys if (m := re.match(r"^\w+/<agent>/(\w+)/", key))}
     examples = []
-    for key in documented_keys():
-        for placeholder in PLACEHOLDERS:
-            key = key.replace(placeholder, EXAMPLES[placeholder])
-        examples.append(key)
+    for key in keys:
+        for placeholder, example in EXAMPLES.items():
+            key = key.replace(placeholder, example)
+        examples += (
+            [key.replace("<field>", field) for field in fields] if "<field>" in key else [key]
+        )
     return examples
 
 
@@ -28,19 +33,8 @@ def panels():
     return [(section.name, panel) for section in workspace.sections for panel in section.panels]
 
 
-def _validation_undocumented(panel) -> bool:
-    """Validation keys arrive with validation rollouts (issue 9); until docs/metrics.md has
-    them, their panels are the one thing allowed to wait."""
-    refers = [*panel.y, panel.metric_regex or ""]
-    return any("validation" in ref for ref in refers) and not any(
-        key.startswith("validation/") for key in documented_keys()
-    )
-
-
 @pytest.mark.parametrize("section,panel", panels(), ids=lambda value: getattr(value, "title", ""))
 def test_every_panel_charts_documented_keys_against_the_grpo_step(section, panel):
-    if _validation_undocumented(panel):
-        pytest.skip("docs/metrics.md documents no validation/ keys yet")
     assert panel.x == STEP_KEY
     assert panel.y or panel.metric_regex, f"{section}/{panel.title} charts nothing"
     patterns = documented_patterns()
