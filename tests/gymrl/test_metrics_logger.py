@@ -2,6 +2,8 @@
 
 import json
 
+import wandb
+
 from gymrl.config.schema import LoggerConfig
 from gymrl.metrics_logger import METRICS_FILENAME, build_logger
 
@@ -65,11 +67,12 @@ def test_wandb_offline_writes_a_local_run_under_the_given_id_with_labels(tmp_pat
     )
     logger = _build(config, tmp_path)
     logger.log(1, {"train/loss": 1.0, "train/reward/mean": 0.5})
+    # The labels as the live run holds them (the offline .wandb stream is written by W&B's
+    # service process in the background, so its bytes are not a reliable thing to read back).
+    run = wandb.run
+    assert run is not None
+    assert (run.id, run.group, run.job_type) == ("0123456789abcdef", "sweep-a", "smoke")
+    assert tuple(run.tags) == ("x=1",)
     logger.close()
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and runs[0].name.endswith("-0123456789abcdef")
-    (data,) = runs[0].glob("*.wandb")
-    # The run's records hold the labels and the step axis (a binary protobuf stream).
-    raw = data.read_bytes()
-    for label in (b"sweep-a", b"smoke", b"x=1", b"step"):
-        assert label in raw, label
