@@ -34,6 +34,7 @@ from gymrl.config.schema import (
     LossConfig,
     PolicyConfig,
     RecipeConfig,
+    RefitConfig,
     RolloutConfig,
     SGLangGenerationConfig,
     TorchTrainerConfig,
@@ -43,6 +44,7 @@ from gymrl.generation.chat_template import ChatFormat
 from gymrl.generation.policy_server import create_policy_server_app
 from gymrl.generation.sglang_engine import SGLangEngine, SGLangServerGroup
 from gymrl.generation.torch_engine import TorchGenerationEngine
+from gymrl.generation.weight_sync import WeightSender
 from gymrl.model.loading import load_tokenizer
 from gymrl.model.tokens import decode_text, eos_token_id, pad_token_id
 from gymrl.placement import Placement
@@ -109,6 +111,7 @@ class GenerationServer:
                     generation, sglang_servers.urls, refit_dir=Path(output_dir) / "refit"
                 )
                 started.callback(self._engine.close)
+                self._tp_size = generation.tensor_parallel_size
                 batching = {}  # SGLang schedules each request itself: nothing is batched
             else:
                 model, tokenizer = build_policy(policy, config.run.seed)
@@ -155,6 +158,24 @@ class GenerationServer:
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> int:
         self._engine.update_weights(state_dict, version)
         return self._engine.weight_version
+
+    def weight_sync_targets(self) -> tuple[list[str], list[int]]:
+        """The SGLang servers' URLs and TP sizes, for the trainer's `WeightSender`."""
+        engine = self._sglang_engine()
+        return engine.server_urls, [self._tp_size] * len(engine.server_urls)
+
+    def begin_refit(self) -> None:
+        """Pause the SGLang servers while the trainer broadcasts weights to them."""
+        self._sglang_engine().begin_refit()
+
+    def end_refit(self, version: int) -> int:
+        self._sglang_engine().end_refit(version)
+        return version
+
+    def _sglang_engine(self) -> SGLangEngine:
+        if not isinstance(self._engine, SGLangEngine):  # the validator refuses such configs
+            raise TypeError("weight sync by broadcast is the SGLang engines' (generation=sglang)")
+        return self._engine
 
     def refit_from_disk(self, path: str, version: int) -> int:
         """SGLang engines load a Hugging Face checkpoint the trainer exported to shared disk."""
@@ -268,6 +289,8 @@ class PolicyTrainerActor:
         visible one), else `cpu`."""
         torch.set_num_threads(torch_threads)
         torch.manual_seed(seed)
+        self._device = device
+        self._sender: WeightSender | None = None
         model, tokenizer = build_policy(policy, seed)
         # transformers' `to` is typed as unbound (see gymrl.model.loading.build_tiny_llama).
         model.to(device)  # pyright: ignore[reportArgumentType]
@@ -285,6 +308,23 @@ class PolicyTrainerActor:
 
     def export_weights(self) -> Mapping[str, torch.Tensor]:
         return self._trainer.export_weights()
+
+    def send_weights(
+        self, urls: list[str], tp_sizes: list[int], refit: RefitConfig, version: int
+    ) -> int:
+        """Broadcast the weights to the SGLang servers (paused by the generation server); the
+        weight-update group is formed on the first call and kept."""
+        if self._sender is None:
+            self._sender = WeightSender(
+                urls,
+                tp_sizes,
+                master_address=ray.util.get_node_ip_address(),
+                backend="nccl" if self._device.startswith("cuda") else "gloo",
+                bucket_bytes=refit.bucket_bytes,
+                timeout_s=refit.timeout_s,
+            )
+        self._sender.send(self._trainer.export_weights(), version)
+        return self._sender.bytes_sent
 
     def weight_version(self) -> int:
         return self._trainer.weight_version

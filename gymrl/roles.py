@@ -3,8 +3,10 @@
 The loop does not care whether the trainer is one torch actor or a group of Megatron ranks: it
 trains a step, refits the generation server to a weight version, saves and loads checkpoints.
 How weights reach the engines differs: the torch trainer hands its state dict to the engine
-through Ray's object store; Megatron exports a Hugging Face checkpoint to shared disk and the
-SGLang servers load it, and each version is deleted once the next one is loaded everywhere.
+through Ray's object store, or broadcasts it to the SGLang servers
+(`generation.refit.transport: nccl`, `gymrl.generation.weight_sync`); Megatron exports a
+Hugging Face checkpoint to shared disk (whatever the transport, for now) and the SGLang servers
+load it, and each version is deleted once the next one is loaded everywhere.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 
 from gymrl.actors import PolicyTrainerActor, close_actor
 from gymrl.algo.trajectory import Trajectory
-from gymrl.config.schema import MegatronTrainerConfig, RecipeConfig
+from gymrl.config.schema import MegatronTrainerConfig, RecipeConfig, SGLangGenerationConfig
 from gymrl.generation.sglang_engine import remove_loaded_refits
 from gymrl.placement import Placement, actor_options
 from gymrl.ray_calls import wait_for
@@ -43,6 +45,8 @@ class TorchTrainerRole:
         self, config: RecipeConfig, *, torch_threads: int, placement: Placement, group: Any
     ):
         self._timeout_s = config.grpo.batch_timeout_s
+        generation = config.generation
+        self._refit = generation.refit if isinstance(generation, SGLangGenerationConfig) else None
         role = placement.trainer
         self._actor = PolicyTrainerActor.options(**actor_options(role, 0, group)).remote(
             config.policy,
@@ -68,6 +72,16 @@ class TorchTrainerRole:
         return self._wait(self._actor.train_step.remote(trajectories, advantages), "a train step")
 
     def refit(self, generation: Any, version: int) -> None:
+        if self._refit is not None and self._refit.transport == "nccl":
+            # The servers pause, the trainer broadcasts, they continue (a failure stays paused).
+            self._wait(generation.begin_refit.remote(), "pausing the SGLang servers")
+            urls, tp_sizes = self._wait(generation.weight_sync_targets.remote(), "server URLs")
+            self._wait(
+                self._actor.send_weights.remote(urls, tp_sizes, self._refit, version),
+                "the weight broadcast",
+            )
+            self._wait(generation.end_refit.remote(version), "resuming the SGLang servers")
+            return
         weights = self._actor.export_weights.remote()  # stays in the object store
         self._wait(generation.update_weights.remote(weights, version), "the engine refit")
 

@@ -227,6 +227,29 @@ class TorchGenerationConfig(Strict):
     server: TorchModelServerConfig = Field(default_factory=TorchModelServerConfig)
 
 
+class RefitConfig(Strict):
+    """How new weights reach the SGLang servers (`gymrl.generation.weight_sync`)."""
+
+    transport: Literal["nccl", "disk"] = Field(
+        default="nccl",
+        description="nccl: the trainer's rank 0 broadcasts the weights to every server over a "
+        "process group (NCCL on GPUs, gloo when the trainer runs on CPU); disk: a Hugging Face "
+        "checkpoint on shared storage that every server loads, deleted once the next one is "
+        "loaded everywhere (the fallback when servers cannot reach the trainer).",
+    )
+    bucket_bytes: int = Field(
+        default=1 << 30,
+        gt=0,
+        description="Largest bucket of tensors (one dtype) sent in one update call; a larger "
+        "tensor travels alone. Each server holds one bucket besides its model.",
+    )
+    timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="Deadline of each weight-sync call: forming the group, each bucket.",
+    )
+
+
 class SGLangGenerationConfig(Strict):
     backend: Literal["sglang"] = "sglang"
     num_engines: int = Field(
@@ -251,6 +274,7 @@ class SGLangGenerationConfig(Strict):
         "prefix cache holds the longest start of it (a multi-turn episode stays on one engine) "
         "unless it is much busier; least_loaded ignores caches.",
     )
+    refit: RefitConfig = Field(default_factory=RefitConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     server: SGLangModelServerConfig = Field(default_factory=SGLangModelServerConfig)
 

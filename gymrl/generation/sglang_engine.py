@@ -616,16 +616,34 @@ class SGLangEngine:
         """
         model_path = str(Path(path).resolve())
         with self._refit_lock:
+            self.begin_refit()
+            self._run(self._load_from_disk(model_path, version), self._refit_timeout_s + 5.0)
+            self.end_refit(version)
+
+    def begin_refit(self) -> None:
+        """Pause every server for a weight update someone else sends (the trainer, by
+        broadcast: `gymrl.generation.weight_sync`); requests aborted by the pause are resumed
+        after :meth:`end_refit`. Holds the refit lock until then, on this thread."""
+        self._refit_lock.acquire()
+        try:
             with self._state_lock:
                 self._refits_started += 1
-            deadline = self._refit_timeout_s + 3 * self._request_timeout_s + FLUSH_DEADLINE_S
-            self._run(self._refit(model_path, version), deadline)
+            self._run(self._on_all("/pause_generation", {"mode": "abort"}), self._request_timeout_s)
+        except BaseException:
+            self._refit_lock.release()
+            raise
+
+    def end_refit(self, version: int) -> None:
+        """Flush every server's prefix cache and continue generation under weight `version`."""
+        try:
+            self._run(self._resume(), 2 * self._request_timeout_s + FLUSH_DEADLINE_S)
             with self._state_lock:
                 self._version = version
                 self._refits_finished += 1
+        finally:
+            self._refit_lock.release()
 
-    async def _refit(self, model_path: str, version: int) -> None:
-        await self._on_all("/pause_generation", {"mode": "abort"})
+    async def _load_from_disk(self, model_path: str, version: int) -> None:
         update = {"model_path": model_path, "weight_version": str(version)}
         answers = await self._on_all("/update_weights_from_disk", update, self._refit_timeout_s)
         failed = {
@@ -638,6 +656,8 @@ class SGLangEngine:
                 f"update_weights_from_disk({model_path}) failed on {sorted(failed)}: "
                 f"{next(iter(failed.values())).get('message')!r}; generation stays paused"
             )
+
+    async def _resume(self) -> None:
         await asyncio.gather(*(self._flush_cache(url) for url in self._urls))
         await self._on_all("/continue_generation", {})
 

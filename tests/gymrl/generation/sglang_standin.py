@@ -23,6 +23,12 @@ It reproduces the behaviours of the pinned server the engine must cope with (rea
 * **`/flush_cache` refuses** (400, "Flush cache failed.") while the scheduler is not idle; with
   `flush_refusals` the first refusals happen even when it looks idle, as when aborted requests are
   still being released by the scheduler.
+* **Weight sync by broadcast**: `/init_weights_update_group` joins a gloo group as `rank_offset`
+  (the stand-in is one TP rank; `backend: nccl` is refused, there is no GPU),
+  `/update_weights_from_distributed` receives each named tensor from rank 0 in the order given,
+  in place into the stand-in's copy of the weights, and records what came (`received`),
+  `/destroy_weights_update_group` leaves the group. Like the disk update, it waits until no request
+  runs.
 * **Radix (prefix) cache**: each finished request's prompt and output are cached in blocks of
   `CACHE_BLOCK` tokens; a prompt's leading cached blocks count as `cached_tokens` and cost no
   prefill time (`prefill_s_per_token` applies to the rest). `/flush_cache` and a weight update
@@ -40,12 +46,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 from safetensors.torch import load_file
 
 from gymrl.generation.routing import block_keys
+from gymrl.generation.weight_sync import broadcast, join_weight_update_group
 
 WEIGHT_OFFSET = 1000
 CACHE_BLOCK = 16
@@ -93,6 +101,38 @@ class StandInUpdateReq(BaseModel):
     load_format: str | None = None
     abort_all_requests: bool = False
     weight_version: str | None = None
+
+
+class StandInInitGroupReq(BaseModel):
+    """`InitWeightsUpdateGroupReqInput`."""
+
+    model_config = ConfigDict(extra="forbid")
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class StandInDistributedUpdateReq(BaseModel):
+    """`UpdateWeightsFromDistributedReqInput`."""
+
+    model_config = ConfigDict(extra="forbid")
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+    torch_empty_cache: bool = False
+
+
+class StandInDestroyGroupReq(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    group_name: str = "weight_update_group"
 
 
 class StandInPauseReq(BaseModel):
@@ -153,6 +193,9 @@ class StandInState:
         self.weight_version = "default"
         self.offset = 0
         self.loaded_tensors: list[str] = []
+        self.weights: dict[str, torch.Tensor] = {}  # received by broadcast
+        self.received: list[list[tuple[str, str, list[int]]]] = []  # per update call
+        self.groups: dict[str, Any] = {}
         self.resume = asyncio.Event()  # set while generation runs, cleared while paused
         self.resume.set()
         self.cache = PrefixCache(cache_tokens)
@@ -300,6 +343,67 @@ def make_standin(
             "message": "Succeeded to update model weights.",
             "num_paused_requests": 0,
         }
+
+    def _success(message: str) -> dict[str, Any]:
+        return {"success": True, "message": message}
+
+    def _failure(message: str) -> JSONResponse:
+        return JSONResponse({"success": False, "message": message}, 400)
+
+    @app.post("/init_weights_update_group")
+    async def init_group(req: StandInInitGroupReq):
+        state.events.append(("init_group", req.model_dump()))
+        if req.backend != "gloo":
+            return _failure(f"the stand-in has no GPU: backend {req.backend!r} (use gloo)")
+        if req.group_name in state.groups:
+            return _failure(f"Group {req.group_name} already exists.")
+        try:
+            state.groups[req.group_name] = await asyncio.to_thread(
+                join_weight_update_group,
+                master_address=req.master_address,
+                master_port=req.master_port,
+                rank=req.rank_offset,
+                world_size=req.world_size,
+                backend="gloo",
+                timeout_s=30.0,
+                group_name=req.group_name,
+            )
+        except Exception as error:
+            return _failure(f"Failed to init group: {error}")
+        return _success("Succeeded to initialize custom process group.")
+
+    @app.post("/update_weights_from_distributed")
+    async def update_distributed(req: StandInDistributedUpdateReq):
+        state.events.append(("update_distributed", req.model_dump()))
+        group = state.groups.get(req.group_name)
+        if group is None:
+            return _failure(f"Group {req.group_name} not in model_update_group.")
+        if not len(req.names) == len(req.dtypes) == len(req.shapes):
+            return _failure("names, dtypes and shapes differ in length")
+        while state.running:  # SGLang's writer lock
+            await asyncio.sleep(0.005)
+        buffers = []
+        for name, dtype, shape in zip(req.names, req.dtypes, req.shapes, strict=True):
+            current = state.weights.get(name)
+            wanted = getattr(torch, dtype)
+            if current is None or list(current.shape) != shape or current.dtype != wanted:
+                current = state.weights[name] = torch.empty(shape, dtype=wanted)
+            buffers.append(current)  # received in place
+        await asyncio.to_thread(broadcast, group, buffers)
+        state.received.append(list(zip(req.names, req.dtypes, req.shapes, strict=True)))
+        if req.weight_version is not None:
+            state.weight_version = req.weight_version
+            state.offset = WEIGHT_OFFSET * int(req.weight_version)
+        if req.flush_cache:
+            state.cache.clear()
+        return _success("Succeeded to update parameter online.")
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_group(req: StandInDestroyGroupReq):
+        state.events.append(("destroy_group", req.group_name))
+        if state.groups.pop(req.group_name, None) is None:
+            return _failure(f"Group {req.group_name} not in model_update_group.")
+        return _success("Succeeded to destroy custom process group.")
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush():

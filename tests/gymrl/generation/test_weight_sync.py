@@ -1,0 +1,184 @@
+"""Weight sync by broadcast against stand-in SGLang servers on loopback, over a gloo group."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from sglang_standin import WEIGHT_OFFSET, make_standin
+
+from gymrl.generation.sglang_engine import SGLangEngine
+from gymrl.generation.types import GenerationRequest, SamplingParams
+from gymrl.generation.weight_sync import WeightSender, WeightSyncError, buckets
+from nemo_gym_ext.http_server import serve_in_thread
+
+
+@pytest.fixture
+def standins():
+    started = []
+
+    def start(count: int, **kwargs):
+        result = []
+        for _ in range(count):
+            app, state = make_standin(**kwargs)
+            server = serve_in_thread(app)
+            started.append(server)
+            result.append((server.url, state))
+        return result
+
+    yield start
+    for server in started:
+        server.close()
+
+
+def _state_dict() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return {
+        "model.embed_tokens.weight": torch.randn(32, 8, generator=generator),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(8, 8, generator=generator),
+        "model.layers.0.input_layernorm.weight": torch.randn(8, generator=generator).bfloat16(),
+        "model.layers.0.mlp.up_proj.weight": torch.randn(16, 8, generator=generator),
+        "model.norm.weight": torch.randn(8, generator=generator),
+    }
+
+
+def _sender(urls, **kwargs) -> WeightSender:
+    kwargs.setdefault("bucket_bytes", 1024)
+    kwargs.setdefault("timeout_s", 20.0)
+    return WeightSender(urls, [1] * len(urls), master_address="127.0.0.1", backend="gloo", **kwargs)
+
+
+# ------------------------------------------------------------------------------------ bucketing
+def test_buckets_keep_order_never_split_and_hold_one_dtype():
+    weights = _state_dict()  # float32 sizes: 1024, 256, (bf16 16), 512, 32 bytes
+    plan = buckets(weights.items(), bucket_bytes=600)
+    assert [bucket.names for bucket in plan] == [
+        ["model.embed_tokens.weight"],  # larger than a bucket: alone, whole
+        ["model.layers.0.self_attn.q_proj.weight"],
+        ["model.layers.0.input_layernorm.weight"],  # a dtype change starts a bucket
+        ["model.layers.0.mlp.up_proj.weight", "model.norm.weight"],
+    ]
+    assert [bucket.nbytes for bucket in plan] == [1024, 256, 16, 544]
+    assert all(len({t.dtype for t in bucket.tensors}) == 1 for bucket in plan)
+    assert [name for bucket in plan for name in bucket.names] == list(weights)
+    assert len(buckets(weights.items(), bucket_bytes=1 << 20)) == 3  # f32 | bf16 | f32
+
+
+def test_buckets_refuse_a_bad_size_and_repeated_names():
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        buckets([], bucket_bytes=0)
+    tensor = torch.zeros(2)
+    with pytest.raises(ValueError, match="twice"):
+        buckets([("a", tensor), ("a", tensor)], bucket_bytes=64)
+
+
+def test_bucket_payload_uses_sglang_fields():
+    [bucket] = buckets([("w", torch.zeros(2, 3, dtype=torch.bfloat16))], bucket_bytes=64)
+    assert bucket.payload(last=True, version=7) == {
+        "names": ["w"],
+        "dtypes": ["bfloat16"],
+        "shapes": [[2, 3]],
+        "group_name": "weight_update_group",
+        "flush_cache": True,
+        "weight_version": "7",
+    }
+
+
+# ------------------------------------------------------------------------------- against servers
+def test_servers_end_with_the_trainers_weights_in_order_and_version(standins):
+    servers = standins(2)
+    weights = _state_dict()
+    sender = _sender([url for url, _ in servers], bucket_bytes=600)
+    assert sender.rank_offsets == [1, 2]
+    try:
+        sender.send(weights, version=3)
+        for _, state in servers:
+            [init] = [body for kind, body in state.events if kind == "init_group"]
+            assert init["world_size"] == 3 and init["backend"] == "gloo"
+            assert [name for call in state.received for name, _, _ in call] == list(weights)
+            assert state.weights.keys() == weights.keys()
+            for name, tensor in weights.items():
+                assert torch.equal(state.weights[name], tensor), name
+            updates = [body for kind, body in state.events if kind == "update_distributed"]
+            assert [u["flush_cache"] for u in updates] == [False, False, False, True]
+            assert {u["weight_version"] for u in updates} == {"3"}
+            assert state.weight_version == "3"
+        assert sender.bytes_sent == sum(t.numel() * t.element_size() for t in weights.values())
+        # A second refit reuses the group and writes into the same tensors, in place.
+        received = servers[0][1].weights["model.norm.weight"]
+        sender.send({name: tensor + 1 for name, tensor in weights.items()}, version=4)
+        assert servers[0][1].weights["model.norm.weight"] is received
+        assert torch.equal(received, weights["model.norm.weight"] + 1)
+        assert sum(kind == "init_group" for kind, _ in servers[0][1].events) == 1
+    finally:
+        sender.close()
+    assert all(not state.groups for _, state in servers)
+
+
+def test_engine_pauses_around_the_broadcast_and_resumes_generation(standins):
+    [(url, state)] = standins(1, token_delay_s=0.02)
+    sender = _sender([url])
+    request = GenerationRequest([1, 2, 3], SamplingParams(max_new_tokens=20))
+    with SGLangEngine([url], request_timeout_s=10.0, refit_timeout_s=10.0) as engine:
+        future = engine.submit(request)
+        deadline = time.monotonic() + 10
+        while state.tokens_sampled < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        engine.begin_refit()
+        sender.send(_state_dict(), version=1)
+        engine.end_refit(1)
+        output = future.result(30)
+        sender.close()
+        assert engine.weight_version == 1
+    kinds = [kind for kind, _ in state.events if kind != "generate"]
+    assert kinds[:4] == ["pause", "init_group", "update_distributed", "update_distributed"]
+    assert kinds[-3:] == ["flush", "continue", "destroy_group"]
+    assert len(output.token_ids) == 20  # resumed after the refit, under the new weights
+    assert output.token_ids[-1] >= WEIGHT_OFFSET and output.token_ids[0] < WEIGHT_OFFSET
+    assert output.weight_version == 0  # the oldest version that contributed tokens
+
+
+def test_a_refused_group_is_a_clear_error_within_the_deadline(standins):
+    [(url, _)] = standins(1)
+    sender = WeightSender(
+        [url], [1], master_address="127.0.0.1", backend="nccl", bucket_bytes=64, timeout_s=3.0
+    )
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError, match=r"did not form|init_weights_update_group"):
+        sender.send(_state_dict(), version=1)
+    assert time.monotonic() - start < 15
+    assert not sender.connected
+    sender.close()
+
+
+def test_a_server_that_never_answers_fails_by_the_deadline():
+    # A listening socket that never answers: the init call and the rendezvous both time out.
+    import socket
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        sender = _sender([url], timeout_s=2.0)
+        start = time.monotonic()
+        with pytest.raises(WeightSyncError):
+            sender.send(_state_dict(), version=1)
+        assert time.monotonic() - start < 15
+        sender.close()
+
+
+def test_a_restarted_server_rejoins_at_the_next_refit(standins):
+    [(url, state)] = standins(1)
+    sender = _sender([url])
+    try:
+        sender.send(_state_dict(), version=1)
+        state.groups.clear()  # the server restarted: its end of the group is gone
+        with pytest.raises(WeightSyncError, match="failed"):
+            sender.send(_state_dict(), version=2)
+        assert not sender.connected
+        sender.send(_state_dict(), version=2)  # a fresh group
+        assert sum(kind == "init_group" for kind, _ in state.events) == 2
+        assert state.weight_version == "2"
+    finally:
+        sender.close()
