@@ -323,7 +323,7 @@ class PolicyTrainerActor:
                 bucket_bytes=refit.bucket_bytes,
                 timeout_s=refit.timeout_s,
             )
-        self._sender.send(self._trainer.export_weights(), version)
+        self._sender.send(self._trainer.export_weights().items(), version)
         return self._sender.bytes_sent
 
     def weight_version(self) -> int:

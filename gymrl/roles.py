@@ -2,15 +2,16 @@
 
 The loop does not care whether the trainer is one torch actor or a group of Megatron ranks: it
 trains a step, refits the generation server to a weight version, saves and loads checkpoints.
-How weights reach the engines differs: the torch trainer hands its state dict to the engine
-through Ray's object store, or broadcasts it to the SGLang servers
-(`generation.refit.transport: nccl`, `gymrl.generation.weight_sync`); Megatron exports a
-Hugging Face checkpoint to shared disk (whatever the transport, for now) and the SGLang servers
-load it, and each version is deleted once the next one is loaded everywhere.
+How weights reach the engines differs: the torch trainer hands its state dict to the torch engine
+through Ray's object store. SGLang servers get them by broadcast from the trainer's rank 0
+(`generation.refit.transport: nccl`, :func:`broadcast_refit`, `gymrl.generation.weight_sync`)
+or, with `transport: disk`, as a Hugging Face checkpoint on shared disk (the torch trainer's goes
+through the generation server), each version deleted once the next one is loaded everywhere.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -73,14 +74,13 @@ class TorchTrainerRole:
 
     def refit(self, generation: Any, version: int) -> None:
         if self._refit is not None and self._refit.transport == "nccl":
-            # The servers pause, the trainer broadcasts, they continue (a failure stays paused).
-            self._wait(generation.begin_refit.remote(), "pausing the SGLang servers")
-            urls, tp_sizes = self._wait(generation.weight_sync_targets.remote(), "server URLs")
-            self._wait(
-                self._actor.send_weights.remote(urls, tp_sizes, self._refit, version),
-                "the weight broadcast",
-            )
-            self._wait(generation.end_refit.remote(version), "resuming the SGLang servers")
+            refit = self._refit
+
+            def send(urls: list[str], tp_sizes: list[int]) -> None:
+                ref = self._actor.send_weights.remote(urls, tp_sizes, refit, version)
+                self._wait(ref, "the weight broadcast")
+
+            broadcast_refit(generation, version, send, self._wait)
             return
         weights = self._actor.export_weights.remote()  # stays in the object store
         self._wait(generation.update_weights.remote(weights, version), "the engine refit")
@@ -106,6 +106,8 @@ class MegatronTrainerRole:
 
         self._refit_dir = output_dir / "refit"
         self._timeout_s = config.grpo.batch_timeout_s
+        assert isinstance(config.generation, SGLangGenerationConfig)  # the validator's rule
+        self._refit = config.generation.refit
         self._group = MegatronTrainerGroup(
             config,
             placement_group=group,
@@ -119,6 +121,15 @@ class MegatronTrainerRole:
         return self._group.train_step(trajectories, advantages)
 
     def refit(self, generation: Any, version: int) -> None:
+        if self._refit.transport == "nccl":
+            refit = self._refit
+            broadcast_refit(
+                generation,
+                version,
+                lambda urls, tp_sizes: self._group.send_weights(urls, tp_sizes, refit, version),
+                self._wait,
+            )
+            return
         path = self._group.export_hf_checkpoint(self._refit_dir / f"v{version}")
         wait_for(
             generation.refit_from_disk.remote(str(path), version),
@@ -126,6 +137,9 @@ class MegatronTrainerRole:
             what="the SGLang refit",
         )
         remove_loaded_refits(self._refit_dir, keep=path)  # every server has loaded `path`
+
+    def _wait(self, ref: Any, what: str) -> Any:
+        return wait_for(ref, timeout_s=self._timeout_s, what=what)
 
     def save_checkpoint(self, directory: Path, step: int, data_state: dict) -> None:
         self._group.save_checkpoint(directory, step, data_state)
@@ -135,6 +149,21 @@ class MegatronTrainerRole:
 
     def close(self) -> None:
         self._group.shutdown()
+
+
+def broadcast_refit(
+    generation: Any,
+    version: int,
+    send: Callable[[list[str], list[int]], Any],
+    wait: Callable[[Any, str], Any],
+) -> None:
+    """Refit SGLang by broadcast: the generation server pauses its engines, the trainer's rank 0
+    `send`s the weights to the servers' URLs (`generation.refit.transport: nccl`), the engines
+    continue under `version`. A failure leaves them paused and raises, as a disk refit does."""
+    wait(generation.begin_refit.remote(), "pausing the SGLang servers")
+    urls, tp_sizes = wait(generation.weight_sync_targets.remote(), "the SGLang server URLs")
+    send(urls, tp_sizes)
+    wait(generation.end_refit.remote(version), "resuming the SGLang servers")
 
 
 def build_trainer_role(

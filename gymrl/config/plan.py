@@ -74,18 +74,10 @@ def _generation_line(config: RecipeConfig) -> str:
         return (
             f"sglang: {generation.num_engines} engine(s) x TP {generation.tensor_parallel_size} "
             f"(EP {generation.expert_parallel_size}) = {generation_gpus(config)} GPUs; "
-            f"refit over {_refit_transport(config)}; {server}"
+            f"refit over {generation.refit.transport}; {server}"
         )
     device = _torch_device(config, generation_gpus(config))
     return f"torch on {device}: batches of {generation.max_batch_size}; {server}"
-
-
-def _refit_transport(config: RecipeConfig) -> str:
-    """The configured transport, except that the Megatron trainer refits from disk for now."""
-    assert isinstance(config.generation, SGLangGenerationConfig)
-    if config.trainer.backend == "megatron" and config.generation.refit.transport == "nccl":
-        return "disk (the megatron trainer does not broadcast yet)"
-    return config.generation.refit.transport
 
 
 def _trainer_line(config: RecipeConfig) -> str:

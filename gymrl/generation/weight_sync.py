@@ -28,7 +28,7 @@ it, so the group is separate from any default process group the trainer already 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -76,16 +76,19 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[Bucket]:
+def buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[Bucket]:
     """`named_tensors` in their order, cut into buckets of at most `bucket_bytes` of one dtype.
 
     A tensor is never split (SGLang receives whole parameters); one larger than `bucket_bytes`
     travels alone. A dtype change starts a new bucket, so a server can allocate a bucket's
     tensors in one dtype. Order is the caller's (a state dict's), which both ends see the same.
+    Lazy: a bucket is cut as soon as it is full, so a trainer that exports its weights one at a
+    time (Megatron) holds at most two buckets of them (the sender looks one ahead).
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
-    result: list[Bucket] = []
     names: list[str] = []
     tensors: list[torch.Tensor] = []
     size = 0
@@ -96,14 +99,13 @@ def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
         seen.add(name)
         nbytes = tensor.numel() * tensor.element_size()
         if tensors and (tensor.dtype != tensors[0].dtype or size + nbytes > bucket_bytes):
-            result.append(Bucket(names, tensors))
+            yield Bucket(names, tensors)
             names, tensors, size = [], [], 0
         names.append(name)
         tensors.append(tensor)
         size += nbytes
     if tensors:
-        result.append(Bucket(names, tensors))
-    return result
+        yield Bucket(names, tensors)
 
 
 def join_weight_update_group(
@@ -198,16 +200,24 @@ class WeightSender:
     def connected(self) -> bool:
         return self._group is not None
 
-    def send(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Send `state_dict` to every server as weight version `version` (generation paused)."""
+    def send(
+        self,
+        named: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+    ) -> None:
+        """Send `named` (a state dict's items, or `(name, tensor)` pairs produced one at a
+        time) to every server as weight version `version`, while generation is paused."""
         try:
             if self._group is None:
                 self._group = self._connect()
-            plan = buckets(state_dict.items(), self._bucket_bytes)
-            for index, bucket in enumerate(plan):
-                payload = bucket.payload(last=index == len(plan) - 1, version=version)
+            plan = buckets(named, self._bucket_bytes)
+            bucket = next(plan, None)
+            while bucket is not None:
+                following = next(plan, None)  # one bucket ahead: the last one flushes the cache
+                payload = bucket.payload(last=following is None, version=version)
                 self._on_all("/update_weights_from_distributed", payload, bucket)
                 self.bytes_sent += bucket.nbytes
+                bucket = following
         except BaseException:
             self._drop_group()
             raise

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from gymrl.algo.trajectory import Trajectory
-from gymrl.config.schema import RecipeConfig
+from gymrl.config.schema import RecipeConfig, RefitConfig
 from gymrl.net import free_port
 from gymrl.placement import RolePlacement, actor_options
 from gymrl.ray_calls import wait_for
@@ -121,6 +121,12 @@ class MegatronTrainerGroup:
 
     def export_weights(self) -> Mapping[str, torch.Tensor]:
         return self._all("export_weights")[0]
+
+    def send_weights(
+        self, urls: list[str], tp_sizes: list[int], refit: RefitConfig, version: int
+    ) -> int:
+        """Rank 0 broadcasts the weights to the SGLang servers (see the worker); its byte count."""
+        return self._all("send_weights", urls, tp_sizes, refit, version)[0]
 
     def export_hf_checkpoint(self, directory: str | os.PathLike[str]) -> str:
         return self._all("export_hf_checkpoint", str(directory))[0]

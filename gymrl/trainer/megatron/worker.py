@@ -12,7 +12,8 @@ import torch
 
 from gymrl.algo.trajectory import Trajectory
 from gymrl.checkpoint import TrainerState, capture_rng_state, restore_rng_state
-from gymrl.config.schema import RecipeConfig
+from gymrl.config.schema import RecipeConfig, RefitConfig
+from gymrl.generation.weight_sync import WeightSender
 from gymrl.trainer.grpo_step import loss_normalizer, micro_batch_loss, reduce_loss_metrics
 from gymrl.trainer.megatron.arguments import (
     ddp_config_kwargs,
@@ -101,6 +102,7 @@ class MegatronPolicyTrainer:
         self._normalizer = 1.0
         self._loss_scale = 1.0
         self.weight_version = 0
+        self._sender: WeightSender | None = None  # rank 0, once weights are broadcast
 
     # ------------------------------------------------------------------------- identities
     @property
@@ -258,6 +260,31 @@ class MegatronPolicyTrainer:
     def export_hf_checkpoint(self, directory: str | os.PathLike[str]) -> str:
         """A Hugging Face checkpoint in `directory`, for SGLang's refit (collective)."""
         return export_hf_checkpoint(self._bridge, self._model, directory)
+
+    def send_weights(
+        self, urls: list[str], tp_sizes: list[int], refit: RefitConfig, version: int
+    ) -> int:
+        """Broadcast the Hugging Face weights to the SGLang servers (collective: every rank
+        exports, rank 0 sends each tensor as it comes, so no rank holds the whole model twice).
+        Rank 0 forms the weight-update group on the first call; returns the bytes it sent."""
+        weights = self._bridge.export_hf_weights(self._model, cpu=False, show_progress=False)
+        if self.rank != 0:
+            for _ in weights:  # the export's gathers need every rank
+                pass
+            return 0
+        if self._sender is None:
+            import ray
+
+            self._sender = WeightSender(
+                urls,
+                tp_sizes,
+                master_address=ray.util.get_node_ip_address(),
+                backend="nccl",
+                bucket_bytes=refit.bucket_bytes,
+                timeout_s=refit.timeout_s,
+            )
+        self._sender.send(weights, version)
+        return self._sender.bytes_sent
 
     # --------------------------------------------------------------------------- checkpoints
     def save_checkpoint(

@@ -52,7 +52,7 @@ def _sender(urls, **kwargs) -> WeightSender:
 # ------------------------------------------------------------------------------------ bucketing
 def test_buckets_keep_order_never_split_and_hold_one_dtype():
     weights = _state_dict()  # float32 sizes: 1024, 256, (bf16 16), 512, 32 bytes
-    plan = buckets(weights.items(), bucket_bytes=600)
+    plan = list(buckets(weights.items(), bucket_bytes=600))
     assert [bucket.names for bucket in plan] == [
         ["model.embed_tokens.weight"],  # larger than a bucket: alone, whole
         ["model.layers.0.self_attn.q_proj.weight"],
@@ -62,15 +62,15 @@ def test_buckets_keep_order_never_split_and_hold_one_dtype():
     assert [bucket.nbytes for bucket in plan] == [1024, 256, 16, 544]
     assert all(len({t.dtype for t in bucket.tensors}) == 1 for bucket in plan)
     assert [name for bucket in plan for name in bucket.names] == list(weights)
-    assert len(buckets(weights.items(), bucket_bytes=1 << 20)) == 3  # f32 | bf16 | f32
+    assert len(list(buckets(weights.items(), bucket_bytes=1 << 20))) == 3  # f32 | bf16 | f32
 
 
 def test_buckets_refuse_a_bad_size_and_repeated_names():
     with pytest.raises(ValueError, match="bucket_bytes"):
-        buckets([], bucket_bytes=0)
+        list(buckets([], bucket_bytes=0))
     tensor = torch.zeros(2)
     with pytest.raises(ValueError, match="twice"):
-        buckets([("a", tensor), ("a", tensor)], bucket_bytes=64)
+        list(buckets([("a", tensor), ("a", tensor)], bucket_bytes=64))
 
 
 def test_bucket_payload_uses_sglang_fields():
@@ -92,7 +92,7 @@ def test_servers_end_with_the_trainers_weights_in_order_and_version(standins):
     sender = _sender([url for url, _ in servers], bucket_bytes=600)
     assert sender.rank_offsets == [1, 2]
     try:
-        sender.send(weights, version=3)
+        sender.send(weights.items(), version=3)
         for _, state in servers:
             [init] = [body for kind, body in state.events if kind == "init_group"]
             assert init["world_size"] == 3 and init["backend"] == "gloo"
@@ -107,7 +107,8 @@ def test_servers_end_with_the_trainers_weights_in_order_and_version(standins):
         assert sender.bytes_sent == sum(t.numel() * t.element_size() for t in weights.values())
         # A second refit reuses the group and writes into the same tensors, in place.
         received = servers[0][1].weights["model.norm.weight"]
-        sender.send({name: tensor + 1 for name, tensor in weights.items()}, version=4)
+        # Pairs produced one at a time, as Megatron exports them.
+        sender.send(((name, tensor + 1) for name, tensor in weights.items()), version=4)
         assert servers[0][1].weights["model.norm.weight"] is received
         assert torch.equal(received, weights["model.norm.weight"] + 1)
         assert sum(kind == "init_group" for kind, _ in servers[0][1].events) == 1
@@ -126,7 +127,7 @@ def test_engine_pauses_around_the_broadcast_and_resumes_generation(standins):
         while state.tokens_sampled < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
         engine.begin_refit()
-        sender.send(_state_dict(), version=1)
+        sender.send(_state_dict().items(), version=1)
         engine.end_refit(1)
         output = future.result(30)
         sender.close()
@@ -146,7 +147,7 @@ def test_a_refused_group_is_a_clear_error_within_the_deadline(standins):
     )
     start = time.monotonic()
     with pytest.raises(WeightSyncError, match=r"did not form|init_weights_update_group"):
-        sender.send(_state_dict(), version=1)
+        sender.send(_state_dict().items(), version=1)
     assert time.monotonic() - start < 15
     assert not sender.connected
     sender.close()
@@ -163,7 +164,7 @@ def test_a_server_that_never_answers_fails_by_the_deadline():
         sender = _sender([url], timeout_s=2.0)
         start = time.monotonic()
         with pytest.raises(WeightSyncError):
-            sender.send(_state_dict(), version=1)
+            sender.send(_state_dict().items(), version=1)
         assert time.monotonic() - start < 15
         sender.close()
 
@@ -172,12 +173,12 @@ def test_a_restarted_server_rejoins_at_the_next_refit(standins):
     [(url, state)] = standins(1)
     sender = _sender([url])
     try:
-        sender.send(_state_dict(), version=1)
+        sender.send(_state_dict().items(), version=1)
         state.groups.clear()  # the server restarted: its end of the group is gone
         with pytest.raises(WeightSyncError, match="failed"):
-            sender.send(_state_dict(), version=2)
+            sender.send(_state_dict().items(), version=2)
         assert not sender.connected
-        sender.send(_state_dict(), version=2)  # a fresh group
+        sender.send(_state_dict().items(), version=2)  # a fresh group
         assert sum(kind == "init_group" for kind, _ in state.events) == 2
         assert state.weight_version == "2"
     finally:
