@@ -25,12 +25,13 @@ does). The environment variable `SGLANG_RETURN_ORIGINAL_LOGPROB` switches SGLang
 pre-temperature distribution, so the server is always started with it removed.
 
 **Refit.** Generation and training run on different GPUs, so `/update_weights_from_tensor`
-(CUDA IPC handles, colocated only) does not apply. Weights travel as a Hugging Face safetensors
-checkpoint on a shared filesystem and each server loads it with `/update_weights_from_disk`:
-no process group spans trainer and engines (it would have to be rebuilt whenever an engine
-restarts), the same files serve as an evaluation checkpoint, and the cost is one write plus
-parallel reads of the checkpoint per step. NCCL broadcast (`/update_weights_from_distributed`)
-is the faster alternative for very large models; it is not used here.
+(CUDA IPC handles, colocated only) does not apply. Either the trainer's rank 0 broadcasts the
+weights to every server over a process group (`generation.refit.transport: nccl`,
+`gymrl.generation.weight_sync`), paused and resumed by :meth:`SGLangEngine.begin_refit` and
+:meth:`SGLangEngine.end_refit`, or each server loads a Hugging Face safetensors checkpoint from a
+shared filesystem with `/update_weights_from_disk` (`transport: disk`, :meth:`refit_from_disk`):
+one write plus parallel reads of the checkpoint per step, and no process group that must be
+rebuilt when an engine restarts.
 
 SGLang takes the weight-update lock only once no request holds it, and paused requests still
 hold it (a "retract" or "in_place" pause deadlocks the update), so generation is paused with

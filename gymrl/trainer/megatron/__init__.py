@@ -47,9 +47,12 @@ One `train_step` is one optimizer step over every trajectory of the batch:
   loss is multiplied back by `num_microbatches x DP / CP` (`arguments.megatron_loss_scale`; `/ CP`
   because every CP rank computes the same whole-sequence loss).
 
-Refit: the worker's `export_hf_checkpoint` writes a Hugging Face checkpoint with
-`AutoBridge.save_hf_pretrained` (collective; rank 0 writes), which SGLang then loads with
-`/update_weights_from_disk` (`gymrl.generation.sglang_engine.SGLangEngine.refit_from_disk`).
+Refit: with `generation.refit.transport: nccl` the worker's `send_weights` exports the Hugging
+Face weights (`AutoBridge.export_hf_weights`, collective) and rank 0 broadcasts them to the SGLang
+servers as they come (`gymrl.generation.weight_sync.WeightSender`); with `disk`,
+`export_hf_checkpoint` writes a Hugging Face checkpoint with `AutoBridge.save_hf_pretrained`
+(collective; rank 0 writes), which SGLang then loads with `/update_weights_from_disk`
+(`gymrl.generation.sglang_engine.SGLangEngine.refit_from_disk`).
 Checkpoints use Megatron's distributed checkpointing (`dist_checkpointing.save/load` of the
 model's and the distributed optimizer's sharded state dicts) inside the folder layout and with the
 resume state (`gymrl.checkpoint.TrainerState`: step, weight version, data position, every rank's

@@ -1,0 +1,94 @@
+"""Seconds and bytes per refit of SGLang stand-ins: disk (safetensors) vs broadcast (gloo).
+
+SmolLM2-135M-Instruct's weights (fp32, as the torch trainer holds them) go to `--servers`
+loopback stand-ins (`tests/gymrl/generation/sglang_standin.py`) either way:
+
+* disk: `SGLangEngine.update_weights` writes one safetensors file, every stand-in reads it back
+  (`/update_weights_from_disk`), the previous version is deleted;
+* broadcast: `SGLangEngine.begin_refit`, `WeightSender.send` (buckets of `--bucket-mib`, one
+  gloo broadcast per tensor, each stand-in receiving in place), `SGLangEngine.end_refit`.
+
+Each refit includes the pause, flush and continue calls. The first broadcast refit forms the
+group and is reported apart. Servers and trainer share this process and its CPUs.
+
+    PYTHONPATH=.:tests/gymrl/generation python benchmarks/bench_refit.py --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from sglang_standin import make_standin
+
+from gymrl.generation.sglang_engine import SGLangEngine
+from gymrl.generation.weight_sync import WeightSender
+from gymrl.model.loading import ensure_smollm2_checkpoint, load_pretrained
+from nemo_gym_ext.http_server import serve_in_thread
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--servers", type=int, default=2)
+    parser.add_argument("--bucket-mib", type=int, default=256)
+    parser.add_argument(
+        "--cache-dir", type=Path, default=Path("~/.cache/gym-grpo-recipes/models").expanduser()
+    )
+    args = parser.parse_args()
+
+    model = load_pretrained(ensure_smollm2_checkpoint(args.cache_dir), torch.float32)
+    weights = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    size = sum(tensor.numel() * tensor.element_size() for tensor in weights.values())
+    print(f"{len(weights)} tensors, {size / 2**20:.0f} MiB, {args.servers} servers")
+
+    servers = [serve_in_thread(make_standin()[0]) for _ in range(args.servers)]
+    urls = [server.url for server in servers]
+    try:
+        with tempfile.TemporaryDirectory() as refit_dir:
+            engine = SGLangEngine(
+                urls, request_timeout_s=60.0, refit_timeout_s=600.0, refit_dir=refit_dir
+            )
+            disk = []
+            for version in range(1, args.repeats + 1):
+                start = time.perf_counter()
+                engine.update_weights(weights, version)
+                disk.append(time.perf_counter() - start)
+            sender = WeightSender(
+                urls,
+                [1] * len(urls),
+                master_address="127.0.0.1",
+                backend="gloo",
+                bucket_bytes=args.bucket_mib << 20,
+                timeout_s=600.0,
+            )
+            broadcast = []
+            for version in range(args.repeats + 1, 2 * args.repeats + 2):
+                start = time.perf_counter()
+                engine.begin_refit()
+                sender.send(weights.items(), version)
+                engine.end_refit(version)
+                broadcast.append(time.perf_counter() - start)
+            sender.close()
+            engine.close()
+    finally:
+        for server in servers:
+            server.close()
+
+    print(
+        f"disk:      {statistics.median(disk):.2f} s/refit (median of {len(disk)}); bytes "
+        f"{size / 2**20:.0f} MiB written + {args.servers} x {size / 2**20:.0f} MiB read"
+    )
+    print(
+        f"broadcast: {statistics.median(broadcast[1:]):.2f} s/refit (median of "
+        f"{len(broadcast) - 1}; the first, forming the group: {broadcast[0]:.2f} s); bytes "
+        f"{args.servers} x {size / 2**20:.0f} MiB over loopback TCP, nothing on disk"
+    )
+
+
+if __name__ == "__main__":
+    main()
