@@ -20,9 +20,10 @@ buckets, each one call to every server plus one broadcast per tensor, so no serv
 than a bucket of new weights besides its model. Pausing and resuming generation around it is the
 engine's job (`SGLangEngine.refit_with`), as for a disk refit.
 
-Both ends build their group the same way (:func:`join_weight_update_group`): a TCP store at the
-trainer's address, prefixed by the group name, and a backend process group made directly from
-it, so the group is separate from any default process group the trainer already has.
+The trainer's end (:func:`join_weight_update_group`) is a TCP store at its address and a backend
+process group made directly on it, so it is separate from any default process group the trainer
+already has; its store keys carry the prefixes SGLang's end uses. The stand-in server of the
+tests joins through the same function.
 """
 
 from __future__ import annotations
@@ -132,7 +133,13 @@ def join_weight_update_group(
         timeout=timeout,
         wait_for_workers=False,
     )
-    prefixed = PrefixStore(group_name, store)
+    # The key prefixes SGLang's end puts on the store (`init_custom_process_group` prefixes it
+    # with the group name, torch's `_new_process_group_helper` with "<group name>/" and
+    # "<device>/"), so both ends' backends meet on the same keys.
+    device = "cpu" if backend == "gloo" else "cuda"
+    prefixed = PrefixStore(
+        f"{device}/", PrefixStore(f"{group_name}/", PrefixStore(group_name, store))
+    )
     if backend == "gloo":
         return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
     options = dist.ProcessGroupNCCL.Options()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+import threading
 import time
 
 import pytest
@@ -183,3 +185,42 @@ def test_a_restarted_server_rejoins_at_the_next_refit(standins):
         assert state.weight_version == "2"
     finally:
         sender.close()
+
+
+def test_the_group_meets_a_member_built_the_way_sglang_builds_its_end():
+    """SGLang 0.5.23 joins with `init_custom_process_group`: a tcp:// rendezvous, the store
+    prefixed with the group name, then torch's own group helper (which adds "<name>/" and
+    "<device>/"). The trainer's end must rendezvous on the same keys."""
+    from torch.distributed import distributed_c10d as c10d
+
+    from gymrl.generation.weight_sync import broadcast, join_weight_update_group
+    from gymrl.net import free_port
+
+    port = free_port()
+    received: dict[str, torch.Tensor] = {}
+
+    def sglang_end() -> None:
+        timeout = datetime.timedelta(seconds=20)
+        store, _, _ = next(c10d.rendezvous(f"tcp://127.0.0.1:{port}", 1, 2, timeout=timeout))
+        store = c10d.PrefixStore("weight_update_group", store)
+        group, _ = c10d._new_process_group_helper(
+            2, 1, [], "gloo", store, group_name="weight_update_group", timeout=timeout
+        )
+        c10d._world.pg_group_ranks[group] = {0: 0, 1: 1}
+        tensor = torch.zeros(4)
+        torch.distributed.broadcast(tensor, src=0, group=group)
+        received["tensor"] = tensor
+
+    thread = threading.Thread(target=sglang_end, daemon=True)
+    thread.start()
+    group = join_weight_update_group(
+        master_address="127.0.0.1",
+        master_port=port,
+        rank=0,
+        world_size=2,
+        backend="gloo",
+        timeout_s=20.0,
+    )
+    broadcast(group, [torch.arange(4.0)])
+    thread.join(30)
+    assert torch.equal(received["tensor"], torch.arange(4.0))
