@@ -26,6 +26,7 @@ import torch
 from gymrl.config.compose import compose_raw
 from gymrl.config.validate import gym_actor_configs, validate_config
 from gymrl.data import load_rows, load_validation_rows
+from gymrl.generation.chat_template import ChatFormat
 from gymrl.generation.policy_server import create_policy_server_app
 from gymrl.generation.torch_engine import TorchGenerationEngine
 from gymrl.model.tokens import decode_text, eos_token_id
@@ -90,7 +91,7 @@ async def _run(config, actors, rows) -> tuple[list[dict[str, Any]], int]:
     server = generation.server
     app = create_policy_server_app(
         engine,
-        tokenizer,
+        ChatFormat.from_policy(config.policy, tokenizer),
         model_name=config.policy.name,
         api_key=server.api_key,
         honor_prompt_token_ids=server.honor_prompt_token_ids,

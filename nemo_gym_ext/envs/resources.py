@@ -100,6 +100,10 @@ class EnvironmentSpec(Generic[State]):
     reply_to_text: Callable[[State, str], UserReply]
     verify: Callable[[State, list[dict[str, Any]]], VerifierFields]
     sample_task: Callable[[random.Random], SampledTask]
+    # A solved episode (Responses items, starting with its user prompt) placed in every row's
+    # input between the system prompt and the task: a small model shown one game played with the
+    # tool plays the next one with it, where the tool's JSON schema alone makes it copy the schema.
+    example: tuple[dict[str, Any], ...] = ()
 
     @property
     def default_agent_name(self) -> str:
@@ -120,6 +124,7 @@ class EnvironmentSpec(Generic[State]):
                     "responses_create_params": {
                         "input": [
                             {"role": "system", "content": self.system_prompt},
+                            *self.example,
                             {"role": "user", "content": task.prompt},
                         ],
                         "tools": tools,

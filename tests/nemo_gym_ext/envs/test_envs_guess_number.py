@@ -17,7 +17,7 @@ def binary_search(body: dict) -> Reply:
     """A policy that follows the hints: it reads its earlier guesses and their answers."""
     low, high = 1, 8
     pending = {}
-    for message in body["messages"]:
+    for message in _episode(body):
         for tool_call in message.get("tool_calls") or []:
             pending[tool_call["id"]] = json.loads(tool_call["function"]["arguments"])["number"]
         if message["role"] == "tool":
@@ -114,14 +114,21 @@ def test_following_the_hints_earns_more_than_repeating_a_guess(start_env, run):
     assert sum(searched) > sum(repeated)
 
 
+def _episode(body: dict) -> list[dict]:
+    """The messages from the task's prompt on (the rows' example game comes before it)."""
+    messages = body["messages"]
+    starts = [i for i, m in enumerate(messages) if m["content"] and "thinking of" in m["content"]]
+    return messages[starts[-1] :]
+
+
 def _range_of(body: dict) -> tuple[int, int]:
-    low, high = re.search(r"between (\d+) and (\d+)", body["messages"][1]["content"]).groups()
+    low, high = re.search(r"between (\d+) and (\d+)", _episode(body)[0]["content"]).groups()
     return int(low), int(high)
 
 
 def binary_search_from_prompt(body: dict) -> Reply:
     low, high = _range_of(body)
-    for message in body["messages"]:
+    for message in _episode(body)[1:]:
         if message["role"] == "user" and ":" in message["content"]:
             guessed, verdict = message["content"].split(":")[:2]
             if "higher" in verdict:
@@ -146,9 +153,25 @@ def test_rows_are_deterministic_and_valid():
         assert 8 <= row["high"] - row["low"] + 1 <= 16
         assert (
             f"between {row['low']} and {row['high']}"
-            in row["responses_create_params"]["input"][1]["content"]
+            in row["responses_create_params"]["input"][-1]["content"]
         )
         (tool,) = row["responses_create_params"]["tools"]
         assert tool["name"] == "guess"
         assert tool["parameters"]["properties"]["number"]["type"] == "integer"
     assert len({row["secret"] for row in rows}) > 3
+
+
+def test_rows_show_a_won_game_with_the_tool_outside_every_sampled_range():
+    """The example teaches the tool and the hints; copying its numbers must earn nothing."""
+    rows = make_rows("guess_number", 50, seed=4)
+    system, *example, prompt = rows[0]["responses_create_params"]["input"]
+    assert (system["role"], prompt["role"]) == ("system", "user")
+    assert example[0]["role"] == "user"
+    calls = [item for item in example if item.get("type") == "function_call"]
+    outputs = [item["output"] for item in example if item.get("type") == "function_call_output"]
+    assert {call["name"] for call in calls} == {"guess"}
+    assert outputs[-1] == "correct" and {"higher", "lower"} <= set(outputs[:-1])
+    guesses = {json.loads(call["arguments"])["number"] for call in calls}
+    for row in rows:
+        assert row["responses_create_params"]["input"][1:-1] == example
+        assert not any(row["low"] <= guess <= row["high"] for guess in guesses)
