@@ -122,8 +122,9 @@ def _episode(body: dict) -> list[dict]:
 
 
 def _range_of(body: dict) -> tuple[int, int]:
-    low, high = re.search(r"between (\d+) and (\d+)", _episode(body)[0]["content"]).groups()
-    return int(low), int(high)
+    match = re.search(r"between (\d+) and (\d+)", _episode(body)[0]["content"])
+    assert match, "the task prompt names its range"
+    return int(match[1]), int(match[2])
 
 
 def binary_search_from_prompt(body: dict) -> Reply:
