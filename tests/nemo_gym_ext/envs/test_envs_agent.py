@@ -5,7 +5,7 @@ from scripted_policy_server import API_KEY, LOGPROB, Reply, call, run_row, scrip
 from nemo_gym_ext.config import NemoGymPostprocessConfig
 from nemo_gym_ext.envs.registry import make_rows
 from nemo_gym_ext.postprocess import postprocess_gym_result
-from nemo_gym_ext.wire import TOKEN_FIELDS
+from nemo_gym_ext.wire import TOKEN_FIELDS, items_to_chat_messages
 
 
 def calculator_row(**create_params) -> dict:
@@ -69,7 +69,11 @@ def test_without_send_token_ids_earlier_turns_are_sent_as_text_only(start_env, r
 
     last = policy.requests[-1]
     assert last["max_tokens"] == 32, "the agent option applies when the row sets no limit"
-    assistants = [m for m in last["messages"] if m["role"] == "assistant"]
+    prompt = items_to_chat_messages(
+        row["responses_create_params"]["input"], include_token_ids=False
+    )
+    episode = last["messages"][len(prompt) :]  # after the row's input (with its example game)
+    assistants = [m for m in episode if m["role"] == "assistant"]
     assert [m["content"] for m in assistants] == ["4", None]
     for message in last["messages"]:
         assert not set(TOKEN_FIELDS) & set(message)
