@@ -4,7 +4,6 @@ and the run must stop within a deadline with one message naming the role, exit s
 traceback, and no process left behind. Minutes per case on two cores, so `slow`.
 """
 
-import json
 import os
 import re
 import signal
@@ -14,33 +13,15 @@ import time
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
+from run_processes import MARKER, logged_steps, marked_processes
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-MARKER = "GYMRL_ROLE_FAULT_TEST"
 # A dead role is noticed at the next call to it (at the latest the next step's train or refit)
 # or when episodes failing against a dead policy server use up the failure budget.
 STOP_DEADLINE_S = 300
-
-
-def _marked(marker: str) -> list[psutil.Process]:
-    found = []
-    for process in psutil.process_iter():
-        try:
-            if process.environ().get(MARKER) == marker:
-                found.append(process)
-        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
-            continue
-    return found
-
-
-def _steps(out: Path) -> list[int]:
-    metrics = out / "metrics.jsonl"
-    lines = metrics.read_text().splitlines() if metrics.exists() else []
-    return [json.loads(line)["step"] for line in lines if line.endswith("}")]
 
 
 @pytest.mark.parametrize(
@@ -74,11 +55,13 @@ def test_a_killed_role_stops_the_run_naming_the_cause(tmp_path, actor, cause):
         )
         try:
             deadline = time.monotonic() + 600
-            while not _steps(out):
+            while not logged_steps(out):
                 assert run.poll() is None, stderr.read_text()[-3000:]
                 assert time.monotonic() < deadline, "no step finished within 600 s"
                 time.sleep(0.5)
-            (victim,) = [p for p in _marked(marker) if f"ray::{actor}" in " ".join(p.cmdline())]
+            (victim,) = [
+                p for p in marked_processes(marker) if f"ray::{actor}" in " ".join(p.cmdline())
+            ]
             victim.send_signal(signal.SIGKILL)
             killed = time.monotonic()
             code = run.wait(timeout=STOP_DEADLINE_S)
@@ -93,6 +76,6 @@ def test_a_killed_role_stops_the_run_naming_the_cause(tmp_path, actor, cause):
     assert len(stopped) == 1 and re.search(cause, errors), errors[-3000:]
     assert "Traceback" not in errors
     deadline = time.monotonic() + 30
-    while (left := _marked(marker)) and time.monotonic() < deadline:
+    while (left := marked_processes(marker)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert left == [], f"processes left: {[(p.pid, p.name()) for p in left]}"

@@ -6,7 +6,6 @@ writes: output folder (metrics.jsonl, Hydra's config, W&B files) and the run's o
 One run of the smoke config plus a one-step resume: minutes on two cores, so `slow`.
 """
 
-import json
 import os
 import signal
 import subprocess
@@ -15,8 +14,8 @@ import time
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
+from run_processes import MARKER, logged_steps, marked_processes
 
 from gymrl.checkpoint import latest_verified_checkpoint, verify_checkpoint
 from gymrl.generation.api_key import API_KEY_ENV
@@ -24,7 +23,6 @@ from gymrl.generation.api_key import API_KEY_ENV
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-MARKER = "GYMRL_STOP_TEST"
 STOP_DEADLINE_S = 240  # stop.deadline_s (120) + a checkpoint + closing every actor, on busy cores
 
 
@@ -41,24 +39,6 @@ def _command(out: Path, *overrides: str) -> list[str]:
     ]
 
 
-def _logged_steps(out: Path) -> list[int]:
-    metrics = out / "metrics.jsonl"
-    lines = metrics.read_text().splitlines() if metrics.exists() else []
-    # The last line may be half written while the run is going.
-    return [json.loads(line)["step"] for line in lines if line.endswith("}")]
-
-
-def _marked_processes(marker: str) -> list[psutil.Process]:
-    found = []
-    for process in psutil.process_iter():
-        try:
-            if process.environ().get(MARKER) == marker:
-                found.append(process)
-        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
-            continue
-    return found
-
-
 def test_sigterm_keeps_the_step_in_progress_and_resume_continues(tmp_path):
     marker, secret = uuid.uuid4().hex, f"key-{uuid.uuid4().hex}"
     env = {**os.environ, MARKER: marker, API_KEY_ENV: secret, "PYTHONPATH": str(ROOT)}
@@ -70,7 +50,7 @@ def test_sigterm_keeps_the_step_in_progress_and_resume_continues(tmp_path):
         )
         try:
             deadline = time.monotonic() + 600
-            while not _logged_steps(out):
+            while not logged_steps(out):
                 assert run.poll() is None, stderr.read_text()[-3000:]
                 assert time.monotonic() < deadline, "no step finished within 600 s"
                 time.sleep(0.5)
@@ -87,7 +67,7 @@ def test_sigterm_keeps_the_step_in_progress_and_resume_continues(tmp_path):
     print(f"SIGTERM to exit: {stop_s:.1f} s")  # docs/reliability.md quotes this
 
     # The step in progress finished, was logged and checkpointed; the checkpoint verifies.
-    steps = _logged_steps(out)
+    steps = logged_steps(out)
     assert steps == list(range(1, len(steps) + 1)), errors[-3000:]
     checkpoint, rejected = latest_verified_checkpoint(out / "checkpoints")
     assert rejected == [] and checkpoint == out / "checkpoints" / f"step_{steps[-1]}"
@@ -98,7 +78,7 @@ def test_sigterm_keeps_the_step_in_progress_and_resume_continues(tmp_path):
 
     # Nothing left running: Ray, its workers, the servers' threads die with their processes.
     deadline = time.monotonic() + 30
-    while (left := _marked_processes(marker)) and time.monotonic() < deadline:
+    while (left := marked_processes(marker)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert left == [], f"processes left: {[(p.pid, p.name()) for p in left]}"
 
@@ -112,7 +92,7 @@ def test_sigterm_keeps_the_step_in_progress_and_resume_continues(tmp_path):
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"at step {steps[-1]}" in resumed.stdout
-    assert _logged_steps(out) == [*steps, steps[-1] + 1]
+    assert logged_steps(out) == [*steps, steps[-1] + 1]
 
     # The key never reached a file or the console.
     written = [stdout, stderr, *(p for p in out.rglob("*") if p.is_file())]

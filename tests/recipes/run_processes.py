@@ -1,0 +1,30 @@
+"""What a test sees of a recipe run in a subprocess: the steps it has logged so far, and every
+process it started (found by a marker in their environment, which Ray workers inherit), so a
+test can tell that nothing is left behind."""
+
+import json
+from pathlib import Path
+
+import psutil
+
+# The environment variable a test sets to a fresh value for the run it starts.
+MARKER = "GYMRL_RUN_UNDER_TEST"
+
+
+def logged_steps(out: Path) -> list[int]:
+    """Steps in `out/metrics.jsonl`; the last line may be half written while the run goes on."""
+    metrics = out / "metrics.jsonl"
+    lines = metrics.read_text().splitlines() if metrics.exists() else []
+    return [json.loads(line)["step"] for line in lines if line.endswith("}")]
+
+
+def marked_processes(marker: str) -> list[psutil.Process]:
+    """Live processes whose environment carries `MARKER=marker`."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get(MARKER) == marker:
+                found.append(process)
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    return found
