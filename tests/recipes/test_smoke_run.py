@@ -54,8 +54,12 @@ def test_smoke_writes_one_record_per_step_with_per_agent_truncation(smoke_run):
     for record in records:
         assert record["async/weight_version"] == record["step"]
         assert record["train/num_tokens"] > 0
-        agents = {key.split("/")[1] for key in record if key.endswith("/reward/mean")} - {"reward"}
-        assert agents, "no per-agent reward metric"
+        agents = {
+            key.split("/")[1]
+            for key in record
+            if key.startswith("train/") and key.endswith("/reward/mean")
+        } - {"reward"}
+        assert agents, "no per-agent training reward metric"
         for agent in agents:
             assert record[f"train/{agent}/noncontiguous_truncated/mean"] == 0.0
     every_agent = {
