@@ -6,6 +6,7 @@ writes: output folder (metrics.jsonl, Hydra's config, W&B files) and the run's o
 One run of the smoke config plus a one-step resume: minutes on two cores, so `slow`.
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -94,7 +95,11 @@ def test_sigterm_keeps_the_step_in_progress_and_resume_continues(tmp_path):
     assert f"at step {steps[-1]}" in resumed.stdout
     assert logged_steps(out) == [*steps, steps[-1] + 1]
 
-    # The key never reached a file or the console.
-    written = [stdout, stderr, *(p for p in out.rglob("*") if p.is_file())]
+    # The key reached no file and no console, except the owner-only announcement a Gym
+    # deployment reads it from.
+    announcement = out / "policy_server.json"
+    assert announcement.stat().st_mode & 0o077 == 0
+    assert json.loads(announcement.read_text())["policy_api_key"] == secret
+    written = [stdout, stderr, *(p for p in out.rglob("*") if p.is_file() and p != announcement)]
     leaks = [p for p in written if secret.encode() in p.read_bytes()]
     assert leaks == [] and secret not in resumed.stdout + resumed.stderr
