@@ -17,7 +17,15 @@ AGENTS = ("example_multi_step_simple_agent", "example_single_tool_call_simple_ag
 def test_gym_example_trains_on_both_gym_agents(tmp_path):
     if not (ROOT / ".venv-gym" / "bin" / "ng_run").is_file():
         pytest.fail("NeMo-Gym's venv is missing: run `make gym-venv` first")
-    done = run_recipe(tmp_path, "+experiment=gym_example", "grpo.num_steps=1", timeout=1500)
+    # Sync: the one step trains exactly the step's two rows (one per agent, in file order); async
+    # would train whichever groups finish first, often only the single-tool-call agent's.
+    done = run_recipe(
+        tmp_path,
+        "+experiment=gym_example",
+        "grpo.num_steps=1",
+        "grpo.async_enabled=false",
+        timeout=1500,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     (record,) = read_metrics(tmp_path)
     for agent in AGENTS:
