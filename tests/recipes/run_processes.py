@@ -3,6 +3,8 @@ process it started (found by a marker in their environment, which Ray workers in
 test can tell that nothing is left behind."""
 
 import json
+import subprocess
+import time
 from pathlib import Path
 
 import psutil
@@ -28,3 +30,12 @@ def marked_processes(marker: str) -> list[psutil.Process]:
         except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
             continue
     return found
+
+
+def wait_for_first_step(run: subprocess.Popen, out: Path, stderr: Path, timeout_s: float = 600):
+    """Return once the run in `out` has logged a step; fail with its stderr if it exits first."""
+    deadline = time.monotonic() + timeout_s
+    while not logged_steps(out):
+        assert run.poll() is None, stderr.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"no step finished within {timeout_s:.0f} s"
+        time.sleep(0.5)

@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from run_processes import MARKER, logged_steps, marked_processes
+from run_processes import MARKER, marked_processes, wait_for_first_step
 
 pytestmark = pytest.mark.slow
 
@@ -54,11 +54,7 @@ def test_a_killed_role_stops_the_run_naming_the_cause(tmp_path, actor, cause):
             command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err_file
         )
         try:
-            deadline = time.monotonic() + 600
-            while not logged_steps(out):
-                assert run.poll() is None, stderr.read_text()[-3000:]
-                assert time.monotonic() < deadline, "no step finished within 600 s"
-                time.sleep(0.5)
+            wait_for_first_step(run, out, stderr)
             (victim,) = [
                 p for p in marked_processes(marker) if f"ray::{actor}" in " ".join(p.cmdline())
             ]

@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from run_processes import MARKER, logged_steps, marked_processes
+from run_processes import MARKER, logged_steps, marked_processes, wait_for_first_step
 
 from gymrl.checkpoint import latest_verified_checkpoint, verify_checkpoint
 from gymrl.generation.api_key import API_KEY_ENV
@@ -50,11 +50,7 @@ def test_sigterm_keeps_the_step_in_progress_and_resume_continues(tmp_path):
             _command(out, "grpo.num_steps=50"), cwd=ROOT, env=env, stdout=out_file, stderr=err_file
         )
         try:
-            deadline = time.monotonic() + 600
-            while not logged_steps(out):
-                assert run.poll() is None, stderr.read_text()[-3000:]
-                assert time.monotonic() < deadline, "no step finished within 600 s"
-                time.sleep(0.5)
+            wait_for_first_step(run, out, stderr)
             time.sleep(2)  # inside a step (step 1 still logging to W&B, or step 2)
             signalled = time.monotonic()
             run.send_signal(signal.SIGTERM)
