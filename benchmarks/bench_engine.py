@@ -112,6 +112,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--compute-dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="the engine's policy.compute_dtype (generate always runs float32)",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -135,7 +141,11 @@ def main() -> None:
     for batch_size in args.batch_sizes:
         prompts = chat_prompts(tokenizer, batch_size)
         engine = TorchGenerationEngine(
-            model, max_batch_size=batch_size, eos_token_ids=stop_ids, seed=args.seed
+            model,
+            max_batch_size=batch_size,
+            eos_token_ids=stop_ids,
+            seed=args.seed,
+            compute_dtype=args.compute_dtype,
         )
         contenders: dict[str, Callable[[], int]] = {
             "generate": lambda p=prompts: run_generate(model, p, args.new_tokens, stop_ids),

@@ -164,7 +164,11 @@ def serve_policy(model_name: str, threads: int, cache_dir: Path):
     else:
         model = load_pretrained(checkpoint, dtype=torch.float32)
     engine = TorchGenerationEngine(
-        model, max_batch_size=64, eos_token_ids=[eos_token_id(tokenizer)], seed=0
+        model,
+        max_batch_size=64,
+        eos_token_ids=[eos_token_id(tokenizer)],
+        seed=0,
+        compute_dtype="auto",
     )
     # SmolLM2's format as conf/policy/smollm2_135m.yaml configures it.
     chat_format = ChatFormat(

@@ -26,6 +26,7 @@ import torch
 from gymrl.config.compose import compose_raw
 from gymrl.config.validate import gym_actor_configs, validate_config
 from gymrl.data import load_rows, load_validation_rows
+from gymrl.generation.api_key import resolve_api_key
 from gymrl.generation.chat_template import ChatFormat
 from gymrl.generation.policy_server import create_policy_server_app
 from gymrl.generation.torch_engine import TorchGenerationEngine
@@ -51,7 +52,14 @@ def main() -> None:
     config = validate_config(compose_raw(overrides))
     actors = gym_actor_configs(config)
     grpo, data = config.grpo, config.env.data
-    train_rows = load_rows(data, actors, config.generation.sampling, config.run.seed)
+    train_rows = load_rows(
+        data,
+        actors,
+        config.generation.sampling,
+        config.run.seed,
+        served_agents={name for actor in actors for name in actor.agents},
+        max_output_tokens=config.generation.server.max_tokens_per_turn,
+    )
     rows = load_validation_rows(
         data,
         actors,
@@ -80,6 +88,7 @@ def main() -> None:
 
 
 async def _run(config, actors, rows) -> tuple[list[dict[str, Any]], int]:
+    api_key = resolve_api_key(None)
     model, tokenizer = build_policy(config.policy, config.run.seed)
     generation = config.generation
     engine = TorchGenerationEngine(
@@ -87,13 +96,14 @@ async def _run(config, actors, rows) -> tuple[list[dict[str, Any]], int]:
         max_batch_size=generation.max_batch_size,
         eos_token_ids=[eos_token_id(tokenizer)],
         seed=config.run.seed,
+        compute_dtype=config.policy.compute_dtype,
     )
     server = generation.server
     app = create_policy_server_app(
         engine,
         ChatFormat.from_policy(config.policy, tokenizer),
         model_name=config.policy.name,
-        api_key=server.api_key,
+        api_key=api_key,
         honor_prompt_token_ids=server.honor_prompt_token_ids,
         default_max_tokens=server.max_tokens_per_turn,
         max_context_tokens=config.policy.max_total_sequence_length,
@@ -109,7 +119,7 @@ async def _run(config, actors, rows) -> tuple[list[dict[str, Any]], int]:
                     spec.environment,
                     agent_name=name,
                     policy_base_url=f"{policy.url}/v1",
-                    policy_api_key=server.api_key,
+                    policy_api_key=api_key.get_secret_value(),
                     options=spec.agent_options(policy_model=config.policy.name),
                 )
                 environments.append(env)
@@ -122,6 +132,7 @@ async def _run(config, actors, rows) -> tuple[list[dict[str, Any]], int]:
                 max_concurrent_rollouts=generation.max_batch_size,
                 run_timeout_s=rollout.run_timeout_s,
                 max_retries=rollout.max_retries,
+                max_result_bytes=rollout.max_result_bytes,
             ),
             vocab_size=len(tokenizer),
             decode=partial(decode_text, tokenizer, skip_special_tokens=False),
@@ -133,7 +144,10 @@ async def _run(config, actors, rows) -> tuple[list[dict[str, Any]], int]:
             for env in environments:
                 env.close()
     results = [episode["full_result"] for o in outcomes for episode in o.episodes]
-    return results, sum(len(o.failures) for o in outcomes)
+    failures = [cause for o in outcomes for cause in o.failures]
+    if failures:
+        print(f"{len(failures)} episodes failed; the last: {failures[-1]}")
+    return results, len(failures)
 
 
 def _describe(item: dict[str, Any]) -> str:

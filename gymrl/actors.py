@@ -122,6 +122,7 @@ class GenerationServer:
                     max_batch_size=generation.max_batch_size,
                     eos_token_ids=[eos_token_id(tokenizer)],
                     seed=config.run.seed,
+                    compute_dtype=policy.compute_dtype,
                 )
                 batching = {
                     "max_batch_size": generation.max_batch_size,
@@ -301,6 +302,7 @@ class PolicyTrainerActor:
             temperature=temperature,
             pad_token_id=pad_token_id(tokenizer),
             keep_last_checkpoints=keep_last_checkpoints,
+            compute_dtype=policy.compute_dtype,
         )
 
     def train_step(self, trajectories: list[Trajectory], advantages: torch.Tensor) -> dict:

@@ -100,6 +100,13 @@ class PolicyConfig(Strict):
     dtype: Literal["float32", "bfloat16"] = Field(
         default="float32", description="Training and generation dtype (bfloat16 on GPUs)."
     )
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        default="auto",
+        description="Torch backends: dtype of the transformer body's matmuls (torch.autocast); "
+        "weights, optimizer state, the output layer and log-softmax stay in policy.dtype. auto = "
+        "bfloat16 where the device runs it natively (CUDA with bf16, CPUs with AMX or "
+        "AVX512-BF16), else float32. SGLang and Megatron take their precision from policy.dtype.",
+    )
     max_total_sequence_length: int = Field(
         gt=0,
         description="Context limit of an episode (prompt + all generations), in tokens. At most "

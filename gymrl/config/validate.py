@@ -322,6 +322,17 @@ def _backend_pair_issues(config: RecipeConfig) -> list[ConfigIssue]:
                 "select generation=sglang, or trainer=torch",
             )
         )
+    compute_dtype = config.policy.compute_dtype
+    if compute_dtype != "auto" and config.trainer.backend != "torch" and generation != "torch":
+        issues.append(
+            ConfigIssue(
+                "policy.compute_dtype",
+                compute_dtype,
+                "only the torch trainer and torch engine run under autocast; Megatron and SGLang "
+                "take their precision from policy.dtype, so this setting would do nothing",
+                "leave policy.compute_dtype at auto and set policy.dtype",
+            )
+        )
     if generation == "sglang" and config.policy.source == "tiny_random":
         issues.append(
             ConfigIssue(

@@ -37,6 +37,7 @@ from gymrl.generation.types import (
     GenerationRequest,
     SamplingParams,
 )
+from gymrl.model.precision import ComputeDtype, body_autocast, resolve_compute_dtype
 
 _SEED_BOUND = 2**62
 
@@ -284,11 +285,13 @@ class TorchGenerationEngine:
         seed: int = 0,
         prefill_token_budget: int = 512,
         weight_version: int = 0,
+        compute_dtype: ComputeDtype,
     ) -> None:
         """`eos_token_ids` end every request (on top of each request's own stop tokens); `seed`
         seeds the generator that draws a seed for every request that brings none;
         `prefill_token_budget` bounds how many prompt tokens are packed into one prefill pass
-        (its mask is quadratic in that number)."""
+        (its mask is quadratic in that number); `compute_dtype` is `policy.compute_dtype`
+        (`gymrl.model.precision`: the body under autocast, logits in the weights' dtype)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if prefill_token_budget < 1:
@@ -313,6 +316,11 @@ class TorchGenerationEngine:
         self._num_layers = model.config.get_text_config().num_hidden_layers
         self._device = next(model.parameters()).device
         self._dtype = next(model.parameters()).dtype
+        self._compute_dtype = resolve_compute_dtype(compute_dtype, self._device)
+        output_layer = model.get_output_embeddings()
+        if output_layer is None:
+            raise ValueError(f"{type(model).__name__} has no output layer (lm_head) to sample from")
+        self._output_layer = output_layer
         # transformers renamed `past_key_values` to `cache` in 5.x; use whichever this one takes.
         parameters = inspect.signature(model.forward).parameters
         self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
@@ -477,16 +485,19 @@ class TorchGenerationEngine:
     ) -> torch.Tensor:
         """Logits of one forward pass whose attention reads and extends `layers`, one per model
         layer."""
-        output = self._model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=True,
-            logits_to_keep=logits_to_keep,
-            # A list of its own: Cache types `layers` as a list of any cache layer kind.
-            **{self._cache_argument: Cache(layers=list(layers))},
-        )
-        return output.logits
+        with body_autocast(self._device, self._compute_dtype):
+            hidden = self._model.base_model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=True,
+                # A list of its own: Cache types `layers` as a list of any cache layer kind.
+                **{self._cache_argument: Cache(layers=list(layers))},
+            ).last_hidden_state
+        # What transformers' causal LMs do with `logits_to_keep`: an int keeps the last that
+        # many positions (0 = all), a tensor the positions it lists.
+        kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        return self._output_layer(hidden[:, kept].to(self._dtype))
 
     def _additive_mask(self, allowed: torch.Tensor) -> torch.Tensor:
         """A 4D float mask, 0 where attending is allowed: both eager and SDPA attention take it."""

@@ -21,6 +21,7 @@ from gymrl.algo.loss import masked_token_logprobs
 from gymrl.algo.trajectory import Trajectory, collate
 from gymrl.checkpoint import TrainerState, capture_rng_state, load_checkpoint, save_checkpoint
 from gymrl.config.schema import LossConfig, TorchTrainerConfig
+from gymrl.model.precision import ComputeDtype, body_autocast, resolve_compute_dtype
 from gymrl.trainer.grpo_step import loss_normalizer, micro_batch_loss, reduce_loss_metrics
 
 
@@ -34,13 +35,18 @@ class TorchPolicyTrainer:
         temperature: float,
         pad_token_id: int,
         keep_last_checkpoints: int,
+        compute_dtype: ComputeDtype,
     ):
+        """`compute_dtype` is `policy.compute_dtype` (`gymrl.model.precision`); resolved for the
+        device the model is on when the trainer is built."""
         self.model = model
         self._config = config
         self._loss = loss
         self._temperature = temperature
         self._pad_token_id = pad_token_id
         self._keep_last = keep_last_checkpoints
+        self._device = next(model.parameters()).device
+        self._compute_dtype = resolve_compute_dtype(compute_dtype, self._device)
         optimizer = config.optimizer
         self.optimizer = torch.optim.AdamW(
             model.parameters(),
@@ -95,8 +101,7 @@ class TorchPolicyTrainer:
     def _micro_batch_loss(
         self, batch: dict[str, torch.Tensor], normalizer: float
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        device = next(self.model.parameters()).device
-        batch = {name: tensor.to(device, non_blocking=True) for name, tensor in batch.items()}
+        batch = {name: tensor.to(self._device, non_blocking=True) for name, tensor in batch.items()}
         logprobs = self._logprobs(self.model, batch)
         reference = None
         if self._reference is not None:
@@ -114,11 +119,12 @@ class TorchPolicyTrainer:
                 f"{type(model).__name__} has no output layer (lm_head); the torch trainer trains "
                 "causal language models"
             )
-        hidden = model.base_model(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
-        ).last_hidden_state
+        with body_autocast(self._device, self._compute_dtype):
+            hidden = model.base_model(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+            ).last_hidden_state
         return masked_token_logprobs(
-            hidden,
+            hidden.to(model.dtype),
             output_layer,
             batch["input_ids"],
             batch["loss_mask"],

@@ -16,6 +16,7 @@ a number at all) is reported as a verifier field, not rewarded.
 
 from __future__ import annotations
 
+import json
 import random
 import re
 from dataclasses import dataclass
@@ -121,6 +122,23 @@ def _sample_task(rng: random.Random) -> SampledTask:
     return SampledTask(prompt=question, fields=fields)
 
 
+def _example_solution(question: str, expression: str) -> tuple[dict, ...]:
+    """A problem solved with one calculator call and an announced answer, as input items."""
+    result = format_number(evaluate_expression(expression))
+    arguments = json.dumps({"expression": expression})
+    return (
+        {"role": "user", "content": question},
+        {
+            "type": "function_call",
+            "call_id": "example_0",
+            "name": "calculator",
+            "arguments": arguments,
+        },
+        {"type": "function_call_output", "call_id": "example_0", "output": result},
+        {"role": "assistant", "content": f"{expression} = {result}.\nAnswer: {result}"},
+    )
+
+
 CALCULATOR = EnvironmentSpec[CalculatorState](
     name="calculator",
     system_prompt=SYSTEM_PROMPT,
@@ -137,4 +155,7 @@ CALCULATOR = EnvironmentSpec[CalculatorState](
     reply_to_text=_reply_to_text,
     verify=_verify,
     sample_task=_sample_task,
+    # Its numbers are beyond every sampled problem's (answers of at most 540), so copying the
+    # example's answer earns nothing.
+    example=_example_solution("What is 347 + 258?", "347 + 258"),
 )

@@ -183,6 +183,14 @@ def test_megatron_trainer_with_the_torch_engine_is_refused_before_the_first_refi
     assert issue.fix == "select generation=sglang, or trainer=torch"
 
 
+def test_an_explicit_compute_dtype_that_no_torch_backend_would_read_is_refused():
+    issues = _issues(["+experiment=swe_bench_30b", "policy.compute_dtype=bfloat16"])
+    assert set(issues) == {"policy.compute_dtype"}
+    assert issues["policy.compute_dtype"].fix == (
+        "leave policy.compute_dtype at auto and set policy.dtype"
+    )
+
+
 def test_sglang_with_the_torch_trainer_is_a_valid_pair():
     config = validate_config(
         compose_raw(

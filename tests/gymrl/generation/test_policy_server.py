@@ -415,7 +415,7 @@ def test_real_torch_engine_two_turns_stay_contiguous(tokenizer, chat_format):
     model = build_tiny_llama(
         tokenizer, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, seed=0
     )
-    engine = TorchGenerationEngine(model, max_batch_size=4, seed=0)
+    engine = TorchGenerationEngine(model, max_batch_size=4, seed=0, compute_dtype="float32")
     with served(engine, chat_format, default_max_tokens=6) as client:
         first = completion(client, USER_ONLY, seed=1)
         assert first.status_code == 200, first.text

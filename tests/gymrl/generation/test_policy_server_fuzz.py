@@ -46,7 +46,7 @@ def client(tokenizer, chat_format):
     model = build_tiny_llama(
         tokenizer, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, seed=0
     )
-    engine = TorchGenerationEngine(model, max_batch_size=8, seed=0)
+    engine = TorchGenerationEngine(model, max_batch_size=8, seed=0, compute_dtype="float32")
     app = create_policy_server_app(
         engine,
         chat_format,

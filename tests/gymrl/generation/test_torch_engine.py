@@ -16,6 +16,7 @@ import torch
 from gymrl.generation.torch_engine import TorchGenerationEngine, sample_tokens
 from gymrl.generation.types import GenerationOutput, GenerationRequest, SamplingParams
 from gymrl.model.loading import build_tiny_llama, ensure_smollm2_checkpoint, load_tokenizer
+from gymrl.model.precision import body_autocast
 
 CACHE_DIR = Path("~/.cache/gym-grpo-recipes/models").expanduser()
 TEXTS = [
@@ -49,7 +50,7 @@ def prompts(tokenizer) -> list[list[int]]:
 
 
 def make_engine(model, **overrides) -> TorchGenerationEngine:
-    settings = {"max_batch_size": 3, "eos_token_ids": ()} | overrides
+    settings = {"max_batch_size": 3, "eos_token_ids": (), "compute_dtype": "float32"} | overrides
     return TorchGenerationEngine(model, **settings)
 
 
@@ -88,6 +89,30 @@ def test_logprobs_match_teacher_forcing_across_a_refilled_batch(model, prompts, 
         assert output.finish_reason == "length"
         expected = reference_logprobs(model, output, temperature)
         torch.testing.assert_close(torch.tensor(output.logprobs), expected, atol=1e-4, rtol=0)
+
+
+def test_mixed_precision_logprobs_are_the_trainers_recomputation(model, prompts):
+    """`policy.compute_dtype=bfloat16`: the body under autocast, the output layer in float32, as
+    the trainer computes them; only kernel rounding (cached decoding vs one pass) separates the
+    two, so the importance ratio starts near 1."""
+    engine = make_engine(model, compute_dtype="bfloat16")
+    outputs = engine.generate(
+        [
+            request(prompt, temperature=1.0, max_new_tokens=8, seed=i)
+            for i, prompt in enumerate(prompts)
+        ]
+    )
+    cpu = torch.device("cpu")
+    for output in outputs:
+        ids = torch.tensor([output.prompt_token_ids + output.token_ids])
+        with torch.no_grad(), body_autocast(cpu, torch.bfloat16):
+            hidden = model.base_model(input_ids=ids).last_hidden_state
+        logits = model.lm_head(hidden.float())[0]
+        start = len(output.prompt_token_ids) - 1
+        predicting = logits[start : start + len(output.token_ids)]
+        expected = torch.log_softmax(predicting, -1).gather(1, ids[0, start + 1 :, None])
+        error = (torch.tensor(output.logprobs) - expected.squeeze(1)).abs()
+        assert float(error.max()) < 0.05, error
 
 
 def test_greedy_is_the_argmax_continuation_with_untempered_logprobs(model, prompts):
@@ -159,7 +184,7 @@ def test_finished_rows_and_padding_cost_no_compute(model, prompts):
     # Count the tokens fed to the model: prefill sees each prompt token once (packed, no
     # padding), and decoding feeds each row exactly its sampled tokens but the last.
     fed: list[int] = []
-    handle = model.register_forward_pre_hook(
+    handle = model.base_model.register_forward_pre_hook(
         lambda _module, _args, kwargs: fed.append(kwargs["input_ids"].numel()), with_kwargs=True
     )
     try:

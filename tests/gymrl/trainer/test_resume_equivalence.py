@@ -40,6 +40,7 @@ def _trainer(tokenizer, seed):
         temperature=1.0,
         pad_token_id=0,
         keep_last_checkpoints=2,
+        compute_dtype="float32",
     )
 
 

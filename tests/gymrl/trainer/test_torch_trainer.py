@@ -11,14 +11,21 @@ from gymrl.model.loading import build_tiny_llama
 from gymrl.trainer.torch_trainer import TorchPolicyTrainer
 
 
-@pytest.fixture
-def trainer(tokenizer):
+@pytest.fixture(params=["float32", "bfloat16"])
+def trainer(tokenizer, request):
+    compute_dtype = request.param
     model = build_tiny_llama(
         tokenizer, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, seed=0
     )
     config = TorchTrainerConfig(micro_batch_size=2, optimizer=TorchOptimizerConfig(lr=1e-2))
     return TorchPolicyTrainer(
-        model, config, LossConfig(), temperature=1.0, pad_token_id=0, keep_last_checkpoints=2
+        model,
+        config,
+        LossConfig(),
+        temperature=1.0,
+        pad_token_id=0,
+        keep_last_checkpoints=2,
+        compute_dtype=compute_dtype,
     )
 
 
@@ -92,6 +99,7 @@ def test_a_model_without_an_output_layer_is_refused(trainer):
         temperature=1.0,
         pad_token_id=0,
         keep_last_checkpoints=1,
+        compute_dtype="float32",
     )
     with pytest.raises(ValueError, match="LlamaModel has no output layer"):
         bare.train_step([trajectory], torch.tensor([1.0]))
@@ -130,7 +138,13 @@ def test_a_step_on_cuda_trains_where_the_model_is(tokenizer, dtype):
     ).to("cuda")
     config = TorchTrainerConfig(micro_batch_size=1, optimizer=TorchOptimizerConfig(lr=1e-2))
     on_gpu = TorchPolicyTrainer(
-        model, config, LossConfig(), temperature=1.0, pad_token_id=0, keep_last_checkpoints=1
+        model,
+        config,
+        LossConfig(),
+        temperature=1.0,
+        pad_token_id=0,
+        keep_last_checkpoints=1,
+        compute_dtype="auto",
     )
     good = _trajectory(on_gpu, [5, 6, 7, 8], [100, 101, 102], reward=1.0)
     bad = _trajectory(on_gpu, [5, 6, 7, 8], [200, 201, 202], reward=0.0)
