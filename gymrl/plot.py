@@ -4,6 +4,10 @@ standard error), loss, and where each step's time went. Written next to metrics.
 of every run.
 
     python -m gymrl.plot outputs/<run>/metrics.jsonl            # writes outputs/<run>/metrics.png
+
+Several runs (seeds of one experiment) draw their validation reward per agent side by side:
+
+    python -m gymrl.plot outputs/learn_seed*/metrics.jsonl -o seeds.png
 """
 
 from __future__ import annotations
@@ -69,6 +73,54 @@ def plot_run(records: list[dict[str, float]], output: Path, title: str) -> Path:
     return output
 
 
+def plot_validation_runs(runs: dict[str, list[dict[str, float]]], output: Path, title: str) -> Path:
+    """Validation reward (mean ± s.e.) against the step, one panel per agent plus the overall
+    mean, one line per run: seeds of one experiment side by side."""
+    agents = sorted(
+        {
+            agent
+            for records in runs.values()
+            for (split, agent) in _per_agent_series(records, "reward")
+            if split == "validation"
+        }
+    )
+    panels = [*agents, None]  # None: every agent's episodes together
+    figure, axes = plt.subplots(
+        1, len(panels), figsize=(4.2 * len(panels), 3.8), constrained_layout=True, squeeze=False
+    )
+    figure.suptitle(title)
+    for axis, agent in zip(axes[0], panels, strict=True):
+        prefix = f"validation/{agent}/reward" if agent else "validation/reward"
+        for index, (label, records) in enumerate(runs.items()):
+            points = [r for r in records if r.get(f"{prefix}/mean") is not None]
+            if agent is None:  # the overall mean has no standard error of its own
+                axis.plot(
+                    [r["step"] for r in points],
+                    [r[f"{prefix}/mean"] for r in points],
+                    marker="s",
+                    color=f"C{index}",
+                    label=label,
+                )
+                continue
+            axis.errorbar(
+                [r["step"] for r in points],
+                [r[f"{prefix}/mean"] for r in points],
+                yerr=[_value(r, f"{prefix}/stderr") for r in points],
+                marker="s",
+                capsize=3,
+                color=f"C{index}",
+                label=label,
+            )
+        axis.set_title(f"{agent} (± s.e.)" if agent else "all agents")
+        axis.set_ylabel("validation reward")
+        _step_axis(axis)
+        axis.set_ylim(-0.05, 1.05)
+        axis.legend(fontsize="small")
+    figure.savefig(output, dpi=110)
+    plt.close(figure)
+    return output
+
+
 def _per_agent_series(
     records: list[dict[str, float]], field: str
 ) -> dict[tuple[str, str], tuple[list[int], list[float]]]:
@@ -110,11 +162,19 @@ def _step_axis(axis) -> None:
 def main() -> None:
     # `python -OO` strips docstrings.
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("metrics", type=Path, help="a run's metrics.jsonl")
+    parser.add_argument("metrics", type=Path, nargs="+", help="a run's metrics.jsonl")
     parser.add_argument("-o", "--output", type=Path, help="PNG path (default: beside the input)")
+    parser.add_argument("--title", help="the picture's title (default: the run folder's name)")
     args = parser.parse_args()
-    output = args.output or args.metrics.with_suffix(".png")
-    plot_run(read_records(args.metrics), output, title=str(args.metrics.parent.name))
+    if len(args.metrics) == 1:
+        (metrics,) = args.metrics
+        output = args.output or metrics.with_suffix(".png")
+        plot_run(read_records(metrics), output, title=args.title or metrics.parent.name)
+    else:
+        if args.output is None:
+            parser.error("several runs are drawn into one picture: name it with -o")
+        runs = {path.parent.name: read_records(path) for path in args.metrics}
+        output = plot_validation_runs(runs, args.output, title=args.title or "validation reward")
     print(output)
 
 

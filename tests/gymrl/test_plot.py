@@ -1,8 +1,10 @@
 """The run picture: per-agent series are read from metrics.jsonl records and drawn to a PNG."""
 
 import json
+import subprocess
+import sys
 
-from gymrl.plot import _per_agent_series, plot_run, read_records
+from gymrl.plot import _per_agent_series, plot_run, plot_validation_runs, read_records
 
 RECORDS = [
     {
@@ -47,3 +49,30 @@ def test_plot_run_writes_a_png(tmp_path):
     metrics.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
     picture = plot_run(read_records(metrics), tmp_path / "metrics.png", "run")
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_several_runs_draw_one_validation_panel_per_agent_and_one_overall(tmp_path):
+    overall = [{**r, "validation/reward/mean": 0.3} for r in RECORDS]
+    runs = {"seed0": RECORDS, "seed1": overall}
+    picture = plot_validation_runs(runs, tmp_path / "seeds.png", "seeds")
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_command_line_needs_an_output_for_several_runs(tmp_path):
+    paths = []
+    for name in ("seed0", "seed1"):
+        (tmp_path / name).mkdir()
+        path = tmp_path / name / "metrics.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+        paths.append(str(path))
+    refused = subprocess.run(
+        [sys.executable, "-m", "gymrl.plot", *paths], capture_output=True, text=True
+    )
+    assert refused.returncode == 2 and "name it with -o" in refused.stderr
+    drawn = subprocess.run(
+        [sys.executable, "-m", "gymrl.plot", *paths, "-o", str(tmp_path / "seeds.png")],
+        capture_output=True,
+        text=True,
+    )
+    assert drawn.returncode == 0, drawn.stderr
+    assert (tmp_path / "seeds.png").stat().st_size > 0
