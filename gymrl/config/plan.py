@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import sys
 
+import torch
+
 from gymrl.config.schema import (
     RecipeConfig,
     RoleEnvironmentConfig,
@@ -16,6 +18,7 @@ from gymrl.config.schema import (
     TorchTrainerConfig,
 )
 from gymrl.config.validate import gym_actor_configs
+from gymrl.model.precision import resolve_compute_dtype
 from gymrl.placement import generation_gpus, shares_one_gpu, trainer_gpus
 from nemo_gym_ext.config import describe_shard_agents
 
@@ -77,7 +80,10 @@ def _generation_line(config: RecipeConfig) -> str:
             f"refit over {generation.refit.transport}; {server}"
         )
     device = _torch_device(config, generation_gpus(config))
-    return f"torch on {device}: batches of {generation.max_batch_size}; {server}"
+    return (
+        f"torch on {device} ({_matmuls(config, device)}): batches of "
+        f"{generation.max_batch_size}; {server}"
+    )
 
 
 def _trainer_line(config: RecipeConfig) -> str:
@@ -85,7 +91,10 @@ def _trainer_line(config: RecipeConfig) -> str:
     common = f"AdamW lr {trainer.optimizer.lr:g}; start-up deadline {trainer.start_timeout_s:g} s"
     if isinstance(trainer, TorchTrainerConfig):
         device = _torch_device(config, trainer_gpus(config))
-        return f"torch on {device}, micro-batch {trainer.micro_batch_size}; {common}"
+        return (
+            f"torch on {device} ({_matmuls(config, device)}), micro-batch "
+            f"{trainer.micro_batch_size}; {common}"
+        )
     gpus = trainer_gpus(config)
     data_parallel = gpus // trainer.model_parallel_size
     return (
@@ -110,6 +119,18 @@ def _environment(environment: RoleEnvironmentConfig) -> str:
     if environment.image is not None:
         return f"image {environment.image}"
     return f"the driver's interpreter ({sys.executable})"
+
+
+def _matmuls(config: RecipeConfig, device: str) -> str:
+    """What policy.compute_dtype means for a torch role: resolved here for a CPU run on this
+    machine, otherwise where the role runs."""
+    choice = config.policy.compute_dtype
+    if choice != "auto":
+        return f"{choice} matmuls"
+    if device == "CPU" and config.cluster.ray_address is None:
+        resolved = resolve_compute_dtype(choice, torch.device("cpu"))
+        return f"{'bfloat16' if resolved else 'float32'} matmuls, auto on this CPU"
+    return "bfloat16 matmuls where the device has them, auto"
 
 
 def _torch_device(config: RecipeConfig, gpus: int) -> str:
