@@ -5,6 +5,12 @@ non-negative answers. The model may call the calculator (evaluated by the safe p
 :mod:`nemo_gym_ext.envs.tools`) any number of times; the episode ends when it replies without a
 tool call.
 
+Every row's input shows one solved problem first (`EnvironmentSpec.example`): a calculator call,
+its result, and the reply "Answer: <result>". With that and a system prompt that asks for the
+tool, greedy SmolLM2-135M-Instruct calls the calculator on about half the problems; with an
+example whose final reply restated the sum ("347 + 258 = 605"), it copied that reply's shape and
+did the arithmetic in its head, wrongly more often than not (benchmarks/README.md).
+
 Reward: 1.0 when the final answer is the expected number, else 0.0. The final answer is the
 number after the last "answer" in the final assistant text (the text after the last tool
 output; "Answer: 42", "the answer is 42"), or, without one, the last number of that text. Only
@@ -35,9 +41,8 @@ from nemo_gym_ext.envs.tools import ExpressionError, evaluate_expression, format
 from nemo_gym_ext.wire import final_assistant_text
 
 SYSTEM_PROMPT = (
-    "You are a careful math assistant. You may call the calculator tool with an arithmetic "
-    "expression to compute exactly. When you know the result, end your reply with "
-    "'Answer: <number>'."
+    "You are a math assistant. Do not compute in your head: first call the calculator tool "
+    "with the arithmetic expression, then reply 'Answer: <number>' with its result."
 )
 _NAMES = ("Ana", "Ben", "Chen", "Dara", "Eli", "Fay")
 _NUMBER = re.compile(r"\d+(?:\.\d+)?")
@@ -135,7 +140,7 @@ def _example_solution(question: str, expression: str) -> tuple[dict, ...]:
             "arguments": arguments,
         },
         {"type": "function_call_output", "call_id": "example_0", "output": result},
-        {"role": "assistant", "content": f"{expression} = {result}.\nAnswer: {result}"},
+        {"role": "assistant", "content": f"Answer: {result}"},
     )
 
 

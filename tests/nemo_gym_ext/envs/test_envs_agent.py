@@ -40,9 +40,14 @@ def test_requests_follow_the_vllm_model_training_wire_contract(start_env, run):
         assert tool["function"]["parameters"]["required"] == ["expression"]
 
     first, second = (body["messages"] for body in policy.requests)
-    assert first == row["responses_create_params"]["input"]
-    assert [m["role"] for m in second] == ["system", "user", "assistant", "tool"]
-    assistant, tool_message = second[2], second[3]
+    # The row's input (system prompt, the worked example's items, the task) as chat messages.
+    prompt = items_to_chat_messages(
+        row["responses_create_params"]["input"], include_token_ids=False
+    )
+    assert first == prompt
+    assert second[: len(prompt)] == prompt
+    assert [m["role"] for m in second[len(prompt) :]] == ["assistant", "tool"]
+    assistant, tool_message = second[len(prompt) :]
     assert assistant["content"] is None, "a tool-call-only turn is sent with content null"
     (tool_call,) = assistant["tool_calls"]
     assert tool_call == {
