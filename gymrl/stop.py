@@ -45,6 +45,20 @@ class StopRequested(BaseException):
         return 128 + self.signum
 
 
+def stop_request_behind(error: BaseException) -> StopRequested | None:
+    """The `StopRequested` that `error` is, or that caused it; None for any other error.
+
+    A signal that arrives while the main thread waits inside Ray's compiled code (`ray.wait`,
+    `ray.get`) has its handler's exception wrapped: Cython reports a `SystemError` ("returned a
+    result with an exception set") whose cause is the `StopRequested`."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, StopRequested):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 class StopSignals:
     """SIGINT/SIGTERM handlers of the recipe's main thread (see the module docstring)."""
 

@@ -112,7 +112,7 @@ def prepare(cfg: DictConfig, hydra_cfg: HydraConf, *, sweeping: bool) -> tuple[R
 
 def train(config: RecipeConfig, output_dir: Path) -> float:
     """Set up, train and clean up; the run's objective."""
-    from gymrl.stop import StopRequested  # torch and ray: real runs only
+    from gymrl.stop import StopRequested, stop_request_behind  # torch and ray: real runs only
     from gymrl.train import RUN_STOPPING_ERRORS, GRPORecipe
 
     recipe = GRPORecipe(config, output_dir)
@@ -122,7 +122,10 @@ def train(config: RecipeConfig, output_dir: Path) -> float:
     try:
         recipe.setup()
         recipe.train()
-    except StopRequested as stop:
+    except (StopRequested, SystemError) as error:
+        stop = stop_request_behind(error)
+        if stop is None:
+            raise
         kept = recipe.checkpoint_on_stop()
         print(f"run stopped by {stop}; {kept}", file=sys.stderr, flush=True)
         sys.exit(stop.exit_code)

@@ -3,11 +3,12 @@ thread, where Python runs signal handlers)."""
 
 import os
 import signal
+import threading
 import time
 
 import pytest
 
-from gymrl.stop import STOP_SIGNALS, StopRequested, StopSignals
+from gymrl.stop import STOP_SIGNALS, StopRequested, StopSignals, stop_request_behind
 
 
 @pytest.fixture
@@ -91,3 +92,29 @@ def test_once_stopping_further_signals_do_not_interrupt_cleanup(stops_factory, c
     _deliver(signal.SIGTERM)  # during cleanup: reported only
     _deliver(signal.SIGINT)
     assert capsys.readouterr().out.count("already stopping") == 2
+
+
+def test_a_signal_during_a_ray_wait_is_still_the_stop_request(stops_factory, local_ray):
+    """Inside Ray's compiled `ray.wait` the handler's exception comes out as a SystemError; the
+    recipe finds the StopRequested behind it and stops as for any other signal."""
+    import ray
+
+    @ray.remote
+    def never_done():
+        time.sleep(60)
+
+    stops_factory()
+    pending = never_done.remote()
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+    with pytest.raises(BaseException) as raised:
+        ray.wait([pending], timeout=30)
+    stop = stop_request_behind(raised.value)
+    assert stop is not None and stop.exit_code == 128 + signal.SIGINT
+    ray.cancel(pending, force=True)
+
+
+def test_other_errors_have_no_stop_request_behind_them():
+    try:
+        raise SystemError("wrapped") from ValueError("not a signal")
+    except SystemError as error:
+        assert stop_request_behind(error) is None
