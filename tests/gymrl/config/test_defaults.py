@@ -62,7 +62,8 @@ def _how_composition_selects(relative: Path, text: str) -> tuple[list[str], str]
     group, option = relative.parent.as_posix(), relative.stem
     if group == "experiment":
         return [f"+experiment={option}"], ""
-    assert GLOBAL_PACKAGE not in text, "group files land in their group's package"
+    if GLOBAL_PACKAGE in text:  # a group file that also sets keys outside its group
+        return [f"{group}={option}"], ""
     return [f"{group}={option}"], f"{group.replace('/', '.')}."
 
 
