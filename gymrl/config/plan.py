@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import sys
 
-import torch
-
 from gymrl.config.schema import (
     RecipeConfig,
     RoleEnvironmentConfig,
@@ -18,7 +16,6 @@ from gymrl.config.schema import (
     TorchTrainerConfig,
 )
 from gymrl.config.validate import gym_actor_configs
-from gymrl.model.precision import resolve_compute_dtype
 from gymrl.placement import generation_gpus, shares_one_gpu, trainer_gpus
 from nemo_gym_ext.config import describe_shard_agents
 
@@ -81,8 +78,7 @@ def _generation_line(config: RecipeConfig) -> str:
         )
     device = _torch_device(config, generation_gpus(config))
     return (
-        f"torch on {device} ({_matmuls(config, device)}): batches of "
-        f"{generation.max_batch_size}; {server}"
+        f"torch on {device} ({_matmuls(config)}): batches of {generation.max_batch_size}; {server}"
     )
 
 
@@ -92,7 +88,7 @@ def _trainer_line(config: RecipeConfig) -> str:
     if isinstance(trainer, TorchTrainerConfig):
         device = _torch_device(config, trainer_gpus(config))
         return (
-            f"torch on {device} ({_matmuls(config, device)}), micro-batch "
+            f"torch on {device} ({_matmuls(config)}), micro-batch "
             f"{trainer.micro_batch_size}; {common}"
         )
     gpus = trainer_gpus(config)
@@ -121,16 +117,13 @@ def _environment(environment: RoleEnvironmentConfig) -> str:
     return f"the driver's interpreter ({sys.executable})"
 
 
-def _matmuls(config: RecipeConfig, device: str) -> str:
-    """What policy.compute_dtype means for a torch role: resolved here for a CPU run on this
-    machine, otherwise where the role runs."""
+def _matmuls(config: RecipeConfig) -> str:
+    """What policy.compute_dtype means for a torch role. `auto` is resolved where the role runs
+    (`gymrl.model.precision`): a dry run imports no torch to ask the hardware."""
     choice = config.policy.compute_dtype
-    if choice != "auto":
-        return f"{choice} matmuls"
-    if device == "CPU" and config.cluster.ray_address is None:
-        resolved = resolve_compute_dtype(choice, torch.device("cpu"))
-        return f"{'bfloat16' if resolved else 'float32'} matmuls, auto on this CPU"
-    return "bfloat16 matmuls where the device has them, auto"
+    if choice == "auto":
+        return "bfloat16 matmuls where the device has them natively, else float32"
+    return f"{choice} matmuls"
 
 
 def _torch_device(config: RecipeConfig, gpus: int) -> str:
