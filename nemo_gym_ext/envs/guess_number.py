@@ -10,7 +10,8 @@ that follows the hints (binary search) always wins within 4 guesses in a range o
 Every row's input shows one won game before the task (`EnvironmentSpec.example`): guess tool
 calls halving a range that no sampled task overlaps. Without it greedy SmolLM2-135M-Instruct
 copied the tool's JSON schema into every reply and made no guess (mean reward 0.017 on 8
-held-out rows); with it, it calls the tool every turn and earns 0.33 on 32 (benchmarks/README.md).
+held-out rows); with it, it calls the tool every turn and earns 0.388 (s.e. 0.035) on 128
+(benchmarks/README.md).
 
 Reward: 1.0 if the number was found. Otherwise partial credit for the search done: half the share
 of the wrong candidates that the hints received have ruled out (the secret's consistent interval
