@@ -95,10 +95,14 @@ RUN_STOPPING_ERRORS = (
 
 
 def start_ray(cluster: ClusterConfig) -> None:
-    """Join the configured Ray cluster, or start a local one (`cluster.ray_address` null)."""
+    """Join the configured Ray cluster, or start a local one (`cluster.ray_address` null).
+
+    Ray's own default (`address=None`) would join a cluster it finds on this machine (one from
+    `ray start`, or RAY_ADDRESS) and then refuse `num_cpus`; "local" always starts this run's own.
+    """
     try:
         ray.init(
-            address=cluster.ray_address,
+            address="local" if cluster.ray_address is None else cluster.ray_address,
             num_cpus=cluster.cpus_per_node if cluster.ray_address is None else None,
             include_dashboard=False,
             log_to_driver=True,
