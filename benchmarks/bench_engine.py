@@ -12,6 +12,7 @@ for `generate`, each row's tokens up to and including its first stop token, neve
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -141,7 +142,7 @@ def main() -> None:
     for batch_size in args.batch_sizes:
         prompts = chat_prompts(tokenizer, batch_size)
         engine = TorchGenerationEngine(
-            model,
+            copy.deepcopy(model),  # the engine owns its model (bfloat16 rounds its weights)
             max_batch_size=batch_size,
             eos_token_ids=stop_ids,
             seed=args.seed,

@@ -37,7 +37,12 @@ from gymrl.generation.types import (
     GenerationRequest,
     SamplingParams,
 )
-from gymrl.model.precision import ComputeDtype, body_autocast, resolve_compute_dtype
+from gymrl.model.precision import (
+    ComputeDtype,
+    body_autocast,
+    resolve_compute_dtype,
+    round_body_matmul_weights,
+)
 
 _SEED_BOUND = 2**62
 
@@ -270,10 +275,12 @@ def sample_tokens(
 class TorchGenerationEngine:
     """Token-in/token-out generation on a Hugging Face causal LM; a `GenerationEngine`.
 
-    The engine owns `model` (it is switched to eval mode and its weights are replaced in place by
-    `update_weights`). `generate` and `update_weights` are serialised by one lock, so calls from
-    several threads are safe and a refit never lands in the middle of a generation: every output
-    of a call carries the one weight version it was generated with.
+    The engine owns `model`: it is switched to eval mode, its body's matmul weights are stored in
+    the compute dtype when that is not the weights' own (`round_body_matmul_weights`), and its
+    weights are replaced in place by `update_weights`. `generate` and `update_weights` are
+    serialised by one lock, so calls from several threads are safe and a refit never lands in the
+    middle of a generation: every output of a call carries the one weight version it was
+    generated with.
     """
 
     def __init__(
@@ -317,6 +324,7 @@ class TorchGenerationEngine:
         self._device = next(model.parameters()).device
         self._dtype = next(model.parameters()).dtype
         self._compute_dtype = resolve_compute_dtype(compute_dtype, self._device)
+        round_body_matmul_weights(model, self._compute_dtype)
         output_layer = model.get_output_embeddings()
         if output_layer is None:
             raise ValueError(f"{type(model).__name__} has no output layer (lm_head) to sample from")

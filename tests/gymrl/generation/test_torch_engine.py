@@ -7,6 +7,7 @@ ids, the batch compaction or the sampler go wrong.
 
 from __future__ import annotations
 
+import copy
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -95,7 +96,7 @@ def test_mixed_precision_logprobs_are_the_trainers_recomputation(model, prompts)
     """`policy.compute_dtype=bfloat16`: the body under autocast, the output layer in float32, as
     the trainer computes them; only kernel rounding (cached decoding vs one pass) separates the
     two, so the importance ratio starts near 1."""
-    engine = make_engine(model, compute_dtype="bfloat16")
+    engine = make_engine(copy.deepcopy(model), compute_dtype="bfloat16")  # it rounds its weights
     outputs = engine.generate(
         [
             request(prompt, temperature=1.0, max_new_tokens=8, seed=i)
