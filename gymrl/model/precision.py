@@ -12,9 +12,12 @@ step 2.4x faster and its decoding 2x faster (benchmarks/README.md, "Mixed precis
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 ComputeDtype = Literal["auto", "float32", "bfloat16"]
 
@@ -35,13 +38,13 @@ def resolve_compute_dtype(choice: ComputeDtype, device: torch.device) -> torch.d
     return None
 
 
-def round_body_matmul_weights(model: torch.nn.Module, dtype: torch.dtype | None) -> None:
+def round_body_matmul_weights(model: PreTrainedModel, dtype: torch.dtype | None) -> None:
     """Store the Linear weights of `model`'s transformer body in `dtype`, for inference under
     `body_autocast(device, dtype)`.
 
     Autocast rounds every float32 weight to `dtype` again on every forward: for a decoder that is
-    the whole body once per generated token (SmolLM2-135M at batch 16 on 2 CPU cores: 108 ms per
-    decode step, 68 ms with the weights stored rounded; benchmarks/README.md). Rounding them once
+    the whole body once per generated token (SmolLM2-135M at batch 16 on 2 CPU cores: 117 ms per
+    decode step, 70 ms with the weights stored rounded; benchmarks/README.md). Rounding them once
     gives the matmuls the very same operands. Embeddings, norms and the output layer keep their
     dtype, so the residual stream and the logits stay as the trainer computes them. A no-op for
     `dtype` None (no autocast)."""
