@@ -96,7 +96,10 @@ def test_mixed_precision_logprobs_are_the_trainers_recomputation(model, prompts)
     """`policy.compute_dtype=bfloat16`: the body under autocast, the output layer in float32, as
     the trainer computes them; only kernel rounding (cached decoding vs one pass) separates the
     two, so the importance ratio starts near 1."""
-    engine = make_engine(copy.deepcopy(model), compute_dtype="bfloat16")  # it rounds its weights
+    owned = copy.deepcopy(model)
+    engine = make_engine(owned, compute_dtype="bfloat16")
+    # It decodes with its body's matmul weights rounded once, not by autocast on every step.
+    assert owned.model.layers[0].mlp.up_proj.weight.dtype is torch.bfloat16
     outputs = engine.generate(
         [
             request(prompt, temperature=1.0, max_new_tokens=8, seed=i)
