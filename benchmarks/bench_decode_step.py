@@ -20,7 +20,8 @@ import time
 import torch
 from transformers import PreTrainedModel
 
-from gymrl.config.schema import PolicyConfig
+from gymrl.config.compose import compose_raw
+from gymrl.config.validate import validate_config
 from gymrl.model.precision import body_autocast, round_body_matmul_weights
 from gymrl.policy import build_policy
 
@@ -43,9 +44,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    policy = PolicyConfig(
-        name="SmolLM2-135M-Instruct", source="smollm2_wheel", max_total_sequence_length=2048
-    )
+    policy = validate_config(compose_raw([])).policy  # the embedded default's SmolLM2
     float32, _ = build_policy(policy, seed=0)
     float32.eval()
     rounded = copy.deepcopy(float32)

@@ -20,7 +20,9 @@ import time
 import torch
 
 from gymrl.algo.trajectory import Trajectory
-from gymrl.config.schema import LossConfig, PolicyConfig, TorchOptimizerConfig, TorchTrainerConfig
+from gymrl.config.compose import compose_raw
+from gymrl.config.schema import LossConfig, TorchOptimizerConfig, TorchTrainerConfig
+from gymrl.config.validate import validate_config
 from gymrl.model.precision import native_bfloat16
 from gymrl.model.tokens import pad_token_id
 from gymrl.policy import build_policy
@@ -48,9 +50,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    policy = PolicyConfig(
-        name="SmolLM2-135M-Instruct", source="smollm2_wheel", max_total_sequence_length=2048
-    )
+    policy = validate_config(compose_raw([])).policy  # the embedded default's SmolLM2
     model, tokenizer = build_policy(policy, seed=0)
     trainers = {
         choice: TorchPolicyTrainer(
