@@ -2,7 +2,7 @@
 # commands a fresh machine needs; both install first (a no-op when already installed).
 PYTHON ?= python
 
-.PHONY: install train test test-slow test-gpu test-gpu-quick envs-lock envs-check lint format bench gym-venv
+.PHONY: install train test test-slow test-gpu test-gpu-quick envs-lock envs-check lint format gym-venv
 
 # Installing is skipped while the stamp is newer than what defines the environment.
 INSTALL_STAMP := .make/installed
@@ -19,10 +19,7 @@ $(INSTALL_STAMP): pyproject.toml Makefile envs/cpu.txt
 train: install
 	$(PYTHON) recipes/grpo.py
 
-test: install
-	$(PYTHON) -m ruff check .
-	$(PYTHON) -m ruff format --check .
-	$(PYTHON) -m pyright
+test: install lint
 	$(PYTHON) -m pytest
 
 test-slow: gym-venv

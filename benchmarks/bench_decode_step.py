@@ -21,9 +21,9 @@ import torch
 from transformers import PreTrainedModel
 
 from gymrl.config.compose import compose_raw
-from gymrl.config.validate import validate_config
+from gymrl.model.policy import build_policy
 from gymrl.model.precision import body_autocast, round_body_matmul_weights
-from gymrl.policy import build_policy
+from gymrl.preflight.validate import validate_config
 
 CPU = torch.device("cpu")
 

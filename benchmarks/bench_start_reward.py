@@ -24,16 +24,16 @@ from typing import Any
 import torch
 
 from gymrl.config.compose import compose_raw
-from gymrl.config.validate import gym_actor_configs, validate_config
-from gymrl.data import load_rows, load_validation_rows
+from gymrl.experience.producer import scalar_fields
+from gymrl.experience.rows import load_rows, load_validation_rows
+from gymrl.experience.validation import validation_metrics
 from gymrl.generation.api_key import resolve_api_key
 from gymrl.generation.chat_template import ChatFormat
 from gymrl.generation.policy_server import create_policy_server_app
 from gymrl.generation.torch_engine import TorchGenerationEngine
+from gymrl.model.policy import build_policy
 from gymrl.model.tokens import decode_text, eos_token_id
-from gymrl.policy import build_policy
-from gymrl.rollout_producer import scalar_fields
-from gymrl.validation import validation_metrics
+from gymrl.preflight.validate import gym_actor_configs, validate_config
 from nemo_gym_ext.envs.registry import start_builtin_environment
 from nemo_gym_ext.http_server import serve_in_thread
 from nemo_gym_ext.rollout import RolloutCollector, RolloutSettings

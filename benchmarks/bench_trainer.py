@@ -22,10 +22,10 @@ import torch
 from gymrl.algo.trajectory import Trajectory
 from gymrl.config.compose import compose_raw
 from gymrl.config.schema import LossConfig, TorchOptimizerConfig, TorchTrainerConfig
-from gymrl.config.validate import validate_config
+from gymrl.model.policy import build_policy
 from gymrl.model.precision import native_bfloat16
 from gymrl.model.tokens import pad_token_id
-from gymrl.policy import build_policy
+from gymrl.preflight.validate import validate_config
 from gymrl.trainer.torch_trainer import TorchPolicyTrainer
 
 CHOICES = ("float32", "bfloat16")

@@ -134,7 +134,7 @@ def deployment_config(
     return config
 
 
-def free_port(host: str, low: int, high: int) -> int:
+def free_port_in_range(host: str, low: int, high: int) -> int:
     """The first port in [low, high) nothing listens on, for the head server."""
     for port in range(low, high):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
@@ -249,7 +249,7 @@ def start_deployment(
     timeout_s: float,
 ) -> GymDeployment:
     """Launch one shard's deployment and return it once ready (stopped again if it is not)."""
-    head_port = free_port(host, *port_range)
+    head_port = free_port_in_range(host, *port_range)
     config = deployment_config(
         gym_config,
         policy=policy,

@@ -21,7 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from gymrl.config.compose import register_schema_defaults, to_plain_dict
-from gymrl.config.validate import validate_config
+from gymrl.preflight.validate import validate_config
 from nemo_gym_ext.config import ConfigError
 
 register_schema_defaults()
@@ -35,7 +35,7 @@ def main(cfg: DictConfig) -> None:
         print(error, file=sys.stderr)
         sys.exit(2)
     output_dir = Path(config.run.output_dir or HydraConfig.get().runtime.output_dir).resolve()
-    from gymrl.serve import serve_policy  # torch and ray: only once the config is valid
+    from gymrl.recipes.serve import serve_policy  # torch and ray: only once the config is valid
 
     serve_policy(config, output_dir, threading.Event())
 

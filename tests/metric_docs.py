@@ -2,7 +2,7 @@
 
 Shared by the tests that hold the recipe to its documentation: the keys a run logs
 (tests/recipes/test_smoke_run.py) and the keys the W&B dashboard charts
-(tests/gymrl/test_dashboard.py).
+(tests/gymrl/tracking/test_dashboard.py).
 """
 
 import re

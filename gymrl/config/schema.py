@@ -5,7 +5,7 @@ A default that depends on the backend lives in that backend's class (`TorchOptim
 `gymrl.config.compose` turns these defaults into the base of the Hydra composition, so conf/
 restates none of them (a test enforces it) and `python recipes/grpo.py --cfg job` shows them all.
 
-Hydra composes YAML; :func:`gymrl.config.validate.validate_config` turns the result into a
+Hydra composes YAML; :func:`gymrl.preflight.validate.validate_config` turns the result into a
 :class:`RecipeConfig` once, on the recipe's first line, and the rest of the code receives only this
 typed object. `extra="forbid"` everywhere: Hydra merges a typo inside an experiment file silently,
 so this is the only place it can be caught.
@@ -14,7 +14,7 @@ The one deliberately untyped subtree is `env.nemo_gym`: Gym's own global config,
 Its recipe-only keys are typed by `nemo_gym_ext.config.NemoGymPostprocessConfig`.
 
 Checks that span fields (GPU counts, parallelism, truncation compatibility) live in
-`gymrl.config.validate`, where each issue is reported with its key, value and fix.
+`gymrl.preflight.validate`, where each issue is reported with its key, value and fix.
 """
 
 from __future__ import annotations
@@ -488,8 +488,8 @@ class EnvConfig(Strict):
 class RoleEnvironmentConfig(Strict):
     """The interpreter or container one role's Ray actors run in. The roles' pinned environments
     conflict with each other (SGLang's and Megatron's torch and transformers), so one Ray cluster
-    runs each role in its own; `gymrl.placement.actor_options` turns this into the actors'
-    Ray `runtime_env`. Rules spanning fields are in `gymrl.config.validate`."""
+    runs each role in its own; `gymrl.cluster.placement.actor_options` turns this into the actors'
+    Ray `runtime_env`. Rules spanning fields are in `gymrl.preflight.validate`."""
 
     python: str | None = Field(
         default=None,
@@ -514,7 +514,7 @@ class RoleEnvironmentConfig(Strict):
 
 
 class RoleEnvironmentsConfig(Strict):
-    """One environment per role, named like the roles of `gymrl.placement.Placement`."""
+    """One environment per role, named like the roles of `gymrl.cluster.placement.Placement`."""
 
     generation: RoleEnvironmentConfig = Field(
         default_factory=RoleEnvironmentConfig,
@@ -641,7 +641,7 @@ class CheckpointConfig(Strict):
 
 
 class StopConfig(Strict):
-    """What SIGINT/SIGTERM do (Slurm sends SIGTERM before preempting a job); see gymrl/stop.py."""
+    """What SIGINT/SIGTERM do (Slurm sends SIGTERM before preempting a job); gymrl/run/stop.py."""
 
     step_in_progress: Literal["finish", "abandon"] = Field(
         default="finish",

@@ -67,13 +67,13 @@ import httpx
 import torch
 from safetensors.torch import save_file
 
-from gymrl.atomic import atomic_folder
+from gymrl.cluster.placement import RolePlacement, actor_options
+from gymrl.cluster.ports import free_port
 from gymrl.config.context import sglang_model_overrides
 from gymrl.config.schema import PolicyConfig, SGLangGenerationConfig
 from gymrl.generation.routing import PrefixRouter, Routing
 from gymrl.generation.types import FinishReason, GenerationOutput, GenerationRequest
-from gymrl.net import free_port
-from gymrl.placement import RolePlacement, actor_options
+from gymrl.run.atomic import atomic_folder
 
 ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
 HEALTH_POLL_INTERVAL_S = 2.0  # the longest pause between health checks (they start at 50 ms)
@@ -309,7 +309,8 @@ class SGLangServerActor:
 
 
 class SGLangServerGroup:
-    """`generation.num_engines` SGLang servers as Ray actors, where `gymrl.placement` puts them.
+    """`generation.num_engines` SGLang servers as Ray actors, where `gymrl.cluster.placement`
+    puts them.
 
     The run's placement group holds one `tensor_parallel_size`-GPU bundle per engine, so Ray
     places each TP group on one node. Needs a running Ray cluster with the GPUs. Each engine gets

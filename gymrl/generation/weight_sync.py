@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
-from gymrl.net import free_port
+from gymrl.cluster.ports import free_port
 
 GROUP_NAME = "weight_update_group"
 Backend = Literal["nccl", "gloo"]

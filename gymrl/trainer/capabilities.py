@@ -1,7 +1,7 @@
 """What each trainer backend cannot do, as config issues with their fixes.
 
 Defined next to the trainers, whose limits these are; reported by the config validator at
-composition time (`gymrl.config.validate`), and checked again by the Megatron trainer before it
+composition time (`gymrl.preflight.validate`), and checked again by the Megatron trainer before it
 touches a GPU, for configs built in code. Torch-free, so dry runs can import it.
 """
 

@@ -4,7 +4,7 @@ One optimizer step per call. The step's sequences are split into micro-batches o
 (sorted, so little compute goes to padding); each micro-batch's loss is normalised by the token
 (or sequence) count of the whole step (`gymrl.trainer.grpo_step`), so the summed gradients equal
 the full-batch gradient. The trainer runs where its model is: the caller moves the model to a GPU
-(`gymrl.actors.PolicyTrainerActor` does when the placement gives it one) and batches follow.
+(`gymrl.roles.actors.PolicyTrainerActor` does when the placement gives it one) and batches follow.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from transformers import PreTrainedModel
 
 from gymrl.algo.loss import masked_token_logprobs
 from gymrl.algo.trajectory import Trajectory, collate
-from gymrl.checkpoint import TrainerState, capture_rng_state, load_checkpoint, save_checkpoint
 from gymrl.config.schema import LossConfig, TorchTrainerConfig
 from gymrl.model.precision import ComputeDtype, body_autocast, resolve_compute_dtype
+from gymrl.run.checkpoint import TrainerState, capture_rng_state, load_checkpoint, save_checkpoint
 from gymrl.trainer.grpo_step import loss_normalizer, micro_batch_loss, reduce_loss_metrics
 
 

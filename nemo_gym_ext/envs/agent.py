@@ -53,7 +53,7 @@ from nemo_gym_ext.wire import (
 
 
 class AgentOptions(BaseModel):
-    """Options of the built-in agent (`env.builtin.agent` in the recipe config)."""
+    """Options of the built-in agent: an agent entry's `options` under `env.nemo_gym.agents`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

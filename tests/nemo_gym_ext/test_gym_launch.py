@@ -20,7 +20,7 @@ from nemo_gym_ext.gym_launch import (
     PolicyEndpoint,
     agent_urls,
     deployment_config,
-    free_port,
+    free_port_in_range,
     link_server_venvs,
     shard_port_range,
 )
@@ -44,7 +44,7 @@ def _config(tmp_path, **fake):
         {"config_paths": ["x.yaml"], "fake_gym": fake},
         policy=POLICY,
         host="127.0.0.1",
-        head_port=free_port("127.0.0.1", 21000, 22000),
+        head_port=free_port_in_range("127.0.0.1", 21000, 22000),
         port_range=(21000, 22000),
         server_venvs=tmp_path / "server-venvs",
     )

@@ -10,14 +10,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_recipe(*overrides, tmp_path, check_modules=False):
-    """Run the recipe; with check_modules, also report whether torch or ray got imported."""
+    """Run the recipe; with check_modules, also report whether torch, Ray or matplotlib got
+    imported."""
     args = [*overrides, f"hydra.run.dir={tmp_path}"]
     if check_modules:
         code = (
             "import runpy, sys\n"
             f"sys.argv = ['recipes/grpo.py', *{args!r}]\n"
             "try:\n    runpy.run_path('recipes/grpo.py', run_name='__main__')\n"
-            "finally:\n    print('HEAVY', sorted({'torch', 'ray'} & set(sys.modules)))\n"
+            "finally:\n"
+            "    print('HEAVY', sorted({'torch', 'ray', 'matplotlib'} & set(sys.modules)))\n"
         )
         command = [sys.executable, "-c", code]
     else:
@@ -34,7 +36,7 @@ def test_dry_run_prints_the_plan_and_starts_nothing(experiment, tmp_path):
     assert "dry run: config valid, nothing started" in done.stdout
     assert "truncate_noncontiguous_episodes=true" in done.stdout
     assert "GPUs" in done.stdout and "gym shards" in done.stdout
-    assert "HEAVY []" in done.stdout, "a dry run must not import torch or ray"
+    assert "HEAVY []" in done.stdout, "a dry run must not import torch, Ray or matplotlib"
 
 
 def test_swe_plan_names_gpus_per_role_and_shards(tmp_path):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from gymrl.sweep import POINT_FILENAME, SUMMARY_FILENAME, SWEEP_FILENAME
+from gymrl.tracking.sweep import POINT_FILENAME, SUMMARY_FILENAME, SWEEP_FILENAME
 
 ROOT = Path(__file__).resolve().parents[2]
 

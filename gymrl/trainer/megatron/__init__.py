@@ -4,7 +4,7 @@ The package, by concern: `arguments` (config -> Megatron arguments), `batches` (
 planning, the context-parallel layout), `distributed` (the torch.distributed environment),
 `logprobs` (vocabulary-parallel log-probabilities), `checkpointing` (distributed checkpoints and
 the Hugging Face export), `worker` (one rank, `MegatronPolicyTrainer`) and `group` (the ranks as
-Ray actors, `MegatronTrainerGroup`, which `gymrl.roles` drives).
+Ray actors, `MegatronTrainerGroup`, which `gymrl.roles.trainer` drives).
 
 Megatron-core and Megatron-Bridge need CUDA, so they are imported inside the methods that use
 them; everything from config to Megatron arguments, micro-batch planning, the context-parallel
@@ -55,7 +55,7 @@ servers as they come (`gymrl.generation.weight_sync.WeightSender`); with `disk`,
 (`gymrl.generation.sglang_engine.SGLangEngine.refit_from_disk`).
 Checkpoints use Megatron's distributed checkpointing (`dist_checkpointing.save/load` of the
 model's and the distributed optimizer's sharded state dicts) inside the folder layout and with the
-resume state (`gymrl.checkpoint.TrainerState`: step, weight version, data position, every rank's
+resume state (`gymrl.run.checkpoint.TrainerState`: step, weight version, data position, every rank's
 RNG states; the scheduler in `extra`) of the torch trainer.
 
 Unsupported here, refused at construction with the fix: a KL term (it needs a reference model,

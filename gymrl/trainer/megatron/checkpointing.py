@@ -1,10 +1,10 @@
 """Checkpoints and the Hugging Face export of the Megatron trainer (collective: every rank calls).
 
-The folder layout and the resume state are `gymrl.checkpoint`'s, shared with the torch trainer;
+The folder layout and the resume state are `gymrl.run.checkpoint`'s, shared with the torch trainer;
 the weights and the distributed optimizer's state are a Megatron distributed checkpoint under
 `megatron/`. Rank 0 creates the staging folder, every rank writes its shards into it, rank 0
-writes the state and the marker and renames it into place (`gymrl.atomic`); barriers separate the
-phases.
+writes the state and the marker and renames it into place (`gymrl.run.atomic`); barriers
+separate the phases.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from gymrl.atomic import begin, publish, staging_folder
-from gymrl.checkpoint import (
+from gymrl.run.atomic import begin, publish, staging_folder
+from gymrl.run.checkpoint import (
     TrainerState,
     check_keep_last,
     prune_checkpoints,

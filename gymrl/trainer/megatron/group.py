@@ -1,4 +1,4 @@
-"""The Megatron trainer as one Ray actor per trainer GPU, placed where `gymrl.placement` says."""
+"""The Megatron trainer as one Ray actor per trainer GPU, placed by `gymrl.cluster.placement`."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from typing import Any
 import torch
 
 from gymrl.algo.trajectory import Trajectory
+from gymrl.cluster.placement import RolePlacement, actor_options
+from gymrl.cluster.ports import free_port
+from gymrl.cluster.ray_calls import wait_for
 from gymrl.config.schema import RecipeConfig, RefitConfig
-from gymrl.net import free_port
-from gymrl.placement import RolePlacement, actor_options
-from gymrl.ray_calls import wait_for
 from gymrl.trainer.grpo_step import reduce_loss_metrics
 from gymrl.trainer.megatron.arguments import (
     data_parallel_size,
@@ -33,7 +33,7 @@ def _node_address() -> tuple[str, int]:
 
 
 class MegatronTrainerGroup:
-    """The Megatron trainer as one Ray actor per trainer GPU (see `gymrl.roles`).
+    """The Megatron trainer as one Ray actor per trainer GPU (see `gymrl.roles.trainer`).
 
     Needs a running Ray cluster with the GPUs. Every call goes to all ranks (Megatron's
     collectives need them all) and waits at most `call_timeout_s`; metrics come from the
@@ -50,8 +50,8 @@ class MegatronTrainerGroup:
         start_timeout_s: float,
         call_timeout_s: float,
     ) -> None:
-        """`ranks` is the trainer's part of the run's placement (`gymrl.placement`): one bundle
-        index of `placement_group` per rank."""
+        """`ranks` is the trainer's part of the run's placement (`gymrl.cluster.placement`): one
+        bundle index of `placement_group` per rank."""
         import ray
 
         problems = unsupported_settings(config)

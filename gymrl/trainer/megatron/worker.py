@@ -11,9 +11,9 @@ from typing import Any
 import torch
 
 from gymrl.algo.trajectory import Trajectory
-from gymrl.checkpoint import TrainerState, capture_rng_state, restore_rng_state
 from gymrl.config.schema import RecipeConfig, RefitConfig
 from gymrl.generation.weight_sync import WeightSender
+from gymrl.run.checkpoint import TrainerState, capture_rng_state, restore_rng_state
 from gymrl.trainer.grpo_step import loss_normalizer, micro_batch_loss, reduce_loss_metrics
 from gymrl.trainer.megatron.arguments import (
     ddp_config_kwargs,

@@ -9,8 +9,8 @@ import pytest
 from gymrl.config.compose import compose_raw
 from gymrl.config.context import megatron_rope_overrides, sglang_model_overrides
 from gymrl.config.schema import SGLangGenerationConfig
-from gymrl.config.validate import validate_config
 from gymrl.generation.sglang_engine import server_command
+from gymrl.preflight.validate import validate_config
 from nemo_gym_ext.config import ConfigError
 
 SGLANG_MEGATRON = ["generation=sglang", "trainer=megatron", "cluster=slurm_8gpu", "dry_run=true"]

@@ -16,7 +16,7 @@ from gymrl.config.compose import (
     recipe_defaults,
     schema_defaults,
 )
-from gymrl.config.validate import validate_config
+from gymrl.preflight.validate import validate_config
 
 ABSENT = object()
 GLOBAL_PACKAGE = "# @package _global_"

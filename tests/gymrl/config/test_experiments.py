@@ -5,8 +5,8 @@ import shutil
 import pytest
 
 from gymrl.config.compose import CONFIG_DIR, compose_raw, experiment_names
-from gymrl.config.plan import render_plan
-from gymrl.config.validate import gym_actor_configs, validate_config
+from gymrl.preflight.plan import render_plan
+from gymrl.preflight.validate import gym_actor_configs, validate_config
 from nemo_gym_ext.config import ConfigError
 
 

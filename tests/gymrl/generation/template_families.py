@@ -21,7 +21,7 @@ from filelock import FileLock
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
-from gymrl.atomic import atomic_folder
+from gymrl.run.atomic import atomic_folder
 
 QWEN3_TEMPLATE = "Qwen-Qwen3-0.6B@a55ee1.jinja"
 LLAMA3_TEMPLATE = "meta-llama-Llama-3.2-3B-Instruct.jinja"

@@ -5,8 +5,8 @@ import json
 import stat
 
 from gymrl.config.compose import compose_raw
-from gymrl.config.validate import validate_config
 from gymrl.generation.announce import announce_policy_server, policy_server_host
+from gymrl.preflight.validate import validate_config
 
 
 def test_announcement_holds_url_model_and_key_in_a_private_file(tmp_path, capsys):

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 from sglang_standin import WEIGHT_OFFSET, make_standin
 
+from gymrl.cluster.ports import free_port
 from gymrl.config.schema import PolicyConfig, SGLangGenerationConfig
 from gymrl.generation import sglang_engine
 from gymrl.generation.sglang_engine import (
@@ -30,7 +31,6 @@ from gymrl.generation.sglang_engine import (
     server_command,
 )
 from gymrl.generation.types import GenerationRequest, SamplingParams
-from gymrl.net import free_port
 from nemo_gym_ext.http_server import serve_in_thread
 
 
@@ -535,8 +535,8 @@ def test_real_sglang_server_group_on_ray(tmp_path):
     import ray
     from ray.util.placement_group import placement_group
 
+    from gymrl.cluster.placement import RolePlacement
     from gymrl.generation.sglang_engine import SGLangServerGroup
-    from gymrl.placement import RolePlacement
 
     generation = SGLangGenerationConfig(num_engines=1, mem_fraction_static=0.3)
     policy = _policy(path=str(checkpoint), dtype="bfloat16", max_total_sequence_length=2048)

@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 
 from gymrl.algo.loss import grpo_loss
 from gymrl.algo.trajectory import Trajectory
+from gymrl.cluster.placement import trainer_gpus
 from gymrl.config.compose import compose_raw
 from gymrl.config.schema import RouterReplayConfig
-from gymrl.config.validate import validate_config
-from gymrl.placement import trainer_gpus
+from gymrl.preflight.validate import validate_config
 from gymrl.trainer.grpo_step import loss_normalizer
 from gymrl.trainer.megatron.arguments import (
     data_parallel_size,
@@ -364,7 +364,7 @@ _TRANSFORMER_IMPL = (
 def tiny_trainer(tmp_path_factory):
     import os
 
-    from gymrl.net import free_port
+    from gymrl.cluster.ports import free_port
 
     config, folder, hf_model = _tiny_megatron_setup(tmp_path_factory)
     env = distributed_env(0, 1, "127.0.0.1", free_port())
@@ -461,7 +461,7 @@ def test_megatron_trainer_group_on_ray(tmp_path_factory):
     config, _, hf_model = _tiny_megatron_setup(tmp_path_factory)
     from ray.util.placement_group import placement_group
 
-    from gymrl.placement import plan_placement
+    from gymrl.cluster.placement import plan_placement
     from gymrl.trainer.megatron.group import MegatronTrainerGroup
 
     ranks = plan_placement(config).trainer

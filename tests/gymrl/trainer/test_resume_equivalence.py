@@ -1,10 +1,11 @@
 """Resume equals an uninterrupted run on the CPU torch path (sync mode, fixed seeds), bit-exact.
 
 What a sync run carries from step to step is: the trainer's weights and AdamW state, the
-process's RNG streams, and the position in the row stream (gymrl/train.py records it before the
-producer may take the next step's rows). Here a run of N steps and a run stopped after K steps,
-checkpointed, rebuilt from a *different* initialisation and resumed, must agree exactly on the
-rows each step draws, the metrics of every step, and the weights and optimizer state after N.
+process's RNG streams, and the position in the row stream (gymrl/recipes/grpo.py records it
+before the producer may take the next step's rows). Here a run of N steps and a run stopped
+after K steps, checkpointed, rebuilt from a *different* initialisation and resumed, must agree
+exactly on the rows each step draws, the metrics of every step, and the weights and optimizer
+state after N.
 Episodes are derived from the drawn rows with the real tokenizer, and their sampled parts and
 rewards come from torch's RNG, so a resume that lost the RNG state or the data position differs.
 
@@ -20,7 +21,7 @@ import torch
 from gymrl.algo.advantages import grpo_advantages
 from gymrl.algo.trajectory import Trajectory
 from gymrl.config.schema import LossConfig, TorchOptimizerConfig, TorchTrainerConfig
-from gymrl.data import RowStream
+from gymrl.experience.rows import RowStream
 from gymrl.model.loading import build_tiny_llama
 from gymrl.trainer.torch_trainer import TorchPolicyTrainer
 from nemo_gym_ext.envs.registry import make_rows

@@ -125,7 +125,7 @@ def test_a_step_on_cuda_trains_where_the_model_is(tokenizer, dtype):
     the right way, and exported weights come back on the CPU for the engine."""
     if not torch.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU")
-    from gymrl.policy import DTYPES
+    from gymrl.model.policy import DTYPES
 
     model = build_tiny_llama(
         tokenizer,

@@ -1,0 +1,214 @@
+"""The rollout producer: keeps Gym shards busy within a credit limit and hands completed GRPO
+groups to the replay buffer, from a thread of the recipe's process.
+
+Credits: once the trainer has taken `step` steps, the buffer may have received
+`(step + 1 + lookahead) * prompts_per_step` groups, where the lookahead is
+`grpo.max_trajectory_age_steps` in async mode and 0 in sync mode; groups the buffer evicts as too
+old were never trained on, so their credit comes back. The producer talks to two seams,
+`GroupRunner` (Gym shards on Ray in a run) and `GroupSink` (the replay buffer), so its accounting
+is tested without Ray.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from gymrl.algo.trajectory import Trajectory
+from gymrl.config.schema import GRPOConfig
+from gymrl.experience.rollout_group import RolloutGroup, scalar_fields
+from gymrl.experience.rows import RowStream
+from nemo_gym_ext.postprocess import row_id_of
+from nemo_gym_ext.rollout import FailureBudget, GroupOutcome, UnknownAgentError
+from nemo_gym_ext.wire import agent_name_of
+
+_POLL_S = 0.5
+
+
+# ---------------------------------------------------------------------------------------------
+# What the producer talks to: runners of groups and a buffer (gymrl.roles on Ray in a run)
+# ---------------------------------------------------------------------------------------------
+
+
+class GroupRunner(Protocol):
+    """Runs GRPO groups somewhere (Gym shards on Ray in a run) and says when they finish.
+
+    A running group is an opaque handle; the producer only submits, waits, reads and cancels.
+    """
+
+    @property
+    def agents(self) -> Collection[str]:
+        """The agents whose rows this runner serves."""
+        ...
+
+    def submit(self, agent: str, row: dict[str, Any], num_episodes: int) -> Any:
+        """Start one group of `num_episodes` episodes of `row`; returns its handle."""
+        ...
+
+    def finished(self, running: Sequence[Any], timeout_s: float) -> list[Any]:
+        """The handles of `running` that are done, waiting up to `timeout_s` for the first."""
+        ...
+
+    def outcome(self, group: Any) -> GroupOutcome:
+        """A finished group's outcome; raises the error that ended it."""
+        ...
+
+    def cancel(self, group: Any) -> None: ...
+
+
+class GroupSink(Protocol):
+    """Where completed groups go (the replay buffer); `put` returns whether it was stored."""
+
+    def put(self, group: RolloutGroup, timeout_s: float) -> bool: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# The rollout producer
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProducerCounts:
+    """Totals since the producer started: retried episodes, groups dropped for want of a
+    baseline, and episodes that failed after their retries."""
+
+    retries: int
+    dropped_groups: int
+    failures: int
+
+
+class RolloutProducer(threading.Thread):
+    """Submits rows to a group runner within a credit limit and puts completed groups in a sink.
+
+    Credits: the trainer allows groups up to `(step + 1 + lookahead) * prompts_per_step`, so the
+    producer never runs further ahead than the trajectory-age bound makes useful. A group that
+    comes back with fewer than two episodes (no baseline) is dropped and does not use a credit;
+    a group the buffer evicts as stale did use one, and the trainer gives it back in `advance`.
+    """
+
+    def __init__(
+        self,
+        grpo: GRPOConfig,
+        rows: RowStream,
+        runner: GroupRunner,
+        buffer: GroupSink,
+        *,
+        first_step: int,
+        failure_budget: int,
+    ):
+        super().__init__(name="rollout-producer", daemon=True)
+        self._grpo = grpo
+        self._rows = rows
+        self._runner = runner
+        self._buffer = buffer
+        self._lookahead = grpo.max_trajectory_age_steps if grpo.async_enabled else 0
+        self._condition = threading.Condition()
+        self._first_step = first_step
+        self._weight_version = first_step
+        self._allowed = self._credit(first_step)
+        self._accepted = 0
+        self._stopping = threading.Event()
+        self.fatal: BaseException | None = None
+        # Written by the producer thread, read by the trainer's: only under `_counts_lock`.
+        self._counts_lock = threading.Lock()
+        self._retries = self._dropped_groups = 0
+        self._failures = FailureBudget(failure_budget)
+        self._serial = 0
+
+    def counts(self) -> ProducerCounts:
+        """A consistent snapshot of the producer's totals, from any thread."""
+        with self._counts_lock:
+            return ProducerCounts(self._retries, self._dropped_groups, self._failures.count)
+
+    def _credit(self, step: int) -> int:
+        """Groups the buffer may have received once the trainer has taken `step` steps."""
+        steps_allowed = step - self._first_step + 1 + self._lookahead
+        return steps_allowed * self._grpo.num_prompts_per_step
+
+    def advance(self, step: int, evicted_total: int) -> None:
+        """The trainer finished `step` steps and refit the engine: version `step` is live.
+        Evicted groups were never trained on, so they are replaced."""
+        with self._condition:
+            self._weight_version = step
+            self._allowed = self._credit(step) + evicted_total
+            self._condition.notify_all()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop submitting, cancel the groups in flight, and wait for the thread to end."""
+        self._stopping.set()
+        with self._condition:
+            self._condition.notify_all()
+        if self.is_alive():
+            self.join(timeout_s)
+
+    def run(self) -> None:
+        try:
+            self._produce()
+        except BaseException as error:  # handed to the trainer's thread, which raises it
+            self.fatal = error
+
+    def _produce(self) -> None:
+        in_flight: dict[Any, tuple[str, int, float]] = {}
+        try:
+            self._submit_and_collect(in_flight)
+        finally:
+            for group in in_flight:
+                self._runner.cancel(group)
+
+    def _submit_and_collect(self, in_flight: dict[Any, tuple[str, int, float]]) -> None:
+        size = self._grpo.num_generations_per_prompt
+        agents = self._runner.agents
+        while not self._stopping.is_set():
+            with self._condition:
+                room = self._allowed - self._accepted - len(in_flight)
+                version = self._weight_version
+            for _ in range(max(room, 0)):
+                position, row = self._rows.next()
+                agent = agent_name_of(row)
+                if agent not in agents:
+                    raise UnknownAgentError(
+                        f"row {position} ({row_id_of(row)!r}) names agent {agent!r}, which no "
+                        f"shard serves (served: {sorted(agents)}); fix the row's "
+                        "agent_ref.name or env.nemo_gym.agents"
+                    )
+                self._serial += 1
+                group_id = f"{row_id_of(row)}#{self._serial}"
+                in_flight[self._runner.submit(agent, row, size)] = (
+                    group_id,
+                    version,
+                    time.monotonic(),
+                )
+            if not in_flight:
+                with self._condition:
+                    self._condition.wait(_POLL_S)
+                continue
+            for group in self._runner.finished(list(in_flight), _POLL_S):
+                group_id, version, started = in_flight.pop(group)
+                # Contiguity and malformed-result errors propagate from here.
+                outcome = self._runner.outcome(group)
+                self._accept(outcome, group_id, version, time.monotonic() - started)
+
+    def _accept(self, outcome: GroupOutcome, group_id: str, version: int, seconds: float) -> None:
+        baseline = len(outcome.episodes) >= 2  # without two episodes, another row replaces it
+        with self._counts_lock:
+            self._retries += outcome.retries
+            self._dropped_groups += not baseline
+            self._failures.record(outcome.failures)  # past the budget: raises, ends the thread
+        if not baseline:
+            return
+        group = RolloutGroup.of(
+            [
+                Trajectory.from_postprocessed(episode, group_id=group_id, weight_version=version)
+                for episode in outcome.episodes
+            ],
+            [scalar_fields(episode["full_result"]) for episode in outcome.episodes],
+            seconds=seconds,
+        )
+        # A group the buffer finds already stale counts as delivered: the trainer's eviction
+        # count, passed to `advance`, is what gives its credit back.
+        self._buffer.put(group, self._grpo.batch_timeout_s)
+        with self._condition:
+            self._accepted += 1

@@ -1,0 +1,73 @@
+"""One GRPO group as it travels from the rollout producer through the replay buffer to the
+trainer and the metrics: its trajectories, what per-agent metrics need of each episode's result,
+and how long it took, in one frozen object.
+
+Frozen because it crosses threads (the producer's, the buffer actor's, the trainer's), and built
+from copies: nothing the producer keeps writing is ever shared with the step that trains on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gymrl.algo.trajectory import Trajectory
+
+
+@dataclass(frozen=True)
+class RolloutGroup:
+    """Every episode of one row that came back, with one weight version: the oldest of its
+    trajectories'. `summaries[i]` is episode i's agent and numeric result fields
+    (`scalar_fields`); `seconds` runs from submission to the group's outcome."""
+
+    group_id: str
+    trajectories: tuple[Trajectory, ...]
+    summaries: tuple[Mapping[str, Any], ...]
+    seconds: float
+
+    def __post_init__(self):
+        if not self.trajectories:
+            raise ValueError(
+                f"group {self.group_id!r} is an empty group; a GRPO group holds at least one "
+                "rollout"
+            )
+        other = {t.group_id for t in self.trajectories} - {self.group_id}
+        if other:
+            raise ValueError(
+                f"group {self.group_id!r} holds trajectories of several groups "
+                f"{sorted(other | {self.group_id})}; build one group (trajectories sharing a "
+                "group_id) at a time"
+            )
+        if len(self.summaries) != len(self.trajectories):
+            raise ValueError(
+                f"group {self.group_id!r} has {len(self.summaries)} summaries for "
+                f"{len(self.trajectories)} trajectories; one per episode"
+            )
+
+    @classmethod
+    def of(
+        cls,
+        trajectories: Sequence[Trajectory],
+        summaries: Sequence[Mapping[str, Any]],
+        *,
+        seconds: float,
+    ) -> RolloutGroup:
+        group_id = trajectories[0].group_id if trajectories else "<empty>"
+        return cls(
+            group_id,
+            tuple(trajectories),
+            tuple(dict(s) for s in summaries),
+            seconds,
+        )
+
+    @property
+    def weight_version(self) -> int:
+        return min(t.weight_version for t in self.trajectories)
+
+
+def scalar_fields(result: Mapping[str, Any]) -> dict[str, Any]:
+    """What per-agent metrics need of a result: its agent and its numeric/boolean fields."""
+    kept = {k: v for k, v in result.items() if isinstance(v, bool | int | float)}
+    kept["agent_ref"] = result["agent_ref"]
+    return kept

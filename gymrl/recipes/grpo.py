@@ -1,0 +1,433 @@
+"""The async GRPO recipe: setup, train, cleanup; the rollout producer (gymrl/experience/producer.py)
+feeds a replay buffer that the training steps drain.
+
+    producer thread ──run_group──▶ GymShard actors ──/run──▶ agents ──/chat/completions──▶
+    GenerationServer;  completed groups ──put──▶ ReplayBuffer ──get_batch──▶ trainer step
+    ──export_weights──▶ GenerationServer.update_weights (version = step count)
+
+Async (`grpo.async_enabled`): the producer may run `max_trajectory_age_steps` steps ahead of the
+trainer, so generation overlaps training; the buffer evicts groups older than that bound. Sync:
+the producer makes exactly one step's groups, then waits for the trainer and the refit.
+
+Nothing waits without a deadline: the trainer's wait for a batch is bounded by
+`grpo.batch_timeout_s`; every episode by `env.rollout.run_timeout_s`. A failed episode is retried
+`env.rollout.max_retries` times, then counted against `env.rollout.failure_budget`; past it, or on
+a contiguity/malformed-result error (never retried), the run stops with the cause.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
+from pathlib import Path
+
+import ray
+import torch
+from ray.exceptions import RayActorError
+from ray.util.placement_group import remove_placement_group
+
+from gymrl.algo.advantages import grpo_advantages, share_of_groups_with_variance
+from gymrl.algo.trajectory import Trajectory
+from gymrl.cluster.placement import plan_placement, reserve
+from gymrl.cluster.ray_session import ClusterUnavailableError, start_ray
+from gymrl.config.schema import RecipeConfig
+from gymrl.experience.producer import ProducerCounts, RolloutProducer
+from gymrl.experience.rollout_group import RolloutGroup
+from gymrl.experience.rows import RowStream, UnservedAgentError, load_rows, load_validation_rows
+from gymrl.experience.validation import Validator
+from gymrl.generation.announce import announce_policy_server
+from gymrl.generation.api_key import ApiKeyError, resolve_api_key
+from gymrl.model.policy import tokenizer_folder
+from gymrl.preflight.validate import gym_actor_configs
+from gymrl.roles.generation_server import start_generation_server
+from gymrl.roles.gym_shard import RayGroupRunner, start_gym_shards
+from gymrl.roles.replay_buffer import start_replay_buffer
+from gymrl.roles.trainer import start_trainer
+from gymrl.run.checkpoint import latest_verified_checkpoint
+from gymrl.run.folder import METRICS_FILENAME, RunFolderInUseError, claim_run_folder
+from gymrl.run.stop import StopSignals
+from gymrl.tracking.metrics_logger import build_logger
+from gymrl.tracking.plot import plot_run
+from gymrl.tracking.records import read_records
+from nemo_gym_ext.gym_launch import GymStartError, GymVenvMissingError, PolicyEndpoint, gym_launcher
+from nemo_gym_ext.metrics import per_agent_metrics
+from nemo_gym_ext.postprocess import MalformedGymResultError, NonContiguousEpisodeError
+from nemo_gym_ext.rollout import RolloutBudgetExceeded, UnknownAgentError
+
+_ADVANTAGE_EPS = 1e-6
+
+
+# Errors that end a run with a message a user can act on (printed without a traceback).
+RUN_STOPPING_ERRORS = (
+    ClusterUnavailableError,
+    ApiKeyError,
+    RunFolderInUseError,
+    NonContiguousEpisodeError,
+    MalformedGymResultError,
+    UnknownAgentError,
+    UnservedAgentError,
+    RolloutBudgetExceeded,
+    TimeoutError,
+    # A role's process died (killed, out of memory, its node lost): the message names the actor.
+    RayActorError,
+    GymVenvMissingError,
+    GymStartError,
+)
+
+
+class GRPORecipe:
+    """One training run in the order it happens: `setup()`, `train()`, `cleanup()`.
+
+    `setup` starts Ray, then each role (generation server, trainer, Gym shards, replay buffer),
+    resumes from a checkpoint, refits the engine to the trainer's weights and starts the rollout
+    producer; every role is put on a stack of closers the moment it exists. `cleanup` closes
+    that stack in reverse order (the producer, the logger, the buffer, the shards' agents before
+    the policy server they call, the trainer, the generation server, Ray), so it undoes exactly
+    what a setup got through, also one that failed half-way. Call it in a `finally`.
+
+    Where it lives: torchtune keeps its recipe classes in recipes/*.py. Here the class lives in
+    the package and recipes/grpo.py drives its three verbs, because the same entry point serves
+    dry runs, which must import neither torch nor Ray (one deferred import keeps them out), and
+    because tests import the recipe by module name (recipes/ is not a package).
+    """
+
+    def __init__(self, config: RecipeConfig, output_dir: Path):
+        self.config = config
+        self.output_dir = output_dir
+        self.checkpoint_dir = output_dir / "checkpoints"
+        self._closers = ExitStack()
+        # Installed by the entry point (`install_stop_signals`); tests drive the recipe without.
+        self.stops = StopSignals(config.stop.step_in_progress, config.stop.deadline_s)
+        self._stops_installed = False
+        # What a checkpoint on stop would hold: the last finished (trained, refitted, logged)
+        # step and the row position at its end; and the newest step on disk. While
+        # `_trainer_ahead` the trainer's state is past `finished_step` (an optimizer step or a
+        # save is under way), so it cannot be saved as that step.
+        self.finished_step = self.saved_step = 0
+        self._finished_position = self._step_end_position = 0
+        self._trainer_ahead = False
+
+    def install_stop_signals(self) -> None:
+        """SIGINT/SIGTERM stop the run cleanly (gymrl/run/stop.py); main thread only."""
+        self.stops.install()
+        self._stops_installed = True
+
+    # --------------------------------------------------------------------------------- setup
+    def setup(self) -> None:
+        """Start every role; on failure, what started so far is on the stack for `cleanup`."""
+        config = self.config
+        # First: a bad key source must fail before anything starts.
+        self.policy_api_key = resolve_api_key(config.generation.server.api_key_file)
+        started = time.monotonic()
+        if config.env.source == "gym_launch":
+            gym_launcher(Path(config.env.gym.venv))  # a missing venv fails before anything starts
+        identity = claim_run_folder(self.output_dir, resume=config.resume)
+        start_ray(config.cluster)
+        self._on_cleanup("Ray", ray.shutdown)
+        if self._stops_installed:
+            self.stops.install()  # ray.init replaced the driver's SIGTERM handler
+        # Async on a CPU: generation and training overlap, one core each; sync: they alternate.
+        threads = 1 if config.grpo.async_enabled else 2
+        folder = tokenizer_folder(config.policy)  # converts the embedded model once, here
+        placement = plan_placement(config)
+        group = reserve(placement, config.cluster.ray_start_timeout_s)
+        if group is not None:
+            self._on_cleanup("the placement group", lambda: remove_placement_group(group))
+        # Generation first: SGLang engines pack onto whole nodes, the trainer takes the rest.
+        generation = start_generation_server(
+            config,
+            output_dir=self.output_dir,
+            torch_threads=threads,
+            placement=placement,
+            group=group,
+            api_key=self.policy_api_key,
+            on_cleanup=self._on_cleanup,
+        )
+        self.generation, base_url = generation.actor, generation.base_url
+        print(f"policy server up {time.monotonic() - started:.1f} s into setup", flush=True)
+        announce_policy_server(
+            self.output_dir,
+            base_url=base_url,
+            model_name=config.policy.name,
+            api_key=self.policy_api_key.get_secret_value(),
+        )
+        self.trainer = start_trainer(
+            config,
+            self.output_dir,
+            torch_threads=threads,
+            placement=placement,
+            group=group,
+            on_cleanup=self._on_cleanup,
+        )
+        self.actor_configs = gym_actor_configs(config)
+        shards_by_agent = start_gym_shards(
+            config,
+            self.actor_configs,
+            output_dir=self.output_dir,
+            policy=PolicyEndpoint(
+                base_url, self.policy_api_key.get_secret_value(), config.policy.name
+            ),
+            tokenizer_folder=folder,
+            placement=placement,
+            group=group,
+            on_cleanup=self._on_cleanup,
+        )
+        print(
+            f"{len(self.actor_configs)} Gym shard(s) up, {time.monotonic() - started:.1f} s into "
+            f"setup ({config.env.source}), serving {sorted(shards_by_agent)}",
+            flush=True,
+        )
+        # Every row's agent is served, checked before any episode runs.
+        rows = load_rows(
+            config.env.data,
+            self.actor_configs,
+            config.generation.sampling,
+            config.run.seed,
+            served_agents=shards_by_agent,
+            max_output_tokens=config.generation.server.max_tokens_per_turn,
+        )
+        grpo = config.grpo
+        self.buffer = start_replay_buffer(
+            grpo, placement=placement, group=group, on_cleanup=self._on_cleanup
+        )
+        self.first_step, position = self._resume()
+        self.finished_step = self.saved_step = self.first_step
+        self._finished_position = position
+        self._refit(self.first_step)
+        self.rows = RowStream(rows, position)
+        self.validator = (
+            Validator(
+                load_validation_rows(
+                    config.env.data,
+                    self.actor_configs,
+                    rows,
+                    temperature=grpo.val_temperature,
+                    top_p=config.generation.sampling.top_p,
+                ),
+                RayGroupRunner(shards_by_agent),
+                grpo.batch_timeout_s,
+            )
+            if grpo.val_at_start or grpo.val_period or grpo.val_at_end
+            else None
+        )
+        self.logger = build_logger(
+            config.logger,
+            run_name=config.run.name,
+            output_dir=self.output_dir,
+            hparams=config.model_dump(mode="json"),
+            total_steps=grpo.num_steps,
+            first_step=self.first_step,
+            run_id=identity.wandb_run_id,
+        )
+        self._on_cleanup("the metrics logger", self.logger.close)
+        self.producer = RolloutProducer(
+            grpo,
+            self.rows,
+            RayGroupRunner(shards_by_agent),
+            self.buffer,
+            first_step=self.first_step,
+            failure_budget=config.env.rollout.failure_budget,
+        )
+        self.producer.start()
+        self._on_cleanup("the rollout producer", self.producer.stop)
+
+    def _on_cleanup(self, what: str, close: Callable[[], object]) -> None:
+        self._closers.callback(_close_reporting_failure, what, close)
+
+    def _resume(self) -> tuple[int, int]:
+        """The step and row position to start from: 0, 0, or a checkpoint's."""
+        if not self.config.resume:
+            return 0, 0
+        checkpoint, rejected = latest_verified_checkpoint(self.checkpoint_dir)
+        for problem in rejected:
+            print(f"warning: skipping a damaged checkpoint: {problem}", flush=True)
+        if checkpoint is None:
+            raise FileNotFoundError(
+                f"resume=true but there is no complete checkpoint under {self.checkpoint_dir} "
+                f"whose files match their checksums ({len(rejected)} damaged); run without "
+                "resume, or point run.output_dir at the run to continue"
+            )
+        state = self.trainer.load_checkpoint(checkpoint)
+        print(f"resumed from {checkpoint} at step {state['step']}", flush=True)
+        return state["step"], state["data_state"]["position"]
+
+    # --------------------------------------------------------------------------------- train
+    def train(self) -> None:
+        """Every step from the first (0, or the resumed one) to `grpo.num_steps`."""
+        config = self.config
+        every = config.checkpoint.every_n_steps
+        if config.grpo.val_at_start and self.first_step == 0:
+            self.logger.log(0, self._validate())
+        last = time.monotonic()
+        for step in range(self.first_step, config.grpo.num_steps):
+            with self.stops.step():
+                metrics = self._step(step)
+                if self._validates_after(step + 1):
+                    metrics.update(self._validate())
+                now = time.monotonic()
+                metrics["timing/step_s"] = now - last
+                last = now
+                if every and (step + 1) % every == 0:
+                    metrics["timing/checkpoint_s"] = self._save_checkpoint(
+                        step + 1, self._step_end_position
+                    )
+                self.logger.log(step + 1, metrics)
+                self.finished_step, self._finished_position = step + 1, self._step_end_position
+                self._trainer_ahead = False
+            self.stops.step_finished()
+        if config.logger.jsonl:
+            metrics_path = self.output_dir / METRICS_FILENAME
+            picture = plot_run(
+                read_records(metrics_path), metrics_path.with_suffix(".png"), config.run.name
+            )
+            print(f"metrics: {metrics_path}\npicture: {picture}", flush=True)
+
+    def _validates_after(self, steps_taken: int) -> bool:
+        grpo = self.config.grpo
+        periodic = grpo.val_period > 0 and steps_taken % grpo.val_period == 0
+        return periodic or (grpo.val_at_end and steps_taken == grpo.num_steps)
+
+    def _validate(self) -> dict[str, float]:
+        """One validation pass on the weights the engine has now (gymrl.experience.validation)."""
+        assert self.validator is not None  # built whenever a grpo.val_* setting asks for it
+        started = time.monotonic()
+        metrics = self.validator.run()
+        metrics["timing/validation_s"] = time.monotonic() - started
+        return metrics
+
+    def _save_checkpoint(self, step: int, position: int) -> float:
+        """Save the trainer's state as `step` with the row `position`; returns the seconds."""
+        started = time.monotonic()
+        self.trainer.save_checkpoint(self.checkpoint_dir, step, {"position": position})
+        self.saved_step = step
+        return time.monotonic() - started
+
+    def checkpoint_on_stop(self) -> str:
+        """After a stop signal: save the last finished step if `stop.checkpoint` asks for it and
+        the newest checkpoint does not hold it; returns one sentence saying what was kept."""
+        if not self.config.stop.checkpoint:
+            return (
+                "no checkpoint on stop (stop.checkpoint=false); last finished step "
+                f"{self.finished_step}, newest checkpoint step {self.saved_step}"
+            )
+        if self.saved_step >= self.finished_step:
+            return f"no step finished since the last checkpoint (step {self.saved_step})"
+        if self._trainer_ahead:
+            return (
+                f"step {self.finished_step + 1} was abandoned inside the trainer, whose state is "
+                f"no longer that of step {self.finished_step}; newest checkpoint: step "
+                f"{self.saved_step}"
+            )
+        seconds = self._save_checkpoint(self.finished_step, self._finished_position)
+        return f"saved a checkpoint of step {self.saved_step} in {seconds:.1f} s"
+
+    def _refit(self, version: int) -> float:
+        started = time.monotonic()
+        self.trainer.refit(self.generation, version)
+        return time.monotonic() - started
+
+    def _step(self, step: int) -> dict[str, float]:
+        loss, producer = self.config.loss, self.producer
+        started = time.monotonic()
+        groups = self._wait_for_batch(step)
+        waited = time.monotonic() - started
+        trajectories = [t for group in groups for t in group.trajectories]
+        rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
+        advantages = grpo_advantages(
+            rewards,
+            [t.group_id for t in trajectories],
+            normalize_by_std=loss.normalize_advantages_by_std,
+            eps=_ADVANTAGE_EPS,
+        )
+        started = time.monotonic()
+        self._trainer_ahead = True
+        train_metrics = self.trainer.train_step(trajectories, advantages)
+        trained = time.monotonic() - started
+        refit_s = self._refit(step + 1)
+        buffer_stats = self.buffer.stats()
+        # Before `advance` lets the producer take the next step's rows: in sync mode exactly the
+        # rows trained so far, so a resume draws the same rows next (async: rows in flight for
+        # later steps are past this position, and a resume skips them).
+        self._step_end_position = self.rows.position
+        producer.advance(step + 1, buffer_stats["evicted_stale"])
+        metrics = self._metrics(step, groups, train_metrics, producer.counts())
+        metrics.update(
+            {
+                "timing/wait_for_batch_s": waited,
+                "timing/train_s": trained,
+                "timing/refit_s": refit_s,
+                "perf/train_tokens_per_s": sum(len(t.token_ids) for t in trajectories) / trained,
+                "async/evicted_stale_total": float(buffer_stats["evicted_stale"]),
+                "async/buffer_groups": float(buffer_stats["size"]),
+            }
+        )
+        return metrics
+
+    def _wait_for_batch(self, step: int) -> list[RolloutGroup]:
+        """The step's groups, waiting in short slices so a producer error surfaces at once."""
+        producer = self.producer
+        deadline = time.monotonic() + self.config.grpo.batch_timeout_s
+        needed = self.config.grpo.num_prompts_per_step
+        while True:
+            if producer.fatal is not None:
+                raise producer.fatal
+            slice_s = max(min(deadline - time.monotonic(), 5.0), 0.01)
+            try:
+                return self.buffer.get_batch(needed, step, slice_s)
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    if producer.fatal is not None:
+                        raise producer.fatal from None
+                    raise
+
+    @staticmethod
+    def _metrics(
+        step: int,
+        groups: Sequence[RolloutGroup],
+        train_metrics: Mapping[str, float],
+        counts: ProducerCounts,
+    ) -> dict[str, float]:
+        trajectories: list[Trajectory] = [t for group in groups for t in group.trajectories]
+        results = [summary for group in groups for summary in group.summaries]
+        ages = [step - t.weight_version for t in trajectories]
+        generated = sum(t.num_generated_tokens for t in trajectories)
+        metrics: dict[str, float] = {f"train/{k}": v for k, v in train_metrics.items()}
+        metrics.update({f"train/{k}": v for k, v in per_agent_metrics(results).items()})
+        metrics.update(
+            {
+                "train/reward/mean": float(sum(t.reward for t in trajectories) / len(trajectories)),
+                "train/groups_with_reward_variance": share_of_groups_with_variance(
+                    [t.reward for t in trajectories], [t.group_id for t in trajectories]
+                ),
+                "rollout/episodes": float(len(trajectories)),
+                "rollout/generated_tokens": float(generated),
+                "rollout/failures_total": float(counts.failures),
+                "rollout/retries_total": float(counts.retries),
+                "rollout/dropped_groups_total": float(counts.dropped_groups),
+                "rollout/group_s/mean": _mean([group.seconds for group in groups]),
+                "async/weight_version": float(step + 1),
+                "async/trajectory_age/mean": _mean(ages),
+                "async/trajectory_age/max": float(max(ages)),
+            }
+        )
+        return metrics
+
+    # ------------------------------------------------------------------------------- cleanup
+    def cleanup(self) -> None:
+        """Close, in reverse order, whatever `setup` started; safe after a failed setup and
+        when called twice. A role that does not close cleanly is reported, not raised: it must
+        not mask the error that ended the run, nor keep the roles before it from closing."""
+        self._closers.close()
+
+
+def _close_reporting_failure(what: str, close: Callable[[], object]) -> None:
+    try:
+        close()
+    except Exception as error:
+        print(f"warning: {what} did not close cleanly: {type(error).__name__}: {error}", flush=True)
+
+
+def _mean(values: Sequence[float]) -> float:
+    return float(sum(values) / len(values)) if values else math.nan

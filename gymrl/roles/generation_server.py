@@ -1,0 +1,194 @@
+"""The generation role: an engine (torch, or a group of SGLang servers) behind the
+OpenAI-compatible policy model server, the URL Gym agents call; refit to a weight version.
+
+`start_generation_server` is how every caller gets one (the GRPO recipe, `serve`, benchmarks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+from pydantic import SecretStr
+
+from gymrl.cluster.placement import Placement, actor_options
+from gymrl.cluster.ray_calls import close_actor, wait_for
+from gymrl.config.schema import RecipeConfig, SGLangGenerationConfig
+from gymrl.generation.announce import policy_server_host
+from gymrl.generation.chat_template import ChatFormat
+from gymrl.generation.policy_server import create_policy_server_app
+from gymrl.generation.sglang_engine import SGLangEngine, SGLangServerGroup
+from gymrl.generation.torch_engine import TorchGenerationEngine
+from gymrl.model.loading import load_tokenizer
+from gymrl.model.policy import build_policy, tokenizer_folder
+from gymrl.model.tokens import eos_token_id
+from gymrl.roles import OnCleanup
+from nemo_gym_ext.http_server import serve_in_thread
+
+GENERATION_CLOSE_S = 60.0  # the server lets a running engine batch finish first
+
+
+@ray.remote(num_cpus=0)
+class GenerationServer:
+    """The policy model server in front of the configured engine (torch, or SGLang servers)."""
+
+    def __init__(
+        self,
+        config: RecipeConfig,
+        *,
+        output_dir: str,
+        torch_threads: int,
+        placement: Placement,
+        placement_group: Any,
+        api_key: SecretStr,
+    ):
+        """`placement` says where the engines run (the torch engine: on this actor's GPU, if it
+        has one); SGLang servers go into bundles of `placement_group`. `api_key` is the run's
+        (`gymrl.generation.api_key`)."""
+        torch.set_num_threads(torch_threads)
+        policy, generation = config.policy, config.generation
+        # What this actor starts, closed in reverse by close(); if the constructor fails
+        # half-way, the SGLang servers it started are shut down before the error leaves.
+        with ExitStack() as started:
+            if isinstance(generation, SGLangGenerationConfig):
+                tokenizer = load_tokenizer(tokenizer_folder(policy))
+                sglang_servers = SGLangServerGroup(
+                    generation,
+                    policy,
+                    model_path=tokenizer_folder(policy),
+                    seed=config.run.seed,
+                    log_dir=Path(output_dir) / "logs",
+                    placement_group=placement_group,
+                    engines=placement.generation,
+                )
+                started.callback(sglang_servers.shutdown)
+                self._engine = SGLangEngine.from_config(
+                    generation, sglang_servers.urls, refit_dir=Path(output_dir) / "refit"
+                )
+                started.callback(self._engine.close)
+                self._tp_size = generation.tensor_parallel_size
+                batching = {}  # SGLang schedules each request itself: nothing is batched
+            else:
+                model, tokenizer = build_policy(policy, config.run.seed)
+                # transformers' `to` is typed as unbound (see gymrl.model.loading.build_tiny_llama).
+                model.to(placement.generation.device)  # pyright: ignore[reportArgumentType]
+                self._engine = TorchGenerationEngine(
+                    model,
+                    max_batch_size=generation.max_batch_size,
+                    eos_token_ids=[eos_token_id(tokenizer)],
+                    seed=config.run.seed,
+                    compute_dtype=policy.compute_dtype,
+                )
+                batching = {
+                    "max_batch_size": generation.max_batch_size,
+                    "max_concurrent_batches": generation.server.max_concurrent_batches,
+                }
+            server = generation.server
+            app = create_policy_server_app(
+                self._engine,
+                ChatFormat.from_policy(policy, tokenizer),
+                model_name=policy.name,
+                api_key=api_key,
+                honor_prompt_token_ids=server.honor_prompt_token_ids,
+                default_max_tokens=server.max_tokens_per_turn,
+                max_context_tokens=policy.max_total_sequence_length,
+                request_timeout_s=server.request_timeout_s,
+                **batching,
+            )
+            http_server = serve_in_thread(
+                app,
+                host=policy_server_host(config),
+                port=server.port,
+                max_body_bytes=server.max_request_bytes,
+                max_concurrency=server.max_concurrent_requests,
+            )
+            # A running engine batch finishes first.
+            started.callback(http_server.close, timeout_s=50.0)
+            self._public_url = http_server.url.replace("0.0.0.0", ray.util.get_node_ip_address())
+            self._started = started.pop_all()
+
+    def base_url(self) -> str:
+        """The OpenAI base URL agents use (`.../v1`)."""
+        return f"{self._public_url}/v1"
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> int:
+        self._engine.update_weights(state_dict, version)
+        return self._engine.weight_version
+
+    def weight_sync_targets(self) -> tuple[list[str], list[int]]:
+        """The SGLang servers' URLs and TP sizes, for the trainer's `WeightSender`."""
+        engine = self._sglang_engine()
+        return engine.server_urls, [self._tp_size] * len(engine.server_urls)
+
+    def begin_refit(self) -> None:
+        """Pause the SGLang servers while the trainer broadcasts weights to them."""
+        self._sglang_engine().begin_refit()
+
+    def end_refit(self, version: int) -> int:
+        self._sglang_engine().end_refit(version)
+        return version
+
+    def _sglang_engine(self) -> SGLangEngine:
+        if not isinstance(self._engine, SGLangEngine):  # the validator refuses such configs
+            raise TypeError("weight sync by broadcast is the SGLang engines' (generation=sglang)")
+        return self._engine
+
+    def refit_from_disk(self, path: str, version: int) -> int:
+        """SGLang engines load a Hugging Face checkpoint the trainer exported to shared disk."""
+        if not isinstance(self._engine, SGLangEngine):  # the validator refuses such configs
+            raise TypeError("refit_from_disk is the SGLang engines' refit path (generation=sglang)")
+        self._engine.refit_from_disk(path, version)
+        return self._engine.weight_version
+
+    def close(self) -> None:
+        """Stop the HTTP server, then the SGLang engines behind it (each even if one fails)."""
+        self._started.close()
+
+
+@dataclass(frozen=True)
+class GenerationRole:
+    """The running generation server: its actor (refit verbs) and the agents' base URL."""
+
+    actor: Any
+    base_url: str
+
+
+def start_timeout_s(config: RecipeConfig) -> float:
+    """Deadline for the generation server: model loading, plus SGLang's own start deadline."""
+    generation = config.generation
+    engines = generation.server_start_timeout_s if generation.backend == "sglang" else 0.0
+    return config.cluster.ray_start_timeout_s + engines
+
+
+def start_generation_server(
+    config: RecipeConfig,
+    *,
+    output_dir: Path,
+    torch_threads: int,
+    placement: Placement,
+    group: Any,
+    api_key: SecretStr,
+    on_cleanup: OnCleanup,
+) -> GenerationRole:
+    """Start the generation server where `placement` says, in the run's placement `group`, and
+    wait (with a deadline) until its policy server answers."""
+    actor = GenerationServer.options(**actor_options(placement.policy_server, 0, group)).remote(
+        config,
+        output_dir=str(output_dir),
+        torch_threads=torch_threads,
+        placement=placement,
+        placement_group=group,
+        api_key=api_key,
+    )
+    on_cleanup("the generation server", lambda: close_actor(actor, timeout_s=GENERATION_CLOSE_S))
+    base_url = wait_for(
+        actor.base_url.remote(),
+        timeout_s=start_timeout_s(config),
+        what="starting the generation server",
+    )
+    return GenerationRole(actor, base_url)

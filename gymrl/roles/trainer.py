@@ -1,0 +1,269 @@
+"""The trainer role: the torch trainer's actor, and the driver's handles of both backends
+(one torch actor, or a group of Megatron ranks) with the same five verbs.
+
+The loop does not care whether the trainer is one torch actor or a group of Megatron ranks: it
+trains a step, refits the generation server to a weight version, saves and loads checkpoints.
+How weights reach the engines differs: the torch trainer hands its state dict to the torch engine
+through Ray's object store. SGLang servers get them by broadcast from the trainer's rank 0
+(`generation.refit.transport: nccl`, :func:`broadcast_refit`, `gymrl.generation.weight_sync`)
+or, with `transport: disk`, as a Hugging Face checkpoint on shared disk (the torch trainer's goes
+through the generation server), each version deleted once the next one is loaded everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import ray
+import torch
+
+from gymrl.algo.trajectory import Trajectory
+from gymrl.cluster.placement import Placement, actor_options
+from gymrl.cluster.ray_calls import close_actor, wait_for
+from gymrl.config.schema import (
+    LossConfig,
+    MegatronTrainerConfig,
+    PolicyConfig,
+    RecipeConfig,
+    RefitConfig,
+    SGLangGenerationConfig,
+    TorchTrainerConfig,
+)
+from gymrl.generation.sglang_engine import remove_loaded_refits
+from gymrl.generation.weight_sync import WeightSender
+from gymrl.model.policy import build_policy
+from gymrl.model.tokens import pad_token_id
+from gymrl.roles import OnCleanup
+from gymrl.trainer.torch_trainer import TorchPolicyTrainer
+
+
+@ray.remote(num_cpus=0)
+class PolicyTrainerActor:
+    """The torch trainer in its own process: optimizer steps, weight export, checkpoints."""
+
+    def __init__(
+        self,
+        policy: PolicyConfig,
+        trainer: TorchTrainerConfig,
+        loss: LossConfig,
+        *,
+        seed: int,
+        temperature: float,
+        keep_last_checkpoints: int,
+        torch_threads: int,
+        device: str,
+    ):
+        """`device`: `cuda` when the placement gave this actor a GPU (Ray makes it the only
+        visible one), else `cpu`."""
+        torch.set_num_threads(torch_threads)
+        torch.manual_seed(seed)
+        self._device = device
+        self._sender: WeightSender | None = None
+        model, tokenizer = build_policy(policy, seed)
+        # transformers' `to` is typed as unbound (see gymrl.model.loading.build_tiny_llama).
+        model.to(device)  # pyright: ignore[reportArgumentType]
+        self._trainer = TorchPolicyTrainer(
+            model,
+            trainer,
+            loss,
+            temperature=temperature,
+            pad_token_id=pad_token_id(tokenizer),
+            keep_last_checkpoints=keep_last_checkpoints,
+            compute_dtype=policy.compute_dtype,
+        )
+
+    def train_step(self, trajectories: list[Trajectory], advantages: torch.Tensor) -> dict:
+        return self._trainer.train_step(trajectories, advantages)
+
+    def export_weights(self) -> Mapping[str, torch.Tensor]:
+        return self._trainer.export_weights()
+
+    def send_weights(
+        self, urls: list[str], tp_sizes: list[int], refit: RefitConfig, version: int
+    ) -> int:
+        """Broadcast the weights to the SGLang servers (paused by the generation server); the
+        weight-update group is formed on the first call and kept."""
+        if self._sender is None:
+            self._sender = WeightSender(
+                urls,
+                tp_sizes,
+                master_address=ray.util.get_node_ip_address(),
+                backend="nccl" if self._device.startswith("cuda") else "gloo",
+                bucket_bytes=refit.bucket_bytes,
+                timeout_s=refit.timeout_s,
+            )
+        self._sender.send(self._trainer.export_weights().items(), version)
+        return self._sender.bytes_sent
+
+    def weight_version(self) -> int:
+        return self._trainer.weight_version
+
+    def save_checkpoint(self, directory: str, step: int, data_state: dict) -> str:
+        return str(self._trainer.save_checkpoint(Path(directory), step, data_state))
+
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        return self._trainer.load_checkpoint(Path(path))
+
+
+class TrainerRole(Protocol):
+    def train_step(self, trajectories: list[Trajectory], advantages: torch.Tensor) -> dict: ...
+
+    def refit(self, generation: Any, version: int) -> None: ...
+
+    def save_checkpoint(self, directory: Path, step: int, data_state: dict) -> None: ...
+
+    def load_checkpoint(self, path: Path) -> dict[str, Any]:
+        """Restore and return at least `step` and `data_state`."""
+        ...
+
+    def close(self) -> None:
+        """End every process and GPU reservation the role holds."""
+        ...
+
+
+class TorchTrainerRole:
+    def __init__(
+        self, config: RecipeConfig, *, torch_threads: int, placement: Placement, group: Any
+    ):
+        self._timeout_s = config.grpo.batch_timeout_s
+        generation = config.generation
+        self._refit = generation.refit if isinstance(generation, SGLangGenerationConfig) else None
+        role = placement.trainer
+        self._actor = PolicyTrainerActor.options(**actor_options(role, 0, group)).remote(
+            config.policy,
+            config.trainer,
+            config.loss,
+            seed=config.run.seed,
+            temperature=config.generation.sampling.temperature,
+            keep_last_checkpoints=config.checkpoint.keep_last,
+            torch_threads=torch_threads,
+            device=role.device,
+        )
+        try:
+            wait_for(
+                self._actor.weight_version.remote(),  # answers once the model is built
+                timeout_s=config.trainer.start_timeout_s,
+                what="starting the torch trainer (trainer.start_timeout_s)",
+            )
+        except BaseException:
+            close_actor(self._actor)  # the recipe's cleanup never sees a role that did not start
+            raise
+
+    def train_step(self, trajectories: list[Trajectory], advantages: torch.Tensor) -> dict:
+        return self._wait(self._actor.train_step.remote(trajectories, advantages), "a train step")
+
+    def refit(self, generation: Any, version: int) -> None:
+        if self._refit is not None and self._refit.transport == "nccl":
+            refit = self._refit
+
+            def send(urls: list[str], tp_sizes: list[int]) -> None:
+                ref = self._actor.send_weights.remote(urls, tp_sizes, refit, version)
+                self._wait(ref, "the weight broadcast")
+
+            broadcast_refit(generation, version, send, self._wait)
+            return
+        weights = self._actor.export_weights.remote()  # stays in the object store
+        self._wait(generation.update_weights.remote(weights, version), "the engine refit")
+
+    def save_checkpoint(self, directory: Path, step: int, data_state: dict) -> None:
+        self._wait(
+            self._actor.save_checkpoint.remote(str(directory), step, data_state), "a checkpoint"
+        )
+
+    def load_checkpoint(self, path: Path) -> dict[str, Any]:
+        return self._wait(self._actor.load_checkpoint.remote(str(path)), "loading a checkpoint")
+
+    def close(self) -> None:
+        close_actor(self._actor)  # nothing to flush: checkpoints are written when asked for
+
+    def _wait(self, ref: Any, what: str) -> Any:
+        return wait_for(ref, timeout_s=self._timeout_s, what=what)
+
+
+class MegatronTrainerRole:
+    def __init__(self, config: RecipeConfig, output_dir: Path, placement: Placement, group: Any):
+        from gymrl.trainer.megatron.group import MegatronTrainerGroup  # needs CUDA + megatron
+
+        self._refit_dir = output_dir / "refit"
+        self._timeout_s = config.grpo.batch_timeout_s
+        assert isinstance(config.generation, SGLangGenerationConfig)  # the validator's rule
+        self._refit = config.generation.refit
+        self._group = MegatronTrainerGroup(
+            config,
+            placement_group=group,
+            ranks=placement.trainer,
+            temperature=config.generation.sampling.temperature,
+            start_timeout_s=config.trainer.start_timeout_s,
+            call_timeout_s=config.grpo.batch_timeout_s,
+        )
+
+    def train_step(self, trajectories: list[Trajectory], advantages: torch.Tensor) -> dict:
+        return self._group.train_step(trajectories, advantages)
+
+    def refit(self, generation: Any, version: int) -> None:
+        if self._refit.transport == "nccl":
+            refit = self._refit
+            broadcast_refit(
+                generation,
+                version,
+                lambda urls, tp_sizes: self._group.send_weights(urls, tp_sizes, refit, version),
+                self._wait,
+            )
+            return
+        path = self._group.export_hf_checkpoint(self._refit_dir / f"v{version}")
+        wait_for(
+            generation.refit_from_disk.remote(str(path), version),
+            timeout_s=self._timeout_s,
+            what="the SGLang refit",
+        )
+        remove_loaded_refits(self._refit_dir, keep=path)  # every server has loaded `path`
+
+    def _wait(self, ref: Any, what: str) -> Any:
+        return wait_for(ref, timeout_s=self._timeout_s, what=what)
+
+    def save_checkpoint(self, directory: Path, step: int, data_state: dict) -> None:
+        self._group.save_checkpoint(directory, step, data_state)
+
+    def load_checkpoint(self, path: Path) -> dict[str, Any]:
+        return self._group.load_checkpoint(path)
+
+    def close(self) -> None:
+        self._group.shutdown()
+
+
+def broadcast_refit(
+    generation: Any,
+    version: int,
+    send: Callable[[list[str], list[int]], Any],
+    wait: Callable[[Any, str], Any],
+) -> None:
+    """Refit SGLang by broadcast: the generation server pauses its engines, the trainer's rank 0
+    `send`s the weights to the servers' URLs (`generation.refit.transport: nccl`), the engines
+    continue under `version`. A failure leaves them paused and raises, as a disk refit does."""
+    wait(generation.begin_refit.remote(), "pausing the SGLang servers")
+    urls, tp_sizes = wait(generation.weight_sync_targets.remote(), "the SGLang server URLs")
+    send(urls, tp_sizes)
+    wait(generation.end_refit.remote(version), "resuming the SGLang servers")
+
+
+def start_trainer(
+    config: RecipeConfig,
+    output_dir: Path,
+    *,
+    torch_threads: int,
+    placement: Placement,
+    group: Any,
+    on_cleanup: OnCleanup,
+) -> TrainerRole:
+    """The trainer of `config`, its actors placed as `placement` says, in the run's placement
+    `group` (`gymrl.cluster.placement.reserve`); started, and its closer registered."""
+    if isinstance(config.trainer, MegatronTrainerConfig):
+        role: TrainerRole = MegatronTrainerRole(config, output_dir, placement, group)
+    else:
+        role = TorchTrainerRole(
+            config, torch_threads=torch_threads, placement=placement, group=group
+        )
+    on_cleanup("the trainer", role.close)
+    return role

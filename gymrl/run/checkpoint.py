@@ -1,0 +1,295 @@
+"""Checkpoints of both trainers: one folder layout and one resume state, whatever the backend.
+
+A checkpoint is a folder `step_<n>/` holding the backend's weights and optimizer state (the torch
+trainer: `model.safetensors` and `optimizer.pt`; Megatron: a distributed checkpoint under
+`megatron/`), `trainer_state.json` (:class:`TrainerState`), `MANIFEST.json` (the size and
+SHA-256 of every other file) and, written last, the marker `COMPLETE`. It is assembled in a
+staging folder and renamed into place (`gymrl.run.atomic.atomic_folder`), so a crash mid-save never
+leaves a `step_<n>/` that looks usable; the marker additionally guards against copies made by
+tools that do not rename atomically (rsync, object-store syncs). :func:`latest_checkpoint` only
+ever returns marked folders.
+
+The marker says a save finished; it cannot say the bytes are still the ones written. A full disk
+that truncated a file the writer did not check, a copy cut short, bit rot on a shared filesystem:
+each leaves a marked folder that loads garbage or fails deep inside torch. So a resume goes
+through :func:`latest_verified_checkpoint`, which checks every file against the manifest, reports
+each checkpoint that fails and falls back to the newest one that passes.
+
+The resume state is the same for both trainers: the step, the weight version the generation
+engines must be refitted to, where the data stream is, and the RNG states (Python, NumPy, torch
+and CUDA) of every trainer rank, so that a resumed run draws the same random numbers an
+uninterrupted one would have. Anything backend-specific (Megatron's learning-rate scheduler) goes
+in `extra`.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_model, save_model
+
+from gymrl.run.atomic import STAGING_PREFIX, atomic_folder
+
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+STATE_FILE = "trainer_state.json"
+MANIFEST_FILE = "MANIFEST.json"
+COMPLETE_MARKER = "COMPLETE"
+_STEP_DIR = re.compile(r"step_(\d+)")
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """What a trainer resumes from besides weights and optimizer state.
+
+    `rng` holds one entry per trainer rank (index = global rank), each from
+    :func:`capture_rng_state`. `data_state` and `extra` must be JSON-serialisable; that is checked
+    at construction, before anything is written.
+    """
+
+    step: int
+    weight_version: int
+    data_state: dict[str, Any]
+    rng: list[dict[str, Any]]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.step < 0:
+            raise ValueError(f"step must be >= 0, got {self.step}")
+        for name in ("data_state", "extra"):
+            try:
+                json.dumps(getattr(self, name))
+            except (TypeError, ValueError) as error:
+                raise ValueError(
+                    f"checkpoint {name} must be JSON-serialisable ({error}); convert tensors "
+                    "and other objects to numbers, strings, lists or dicts"
+                ) from error
+
+    def resume_info(self) -> dict[str, Any]:
+        """What the loop resumes from: `{"step", "weight_version", "data_state", "extra"}`."""
+        return {
+            "step": self.step,
+            "weight_version": self.weight_version,
+            "data_state": self.data_state,
+            "extra": self.extra,
+        }
+
+    def write(self, folder: Path) -> None:
+        """Write `trainer_state.json`, the manifest of every file in `folder`, then the
+        `COMPLETE` marker: the last files of a save, after the backend wrote its own."""
+        (folder / STATE_FILE).write_text(json.dumps(asdict(self), indent=2))
+        write_manifest(folder)
+        (folder / COMPLETE_MARKER).write_text(f"{self.step}\n")
+
+    @classmethod
+    def read(cls, folder: str | os.PathLike[str]) -> TrainerState:
+        """The state of a complete checkpoint (refuses a folder without the marker)."""
+        folder = Path(folder)
+        if not (folder / COMPLETE_MARKER).is_file():
+            raise FileNotFoundError(
+                f"{folder} is not a complete checkpoint (no {COMPLETE_MARKER} marker); a save was "
+                "interrupted or the folder was copied partially. Use latest_checkpoint() to find "
+                "the newest complete one."
+            )
+        return cls(**json.loads((folder / STATE_FILE).read_text()))
+
+
+def save_checkpoint(
+    directory: str | os.PathLike[str],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: TrainerState,
+    *,
+    keep_last: int,
+) -> Path:
+    """Write the torch trainer's `directory/step_<step>/` atomically, keep the newest
+    `keep_last`, return its path. Saving a step that already exists replaces it."""
+    check_keep_last(keep_last)
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    remove_leftover_staging(root)
+    target = root / f"step_{state.step}"
+    with atomic_folder(target, durable=True) as staging:
+        save_model(model, str(staging / MODEL_FILE))
+        torch.save(optimizer.state_dict(), staging / OPTIMIZER_FILE)
+        state.write(staging)
+    prune_checkpoints(root, keep_last)
+    return target
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+) -> TrainerState:
+    """Restore the torch trainer's weights, optimizer state (unless `optimizer` is None) and RNG
+    states from `path`, and return its state."""
+    state = TrainerState.read(path)
+    folder = Path(path)
+    load_model(model, str(folder / MODEL_FILE), strict=True)
+    if optimizer is not None:
+        optimizer.load_state_dict(
+            torch.load(folder / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+        )
+    restore_rng_state(state.rng[0])
+    return state
+
+
+class CorruptCheckpointError(RuntimeError):
+    """A marked checkpoint whose files do not match its manifest."""
+
+
+def write_manifest(folder: Path) -> None:
+    """Record the size and SHA-256 of every file under `folder` in `MANIFEST.json`."""
+    files = {
+        path.relative_to(folder).as_posix(): {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+        for path in sorted(folder.rglob("*"))
+        if path.is_file() and path.name not in (MANIFEST_FILE, COMPLETE_MARKER)
+    }
+    (folder / MANIFEST_FILE).write_text(json.dumps({"files": files}, indent=2))
+
+
+def verify_checkpoint(folder: str | os.PathLike[str]) -> None:
+    """Raise :class:`CorruptCheckpointError` naming every file of `folder` that is missing,
+    of the wrong size or of the wrong content; return if all match the manifest."""
+    folder = Path(folder)
+    try:
+        files = json.loads((folder / MANIFEST_FILE).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CorruptCheckpointError(
+            f"{folder}: no readable {MANIFEST_FILE} ({type(error).__name__}: {error}); it was "
+            "cut short, or written before checkpoints carried checksums"
+        ) from None
+    problems = []
+    for name, expected in files.items():
+        path = folder / name
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+        elif path.stat().st_size != expected["bytes"]:
+            problems.append(f"{name} has {path.stat().st_size} bytes, not {expected['bytes']}")
+        elif _sha256(path) != expected["sha256"]:
+            problems.append(f"{name} does not match its SHA-256")
+    if problems:
+        raise CorruptCheckpointError(f"{folder}: " + "; ".join(problems))
+
+
+def latest_verified_checkpoint(
+    directory: str | os.PathLike[str],
+) -> tuple[Path | None, list[str]]:
+    """The newest complete checkpoint under `directory` whose files match its manifest (None if
+    none), and one sentence per newer checkpoint that failed the check, for the run to report."""
+    root = Path(directory)
+    rejected: list[str] = []
+    if not root.is_dir():
+        return None, rejected
+    for candidate in reversed(complete_checkpoints(root)):
+        try:
+            verify_checkpoint(candidate)
+        except CorruptCheckpointError as error:
+            rejected.append(str(error))
+            continue
+        return candidate, rejected
+    return None, rejected
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as file:
+        return hashlib.file_digest(file, "sha256").hexdigest()
+
+
+def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
+    """The complete checkpoint with the highest step under `directory`, or None."""
+    root = Path(directory)
+    if not root.is_dir():
+        return None
+    complete = complete_checkpoints(root)
+    return complete[-1] if complete else None
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Marked `step_<n>` folders under `root`, oldest step first."""
+    found = []
+    for child in root.iterdir():
+        match = _STEP_DIR.fullmatch(child.name)
+        if match and (child / COMPLETE_MARKER).is_file():
+            found.append((int(match.group(1)), child))
+    return [child for _, child in sorted(found)]
+
+
+def check_keep_last(keep_last: int) -> None:
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 (the checkpoint just written), got {keep_last}")
+
+
+def prune_checkpoints(root: Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` complete checkpoints."""
+    for old in complete_checkpoints(root)[:-keep_last]:
+        shutil.rmtree(old)
+
+
+def remove_leftover_staging(root: Path) -> None:
+    """Remove staging folders of saves that crashed; one trainer saves into `root` at a time."""
+    for child in root.iterdir():
+        if child.name.startswith(STAGING_PREFIX) and child.is_dir():
+            shutil.rmtree(child, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------- RNG
+def capture_rng_state() -> dict[str, Any]:
+    """This process's RNG states as JSON: Python, NumPy, torch's CPU generator and, once CUDA is
+    in use, every visible GPU's."""
+    version, internal, gauss_next = random.getstate()
+    kind, keys, position, has_gauss, cached_gauss = np.random.get_state(legacy=True)
+    state: dict[str, Any] = {
+        "python": {"version": version, "state": list(internal), "gauss_next": gauss_next},
+        "numpy": {
+            "kind": kind,
+            "keys": np.asarray(keys).tolist(),
+            "position": int(position),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gauss),
+        },
+        "torch": _encode_bytes(torch.get_rng_state()),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [_encode_bytes(s) for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    """Inverse of :func:`capture_rng_state` in this process."""
+    python = state["python"]
+    random.setstate((python["version"], tuple(python["state"]), python["gauss_next"]))
+    numpy = state["numpy"]
+    np.random.set_state(
+        (
+            numpy["kind"],
+            np.array(numpy["keys"], dtype=np.uint32),
+            numpy["position"],
+            numpy["has_gauss"],
+            numpy["cached_gaussian"],
+        )
+    )
+    torch.set_rng_state(_decode_bytes(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([_decode_bytes(s) for s in state["cuda"]])
+
+
+def _encode_bytes(tensor: torch.Tensor) -> str:
+    return base64.b64encode(tensor.numpy().tobytes()).decode("ascii")
+
+
+def _decode_bytes(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)

@@ -1,0 +1,301 @@
+"""The rollout producer's credit and eviction accounting, with an in-process runner and the real
+replay buffer: no Ray, no servers.
+
+The producer may have `(step - first_step + 1 + lookahead) * prompts_per_step` groups delivered
+(lookahead = max_trajectory_age_steps when async, 0 when sync), plus one per group the buffer
+evicted; a group that comes back without a baseline (fewer than two episodes) uses no credit.
+"""
+
+import threading
+import time
+
+import pytest
+
+from gymrl.config.schema import GRPOConfig
+from gymrl.experience.producer import ProducerCounts, RolloutProducer
+from gymrl.experience.replay_buffer import ReplayBuffer
+from gymrl.experience.rows import RowStream
+from nemo_gym_ext.rollout import GroupOutcome, RolloutBudgetExceeded, UnknownAgentError
+
+AGENT = "calc_agent"
+
+
+def _episode(reward=1.0, agent=AGENT):
+    return {
+        "full_result": {"reward": reward, "agent_ref": {"name": agent}, "turns": 1},
+        "message_log": [
+            {"role": "user", "token_ids": [1, 2]},
+            {"role": "assistant", "token_ids": [3], "generation_logprobs": [-0.5]},
+        ],
+        "overlong": False,
+    }
+
+
+def _rows(n=64, agent=AGENT):
+    return [
+        {"id": f"r{i}", "agent_ref": {"name": agent}, "responses_create_params": {}}
+        for i in range(n)
+    ]
+
+
+class FakeRunner:
+    """Runs groups in-process: every group finishes at once with `outcome_for(row, size)` unless
+    `hold` is set, in which case groups stay running until cancelled."""
+
+    def __init__(self, outcome_for=None, hold=False):
+        self.agents = {AGENT}
+        self.submitted = []  # (row id, size) in submission order
+        self.cancelled = []
+        self._outcome_for = outcome_for or (lambda row, size: _outcome(row, size))
+        self._hold = hold
+        self._running = {}
+        self._lock = threading.Lock()
+
+    def submit(self, agent, row, num_episodes):
+        with self._lock:
+            handle = len(self.submitted)
+            self.submitted.append((row["id"], num_episodes))
+            self._running[handle] = (row, num_episodes)
+            return handle
+
+    def finished(self, running, timeout_s):
+        if self._hold:
+            time.sleep(min(timeout_s, 0.01))
+            return []
+        return list(running)
+
+    def outcome(self, group):
+        row, size = self._running.pop(group)
+        return self._outcome_for(row, size)
+
+    def cancel(self, group):
+        self.cancelled.append(group)
+
+
+def _outcome(row, size, *, failures=(), retries=0):
+    return GroupOutcome(
+        row_id=row["id"],
+        agent=AGENT,
+        episodes=[_episode(float(i)) for i in range(size)],
+        failures=list(failures),
+        retries=retries,
+    )
+
+
+def _grpo(*, async_enabled=True, max_age=1, prompts=2):
+    return GRPOConfig(
+        num_steps=10,
+        num_prompts_per_step=prompts,
+        num_generations_per_prompt=3,
+        async_enabled=async_enabled,
+        max_trajectory_age_steps=max_age,
+        batch_timeout_s=5.0,
+    )
+
+
+def _eventually(predicate, timeout_s=5.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def _settled(runner, expected):
+    """Wait for `expected` submissions, then check that no more follow shortly after."""
+    _eventually(lambda: len(runner.submitted) >= expected)
+    time.sleep(0.2)
+    assert len(runner.submitted) == expected
+
+
+@pytest.fixture
+def started():
+    """Start producers and stop them after the test, whatever happened."""
+    producers = []
+
+    def start(grpo, runner, buffer, *, first_step=0, failure_budget=4, rows=None):
+        producer = RolloutProducer(
+            grpo,
+            RowStream(rows or _rows()),
+            runner,
+            buffer,
+            first_step=first_step,
+            failure_budget=failure_budget,
+        )
+        producers.append(producer)
+        producer.start()
+        return producer
+
+    yield start
+    for producer in producers:
+        producer.stop()
+
+
+def _buffer(grpo):
+    return ReplayBuffer(grpo.max_trajectory_age_steps, capacity_groups=64)
+
+
+def test_async_runs_lookahead_steps_ahead_and_advances_one_step_per_refit(started):
+    grpo, runner = _grpo(max_age=1, prompts=2), FakeRunner()
+    buffer = _buffer(grpo)
+    producer = started(grpo, runner, buffer)
+    _settled(runner, 4)  # (0 + 1 + 1) * 2
+    assert buffer.stats()["put"] == 4
+    assert all(size == 3 for _, size in runner.submitted)
+    producer.advance(1, evicted_total=0)
+    _settled(runner, 6)
+    assert producer.fatal is None
+
+
+def test_sync_makes_exactly_one_steps_groups_per_step(started):
+    grpo, runner = _grpo(async_enabled=False, max_age=3, prompts=2), FakeRunner()
+    producer = started(grpo, runner, _buffer(grpo))
+    _settled(runner, 2)
+    producer.advance(1, evicted_total=0)
+    _settled(runner, 4)
+
+
+def test_groups_carry_the_weight_version_live_when_they_were_submitted(started):
+    grpo, runner = _grpo(async_enabled=False, prompts=1), FakeRunner()
+    buffer = _buffer(grpo)
+    producer = started(grpo, runner, buffer)
+    _settled(runner, 1)
+    producer.advance(1, evicted_total=0)
+    _settled(runner, 2)
+    versions = [group.weight_version for group in buffer.get_batch(2, 1, timeout_s=1)]
+    assert versions == [0, 1]
+
+
+def test_evicted_groups_are_replaced(started):
+    grpo, runner = _grpo(max_age=1, prompts=2), FakeRunner()
+    buffer = _buffer(grpo)
+    producer = started(grpo, runner, buffer)
+    _settled(runner, 4)  # 4 groups of version 0
+    buffer.get_batch(2, current_step=0, timeout_s=1)  # step 0 trains on two of them
+    producer.advance(1, evicted_total=buffer.stats()["evicted_stale"])
+    _settled(runner, 6)  # 2 more, version 1
+    buffer.get_batch(2, current_step=2, timeout_s=1)  # step 2 evicts the two left of version 0
+    evicted = buffer.stats()["evicted_stale"]
+    assert evicted == 2
+    producer.advance(2, evicted_total=evicted)
+    # Credit (2 + 1 + 1) * 2 = 8, plus the 2 evicted groups that were never trained on.
+    _settled(runner, 10)
+
+
+def test_a_resumed_run_counts_credit_from_its_first_step(started):
+    grpo, runner = _grpo(max_age=1, prompts=2), FakeRunner()
+    producer = started(grpo, runner, _buffer(grpo), first_step=5)
+    _settled(runner, 4)
+    producer.advance(6, evicted_total=0)
+    _settled(runner, 6)
+
+
+def test_a_group_without_a_baseline_is_dropped_and_replaced(started):
+    def outcome_for(row, size):
+        first = row["id"] == "r0"
+        return _outcome(row, 1 if first else size, failures=["boom"] * 2 if first else ())
+
+    grpo, runner = _grpo(max_age=0, prompts=2), FakeRunner(outcome_for)
+    buffer = _buffer(grpo)
+    producer = started(grpo, runner, buffer)
+    _settled(runner, 3)
+    assert buffer.stats()["put"] == 2
+    assert producer.counts() == ProducerCounts(retries=0, dropped_groups=1, failures=2)
+    assert producer.fatal is None
+
+
+def test_retries_are_summed_and_each_group_carries_its_summaries_and_time(started):
+    grpo = _grpo(max_age=0, prompts=2)
+    runner = FakeRunner(lambda row, size: _outcome(row, size, retries=2))
+    buffer = _buffer(grpo)
+    producer = started(grpo, runner, buffer)
+    _settled(runner, 2)
+    assert producer.counts().retries == 4
+    groups = buffer.get_batch(2, current_step=0, timeout_s=1)
+    assert [group.group_id for group in groups] == ["r0#1", "r1#2"]
+    assert groups[0].summaries[0] == {"reward": 0.0, "turns": 1, "agent_ref": {"name": AGENT}}
+    assert [len(group.summaries) for group in groups] == [3, 3]
+    assert all(group.seconds >= 0 for group in groups)
+
+
+def test_past_the_failure_budget_the_producer_stops_with_the_cause(started):
+    grpo = _grpo(max_age=0, prompts=2)
+    runner = FakeRunner(lambda row, size: _outcome(row, size, failures=["agent crashed"]))
+    producer = started(grpo, runner, _buffer(grpo), failure_budget=1)
+    _eventually(lambda: producer.fatal is not None)
+    assert isinstance(producer.fatal, RolloutBudgetExceeded)
+    assert "agent crashed" in str(producer.fatal)
+
+
+def test_a_row_for_an_agent_no_shard_serves_stops_the_run(started):
+    grpo, runner = _grpo(), FakeRunner()
+    producer = started(grpo, runner, _buffer(grpo), rows=_rows(agent="nobody"))
+    _eventually(lambda: producer.fatal is not None)
+    assert isinstance(producer.fatal, UnknownAgentError)
+    assert "'nobody'" in str(producer.fatal) and AGENT in str(producer.fatal)
+    assert runner.submitted == []
+
+
+def test_a_group_error_stops_the_producer_and_cancels_the_groups_in_flight(started):
+    def outcome_for(row, size):
+        raise RuntimeError("a shard died")
+
+    grpo, runner = _grpo(max_age=1, prompts=2), FakeRunner(outcome_for)
+    producer = started(grpo, runner, _buffer(grpo))
+    _eventually(lambda: producer.fatal is not None)
+    assert str(producer.fatal) == "a shard died"
+    producer.join(5)
+    # The first group raised; the other three submitted with it were cancelled.
+    assert sorted(runner.cancelled) == [1, 2, 3]
+
+
+def test_stop_cancels_every_group_in_flight_and_ends_the_thread(started):
+    grpo, runner = _grpo(max_age=1, prompts=2), FakeRunner(hold=True)
+    producer = started(grpo, runner, _buffer(grpo))
+    _settled(runner, 4)
+    producer.stop()
+    assert not producer.is_alive()
+    assert sorted(runner.cancelled) == [0, 1, 2, 3]
+    assert producer.fatal is None
+
+
+@pytest.mark.parametrize(("async_enabled", "in_flight"), [(False, 0), (True, 2)])
+def test_the_position_a_checkpoint_records_and_what_a_resume_skips(async_enabled, in_flight):
+    """gymrl/recipes/grpo.py records the row position after a step's batch is taken and before
+    `advance`. Sync: exactly the rows trained, so a resume draws the rows an uninterrupted run
+    would. Async (lookahead 1): the next step's rows are already submitted; a resume starts past
+    them, so those `in_flight` rows are never trained in this pass over the data."""
+    grpo, runner = _grpo(async_enabled=async_enabled, max_age=1, prompts=2), FakeRunner()
+    buffer, stream = _buffer(grpo), RowStream(_rows())
+    producer = RolloutProducer(grpo, stream, runner, buffer, first_step=0, failure_budget=4)
+    producer.start()
+    try:
+        _settled(runner, 2 + in_flight)
+        buffer.get_batch(2, current_step=0, timeout_s=1)  # step 0 trains on r0 and r1
+        position = stream.position
+    finally:
+        producer.stop()
+    assert position == 2 + in_flight
+    assert [row_id for row_id, _ in runner.submitted] == [f"r{i}" for i in range(position)]
+    _, first_row_after_resume = RowStream(_rows(), position).next()
+    assert first_row_after_resume["id"] == f"r{2 + in_flight}"
+
+
+def test_producer_and_trainer_threads_hand_over_whole_groups(started):
+    """The producer thread keeps delivering while the trainer's thread takes batches, reads the
+    producer's totals and advances: every group arrives whole, and the totals it reads are
+    never behind what it was handed."""
+    grpo = _grpo(max_age=1, prompts=2)
+    runner = FakeRunner(lambda row, size: _outcome(row, size, retries=1))
+    buffer = _buffer(grpo)
+    producer = started(grpo, runner, buffer)
+    trained = []
+    for step in range(25):
+        groups = buffer.get_batch(2, current_step=step, timeout_s=5)
+        counts = producer.counts()
+        trained.extend(group.group_id for group in groups)
+        assert all(len(g.trajectories) == len(g.summaries) == 3 for g in groups)
+        assert counts.retries >= len(trained)  # one retry per group, counted before delivery
+        producer.advance(step + 1, buffer.stats()["evicted_stale"])
+    producer.stop()
+    assert len(set(trained)) == len(trained) == 50
+    assert producer.counts().retries == buffer.stats()["put"]

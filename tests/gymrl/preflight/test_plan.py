@@ -1,0 +1,35 @@
+"""The plan a dry run prints: here, the environment each role's Ray actors run in."""
+
+import sys
+
+from gymrl.config.compose import compose_raw
+from gymrl.preflight.plan import render_plan
+from gymrl.preflight.validate import validate_config
+
+
+def _environment_lines(*overrides):
+    plan = render_plan(validate_config(compose_raw(list(overrides))), "out").splitlines()
+    start = next(i for i, line in enumerate(plan) if line.startswith("  environments"))
+    return dict(line.split(maxsplit=1) for line in plan[start + 1 : start + 6])
+
+
+def test_the_plan_names_each_roles_interpreter_or_image():
+    lines = _environment_lines(
+        "+experiment=math_1p5b",
+        "cluster.roles.generation.python=/opt/envs/sglang/bin/python",
+        "cluster.roles.trainer.image=nvcr.io/megatron:1",
+    )
+    driver = f"the driver's interpreter ({sys.executable})"
+    assert lines == {
+        "generation": "python /opt/envs/sglang/bin/python",
+        "policy_server": driver,
+        "trainer": "image nvcr.io/megatron:1",
+        "gym_shards": driver,
+        "buffer": driver,
+    }
+
+
+def test_with_the_torch_engine_generation_runs_where_the_policy_server_does():
+    lines = _environment_lines("cluster.roles.policy_server.python=/opt/core/bin/python")
+    assert lines["policy_server"] == "python /opt/core/bin/python"
+    assert lines["generation"] == "the policy server's (the torch engine runs inside it)"

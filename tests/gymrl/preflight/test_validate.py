@@ -1,0 +1,290 @@
+"""Cross-field validation: every issue carries the dotted key, the value and a fix."""
+
+import pytest
+
+from gymrl.cluster.placement import generation_gpus, trainer_gpus
+from gymrl.config.compose import compose_raw
+from gymrl.preflight.validate import validate_config
+from nemo_gym_ext.config import ConfigError
+
+
+def _issues(overrides):
+    with pytest.raises(ConfigError) as raised:
+        validate_config(compose_raw(overrides))
+    return {issue.key: issue for issue in raised.value.issues}
+
+
+def test_router_replay_with_truncation_is_refused_for_every_shard():
+    issues = _issues(["+experiment=swe_bench_30b", "policy.router_replay.enabled=true"])
+    (issue,) = issues.values()  # same key for both shards: one entry per shard in the list
+    assert issue.key == "policy.router_replay.enabled"
+    with pytest.raises(ConfigError) as raised:
+        validate_config(
+            compose_raw(["+experiment=swe_bench_30b", "policy.router_replay.enabled=true"])
+        )
+    shards = {"openhands", "mini_swe"}
+    assert {s for s in shards for i in raised.value.issues if f"'{s}'" in i.problem} == shards
+
+
+def test_router_replay_without_truncation_passes_the_guard_but_no_trainer_replays_yet():
+    issues = _issues(
+        [
+            "+experiment=swe_bench_30b",
+            "policy.router_replay.enabled=true",
+            "env.nemo_gym.truncate_noncontiguous_episodes=false",
+        ]
+    )
+    (issue,) = issues.values()
+    assert "truncate_noncontiguous_episodes" not in issue.problem
+    assert issue.problem.startswith("the megatron trainer does not replay MoE routing")
+
+
+def test_megatron_limits_are_reported_at_composition_time():
+    issues = _issues(["+experiment=swe_bench_30b", "loss.kl_coef=0.1"])
+    assert issues["loss.kl_coef"].fix == "set loss.kl_coef=0"
+
+
+def test_gym_token_id_capture_in_one_shard_is_refused_naming_that_shard():
+    issues = _issues(
+        [
+            "env=gym_launch",
+            "+env.nemo_gym.config_paths=[a.yaml]",
+            "env.nemo_gym.truncate_noncontiguous_episodes=true",
+            "+env.nemo_gym.shards.one={}",
+            "+env.nemo_gym.shards.two.token_id_capture.enabled=true",
+        ]
+    )
+    assert set(issues) == {"env.nemo_gym[shard two].token_id_capture.enabled"}
+
+
+def test_receipt_mode_is_refused_and_named_against_truncation_in_every_shard():
+    with pytest.raises(ConfigError) as raised:
+        validate_config(compose_raw(["+experiment=swe_bench_30b", "token_capture.enabled=true"]))
+    problems = [i.problem for i in raised.value.issues if i.key == "token_capture.enabled"]
+    assert any(p.startswith("receipt mode is not implemented") for p in problems)
+    assert {s for s in ("openhands", "mini_swe") for p in problems if f"'{s}'" in p} == {
+        "openhands",
+        "mini_swe",
+    }
+
+
+def test_the_invented_receipt_mode_key_is_gone():
+    assert "receipt_mode" not in str(compose_raw(["+experiment=swe_bench_30b"]))
+
+
+def test_gym_guard_reports_alongside_unrelated_type_errors():
+    issues = _issues(
+        [
+            "+experiment=swe_bench_30b",
+            "policy.router_replay.enabled=true",
+            "grpo.num_steps=many",
+        ]
+    )
+    assert {"policy.router_replay.enabled", "grpo.num_steps"} <= set(issues)
+    assert issues["grpo.num_steps"].value == "many"
+
+
+def test_unknown_backend_names_the_choices():
+    issues = _issues(["generation.backend=vllm"])
+    issue = issues["generation.backend"]
+    assert issue.value == "vllm"
+    assert "torch" in issue.fix and "sglang" in issue.fix
+
+
+def test_gpu_budget_and_parallelism_are_checked():
+    issues = _issues(
+        [
+            "+experiment=swe_bench_30b",
+            "generation.num_engines=40",
+            "trainer.expert_model_parallel_size=6",
+        ]
+    )
+    assert "generation.num_engines" in issues
+    assert "160 GPUs, but the cluster has 128" in issues["generation.num_engines"].problem
+
+
+def test_megatron_needs_gpus():
+    issues = _issues(["trainer=megatron"])
+    assert issues["cluster.gpus_per_node"].value == 0
+
+
+def test_ep_must_divide_trainer_gpus():
+    issues = _issues(["+experiment=swe_bench_30b", "trainer.expert_model_parallel_size=48"])
+    assert (
+        "EP x ETP x PP = 48 must divide the 64 trainer GPUs"
+        in issues["trainer.expert_model_parallel_size"].problem
+    )
+
+
+def test_async_needs_importance_sampling():
+    issues = _issues(["loss.importance_sampling_correction=false"])
+    assert issues["loss.importance_sampling_correction"].fix.startswith(
+        "set loss.importance_sampling_correction=true"
+    )
+    config = validate_config(
+        compose_raw(["loss.importance_sampling_correction=false", "grpo.async_enabled=false"])
+    )
+    assert not config.grpo.async_enabled
+
+
+def test_agents_need_exactly_one_of_environment_or_url():
+    issues = _issues(["+env.nemo_gym.agents.calculator_agent.url=http://x"])
+    assert "env.nemo_gym.agents.calculator_agent" in issues
+
+
+def test_gpu_split_of_the_swe_recipe():
+    config = validate_config(compose_raw(["+experiment=swe_bench_30b"]))
+    assert generation_gpus(config) == 64
+    assert trainer_gpus(config) == 64
+
+
+def test_rendered_message_lists_key_value_and_fix():
+    with pytest.raises(ConfigError) as raised:
+        validate_config(compose_raw(["grpo.num_steps=0", "+trainer.optimizer.lrr=3"]))
+    text = str(raised.value)
+    assert "invalid config (2 problems)" in text
+    assert "grpo.num_steps = 0" in text
+    assert "trainer.optimizer.lrr = 3: unknown key" in text
+    assert "fix: did you mean 'lr'?" in text
+
+
+def test_missing_and_out_of_range_values_quote_the_field_description():
+    issues = _issues(["~grpo.num_steps", "generation.max_batch_size=0"])
+    assert issues["grpo.num_steps"].problem == "required key is missing"
+    assert "Optimizer steps of the run" in issues["grpo.num_steps"].fix
+    assert issues["generation.max_batch_size"].value == 0
+    assert "Rows decoded together" in issues["generation.max_batch_size"].fix
+
+
+def test_builtin_agents_name_a_known_environment_and_valid_options():
+    issues = _issues(
+        [
+            "env.nemo_gym.agents.calculator_agent.environment=calculatr",
+            "+env.nemo_gym.agents.guess_number_agent.options.max_turn=3",
+            "env.nemo_gym.agents.guess_number_agent.options.max_turns=0",
+        ]
+    )
+    env = issues["env.nemo_gym.agents.calculator_agent.environment"]
+    assert env.value == "calculatr" and env.fix.startswith("did you mean 'calculator'?")
+    typo = issues["env.nemo_gym.agents.guess_number_agent.options.max_turn"]
+    assert typo.fix == "did you mean 'max_turns'?"
+    low = issues["env.nemo_gym.agents.guess_number_agent.options.max_turns"]
+    assert low.value == 0 and "Most model calls per episode" in low.fix
+
+
+def test_megatron_trainer_with_the_torch_engine_is_refused_before_the_first_refit():
+    issues = _issues(
+        ["trainer=megatron", "cluster=slurm_8gpu", "policy=qwen2p5_math_1p5b", "dry_run=true"]
+    )
+    assert set(issues) == {"generation.backend"}
+    issue = issues["generation.backend"]
+    assert issue.value == "torch"
+    assert "only SGLang loads" in issue.problem
+    assert issue.fix == "select generation=sglang, or trainer=torch"
+
+
+def test_an_explicit_compute_dtype_that_no_torch_backend_would_read_is_refused():
+    issues = _issues(["+experiment=swe_bench_30b", "policy.compute_dtype=bfloat16"])
+    assert set(issues) == {"policy.compute_dtype"}
+    assert issues["policy.compute_dtype"].fix == (
+        "leave policy.compute_dtype at auto and set policy.dtype"
+    )
+
+
+def test_sglang_with_the_torch_trainer_is_a_valid_pair():
+    config = validate_config(
+        compose_raw(
+            ["generation=sglang", "cluster=slurm_8gpu", "generation.server.max_tokens_per_turn=512"]
+        )
+    )
+    assert (config.generation.backend, config.trainer.backend) == ("sglang", "torch")
+
+
+def test_sglang_cannot_serve_a_tiny_random_model():
+    issues = _issues(["+experiment=smoke", "generation=sglang", "cluster=slurm_8gpu"])
+    assert set(issues) == {"policy.source"}
+    assert issues["policy.source"].value == "tiny_random"
+    assert issues["policy.source"].fix.startswith("select generation=torch")
+
+
+def test_a_role_interpreter_must_be_an_absolute_path_and_exclusive_with_an_image():
+    issues = _issues(
+        [
+            "cluster.roles.trainer.python=envs/megatron/bin/python",
+            "cluster.roles.buffer.python=/opt/envs/core/bin/python",
+            "cluster.roles.buffer.image=nvcr.io/core:1",
+        ]
+    )
+    assert set(issues) == {"cluster.roles.trainer.python", "cluster.roles.buffer.image"}
+    assert issues["cluster.roles.trainer.python"].value == "envs/megatron/bin/python"
+    assert "absolute path" in issues["cluster.roles.trainer.python"].problem
+    assert issues["cluster.roles.buffer.image"].fix == (
+        "set one of cluster.roles.buffer.python and cluster.roles.buffer.image to null"
+    )
+
+
+def test_the_torch_engine_has_no_generation_role_to_place_in_an_environment():
+    issues = _issues(["cluster.roles.generation.image=sglang:1"])
+    (issue,) = issues.values()
+    assert issue.key == "cluster.roles.generation.image"
+    assert issue.fix.startswith("set cluster.roles.policy_server.image instead")
+
+
+@pytest.mark.parametrize(
+    "generation_override, outcome",
+    [
+        (None, "in the policy server's environment"),
+        ("cluster.roles.generation.image=sglang:1", "with both an interpreter and an image"),
+    ],
+)
+def test_sglang_servers_set_the_field_their_parent_policy_server_sets(generation_override, outcome):
+    """The policy server starts the SGLang servers; Ray would hand them its runtime_env."""
+    overrides = ["+experiment=math_1p5b", "cluster.roles.policy_server.python=/opt/core/bin/python"]
+    issues = _issues([*overrides, *([generation_override] if generation_override else [])])
+    (issue,) = issues.values()
+    assert issue.key == "cluster.roles.generation.python"
+    assert outcome in issue.problem
+
+
+def test_every_role_in_its_own_environment_is_a_valid_sglang_megatron_config():
+    roles = {
+        "generation": "python=/opt/envs/sglang/bin/python",
+        "policy_server": "python=/opt/envs/core/bin/python",
+        "trainer": "image=nvcr.io/megatron:1",
+        "gym_shards": "python=/opt/envs/core/bin/python",
+        "buffer": "image=nvcr.io/core:1",
+    }
+    overrides = [f"cluster.roles.{role}.{setting}" for role, setting in roles.items()]
+    config = validate_config(compose_raw(["+experiment=math_1p5b", *overrides]))
+    assert config.cluster.roles.trainer.kind == "image"
+    assert config.cluster.roles.generation.python == "/opt/envs/sglang/bin/python"
+
+
+def test_unknown_parsers_and_templates_are_refused_with_what_the_recipe_has():
+    issues = _issues(
+        [
+            "policy.tool_call_parser=mistral",
+            "policy.reasoning_parser=deepseek",
+            "policy.chat_template=no_such_template",
+        ]
+    )
+    assert issues["policy.tool_call_parser"].value == "mistral"
+    assert issues["policy.tool_call_parser"].fix == (
+        "set policy.tool_call_parser to one of ['hermes', 'llama3_json']"
+    )
+    assert issues["policy.reasoning_parser"].fix == (
+        "set policy.reasoning_parser to one of ['qwen3'] or null"
+    )
+    assert "smollm2_tools" in issues["policy.chat_template"].fix
+
+
+def test_every_policy_file_names_parsers_and_a_template_the_recipe_has():
+    for policy in ("smollm2_135m", "tiny_llama", "qwen3_30b_a3b", "qwen2p5_math_1p5b"):
+        validate_config(compose_raw([f"policy={policy}"]))
+
+
+def test_an_env_option_inherits_nothing_from_another():
+    issues = _issues(["env=gym_join", "+env.nemo_gym.agents.calc.environment=calculator"])
+    assert issues["env.nemo_gym.agents"].fix == "select env=builtin for it, or remove it"
+    issues = _issues(["env=gym_launch"])
+    assert set(issues) == {"env.nemo_gym.config_paths"}

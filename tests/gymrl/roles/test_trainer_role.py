@@ -1,0 +1,141 @@
+"""The torch trainer role on a real local Ray, as the recipe drives it: a step, a refit into
+the generation server's `update_weights`, a checkpoint round trip, and close."""
+
+import time
+
+import pytest
+import ray
+import torch
+from ray.exceptions import RayActorError
+
+from gymrl.algo.trajectory import Trajectory
+from gymrl.cluster.placement import plan_placement, reserve
+from gymrl.config.compose import compose_raw
+from gymrl.preflight.validate import validate_config
+from gymrl.roles.trainer import TorchTrainerRole, start_trainer
+from gymrl.run.checkpoint import latest_checkpoint
+
+
+@pytest.fixture(scope="module")
+def config():
+    return validate_config(compose_raw(["+experiment=smoke"]))
+
+
+pytestmark = pytest.mark.usefixtures("local_ray")
+
+
+@ray.remote(num_cpus=0)
+class RecordingGeneration:
+    """The generation server's refit verb, recording what the trainer sent."""
+
+    def __init__(self):
+        self.refits = []
+
+    def update_weights(self, state_dict, version):
+        self.refits.append((version, {name: t.clone() for name, t in state_dict.items()}))
+        return version
+
+    def received(self):
+        return self.refits
+
+
+def _not_registered(what, close):
+    raise AssertionError(f"a role that did not start registered its closer ({what})")
+
+
+def _batch():
+    trajectories = [
+        Trajectory(
+            token_ids=[5, 6, 7, 8 + index, 9 + index],
+            loss_mask=[0, 0, 0, 1, 1],
+            generation_logprobs=[0.0, 0.0, 0.0, -2.0, -2.0],
+            reward=float(index),
+            agent="calculator_agent",
+            group_id="g",
+            weight_version=0,
+        )
+        for index in range(2)
+    ]
+    return trajectories, torch.tensor([-1.0, 1.0])
+
+
+def test_torch_role_trains_refits_checkpoints_and_closes(config, tmp_path):
+    placement = plan_placement(config)
+    closers = []
+    role = start_trainer(
+        config,
+        tmp_path,
+        torch_threads=1,
+        placement=placement,
+        group=reserve(placement, 30),
+        on_cleanup=lambda what, close: closers.append((what, close)),
+    )
+    assert isinstance(role, TorchTrainerRole)
+    assert closers == [("the trainer", role.close)]
+    generation = RecordingGeneration.remote()
+
+    role.refit(generation, 0)
+    metrics = role.train_step(*_batch())
+    assert metrics["num_tokens"] == 4.0 and metrics["grad_norm"] > 0
+    role.refit(generation, 1)
+    (v0, before), (v1, after) = ray.get(generation.received.remote())
+    assert (v0, v1) == (0, 1) and before.keys() == after.keys()
+    assert any(not torch.equal(before[name], after[name]) for name in before)
+
+    role.save_checkpoint(tmp_path / "checkpoints", 1, {"position": 16})
+    role.train_step(*_batch())
+    state = role.load_checkpoint(latest_checkpoint(tmp_path / "checkpoints"))
+    assert state["step"] == 1 and state["data_state"] == {"position": 16}
+    role.refit(generation, 1)
+    restored = ray.get(generation.received.remote())[-1][1]
+    assert all(torch.equal(after[name], restored[name]) for name in after)
+
+    actor = role._actor
+    role.close()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.weight_version.remote(), timeout=2)
+        except RayActorError:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail("the trainer actor still answers after close()")
+
+
+def test_torch_role_start_is_bounded_by_trainer_start_timeout_s(tmp_path):
+    config = validate_config(compose_raw(["+experiment=smoke", "trainer.start_timeout_s=0.001"]))
+    placement = plan_placement(config)
+    with pytest.raises(
+        TimeoutError,
+        match=r"starting the torch trainer \(trainer.start_timeout_s\) did not finish within "
+        r"0.001 s",
+    ):
+        start_trainer(
+            config,
+            tmp_path,
+            torch_threads=1,
+            placement=placement,
+            group=reserve(placement, 30),
+            on_cleanup=_not_registered,
+        )
+
+
+def test_megatron_role_waits_trainer_start_timeout_s_for_its_ranks(tmp_path, monkeypatch):
+    """The group's constructor is where Megatron's ranks start (rendezvous, model load)."""
+    import gymrl.trainer.megatron.group as megatron_group
+
+    received = {}
+    monkeypatch.setattr(
+        megatron_group, "MegatronTrainerGroup", lambda config, **kwargs: received.update(kwargs)
+    )
+    config = validate_config(compose_raw(["+experiment=math_1p5b", "trainer.start_timeout_s=2400"]))
+    start_trainer(
+        config,
+        tmp_path,
+        torch_threads=1,
+        placement=plan_placement(config),
+        group=None,
+        on_cleanup=lambda what, close: None,  # the stand-in group holds nothing to close
+    )
+    assert received["start_timeout_s"] == 2400.0

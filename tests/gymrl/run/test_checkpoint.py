@@ -1,0 +1,225 @@
+"""Checkpoint round trip with a tiny tied-weight model and AdamW, pruning, and partial saves;
+the state schema both trainers share, with its RNG restore."""
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from gymrl.run.checkpoint import (
+    COMPLETE_MARKER,
+    MANIFEST_FILE,
+    CorruptCheckpointError,
+    TrainerState,
+    capture_rng_state,
+    latest_checkpoint,
+    latest_verified_checkpoint,
+    load_checkpoint,
+    restore_rng_state,
+    save_checkpoint,
+    verify_checkpoint,
+)
+
+
+class TinyLM(torch.nn.Module):
+    """Embedding tied to the output head, like SmolLM2: safetensors must handle shared storage."""
+
+    def __init__(self, seed):
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.embed = torch.nn.Embedding(10, 4)
+        self.mix = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight
+        with torch.no_grad():
+            for parameter in self.parameters():
+                parameter.copy_(torch.randn(parameter.shape, generator=generator))
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.mix(self.embed(ids))))
+
+
+def _trained(seed):
+    model = TinyLM(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.tensor([[1, 2, 3]])).logsumexp(-1).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def _state(step, data_state=None):
+    return TrainerState(
+        step=step,
+        weight_version=step,
+        data_state=data_state if data_state is not None else {"epoch": 1, "index": step},
+        rng=[capture_rng_state()],
+        extra={"seed": 7},
+    )
+
+
+def _save(directory, step, model, optimizer, keep_last=3, data_state=None):
+    return save_checkpoint(
+        directory, model, optimizer, _state(step, data_state), keep_last=keep_last
+    )
+
+
+def test_round_trip_restores_weights_optimizer_counters_and_rng(tmp_path):
+    model, optimizer = _trained(seed=0)
+    path = _save(tmp_path, 5, model, optimizer, data_state={"epoch": 2, "order": [3, 1, 2]})
+    assert path == tmp_path / "step_5"
+    expected_python, expected_torch = random.random(), torch.rand(3)
+
+    fresh_model, fresh_optimizer = _trained(seed=1)
+    state = load_checkpoint(path, fresh_model, fresh_optimizer).resume_info()
+
+    assert state == {
+        "step": 5,
+        "weight_version": 5,
+        "data_state": {"epoch": 2, "order": [3, 1, 2]},
+        "extra": {"seed": 7},
+    }
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(fresh_model.state_dict()[name], tensor, rtol=0, atol=0)
+    assert fresh_model.head.weight is fresh_model.embed.weight
+    saved, loaded = optimizer.state_dict(), fresh_optimizer.state_dict()
+    assert saved["param_groups"] == loaded["param_groups"]
+    for index, slots in saved["state"].items():
+        for key, value in slots.items():
+            torch.testing.assert_close(loaded["state"][index][key], value, rtol=0, atol=0)
+    # RNG states are those at save time: the same draws come again.
+    assert random.random() == expected_python
+    torch.testing.assert_close(torch.rand(3), expected_torch, rtol=0, atol=0)
+
+
+def test_keep_last_prunes_older_checkpoints(tmp_path):
+    model, optimizer = _trained(seed=0)
+    for step in (1, 2, 3, 4):
+        _save(tmp_path, step, model, optimizer, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_3", "step_4"]
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_4"
+
+
+def test_partial_checkpoints_are_ignored_and_leftovers_cleaned(tmp_path):
+    model, optimizer = _trained(seed=0)
+    _save(tmp_path, 4, model, optimizer)
+    partial = tmp_path / "step_9"
+    partial.mkdir()
+    (partial / "trainer_state.json").write_text("{}")
+    leftover = tmp_path / ".tmp-step_10-abc"
+    leftover.mkdir()
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_4"
+    with pytest.raises(FileNotFoundError, match=f"no {COMPLETE_MARKER} marker"):
+        load_checkpoint(partial, model, optimizer)
+    _save(tmp_path, 5, model, optimizer)
+    assert not leftover.exists()
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_5"
+
+
+def test_saving_an_existing_step_replaces_it(tmp_path):
+    model, optimizer = _trained(seed=0)
+    _save(tmp_path, 3, model, optimizer, data_state={"index": 1})
+    _save(tmp_path, 3, model, optimizer, data_state={"index": 2})
+    state = json.loads((tmp_path / "step_3" / "trainer_state.json").read_text())
+    assert state["data_state"] == {"index": 2}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_3"]
+
+
+def test_no_checkpoint_and_unserialisable_state(tmp_path):
+    assert latest_checkpoint(tmp_path / "missing") is None
+    assert latest_checkpoint(tmp_path) is None
+    with pytest.raises(ValueError, match="data_state must be JSON-serialisable"):
+        _state(1, data_state={"position": torch.tensor(3)})
+    with pytest.raises(ValueError, match="step must be >= 0"):
+        _state(-1)
+
+
+def test_a_failed_save_leaves_no_folder_and_keeps_the_previous(tmp_path):
+    model, optimizer = _trained(seed=0)
+    _save(tmp_path, 3, model, optimizer, data_state={"index": 1})
+
+    class Unsaveable(torch.optim.AdamW):
+        def state_dict(self):
+            raise OSError("disk full")
+
+    broken = Unsaveable(model.parameters())
+    with pytest.raises(OSError, match="disk full"):
+        _save(tmp_path, 3, model, broken, data_state={"index": 2})
+    with pytest.raises(OSError, match="disk full"):
+        _save(tmp_path, 4, model, broken)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_3"]
+    assert TrainerState.read(tmp_path / "step_3").data_state == {"index": 1}
+
+
+def test_state_schema_round_trips_and_rng_restore_repeats_the_draws(tmp_path):
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    state = TrainerState(
+        step=4,
+        weight_version=9,
+        data_state={"position": 12},
+        rng=[capture_rng_state(), {"rank": "another rank's states"}],
+        extra={"scheduler": {"num_steps": 4}},
+    )
+    draws = (random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist())
+    state.write(tmp_path)
+    assert (tmp_path / COMPLETE_MARKER).read_text() == "4\n"
+
+    random.random(), np.random.rand(5), torch.rand(5)  # move every generator on
+    read = TrainerState.read(tmp_path)
+    assert read == state
+    restore_rng_state(read.rng[0])
+    assert (random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist()) == draws
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _flip_one_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("damage", "reported"),
+    [
+        (lambda folder: _truncate(folder / "optimizer.pt"), r"optimizer.pt has \d+ bytes, not"),
+        (lambda folder: _flip_one_byte(folder / "model.safetensors"), "model.safetensors does not"),
+        (lambda folder: (folder / "trainer_state.json").unlink(), "trainer_state.json is missing"),
+        (lambda folder: (folder / MANIFEST_FILE).unlink(), f"no readable {MANIFEST_FILE}"),
+    ],
+    ids=["cut-short", "bit-flip", "file-lost", "no-manifest"],
+)
+def test_a_damaged_checkpoint_is_reported_and_the_previous_complete_one_used(
+    tmp_path, damage, reported
+):
+    model, optimizer = _trained(seed=0)
+    _save(tmp_path, 2, model, optimizer)
+    newest = _save(tmp_path, 3, model, optimizer)
+    assert latest_verified_checkpoint(tmp_path) == (newest, [])
+    manifest = json.loads((newest / MANIFEST_FILE).read_text())["files"]
+    assert sorted(manifest) == ["model.safetensors", "optimizer.pt", "trainer_state.json"]
+
+    damage(newest)
+
+    assert latest_checkpoint(tmp_path) == newest  # the marker alone cannot tell
+    with pytest.raises(CorruptCheckpointError, match=reported):
+        verify_checkpoint(newest)
+    chosen, rejected = latest_verified_checkpoint(tmp_path)
+    assert chosen == tmp_path / "step_2"
+    assert len(rejected) == 1 and "step_3" in rejected[0]
+    fresh_model, fresh_optimizer = _trained(seed=1)
+    assert load_checkpoint(chosen, fresh_model, fresh_optimizer).step == 2
+
+
+def test_when_every_checkpoint_is_damaged_none_is_chosen(tmp_path):
+    model, optimizer = _trained(seed=0)
+    _flip_one_byte(_save(tmp_path, 1, model, optimizer) / "optimizer.pt")
+    chosen, rejected = latest_verified_checkpoint(tmp_path)
+    assert chosen is None
+    assert rejected == [f"{tmp_path / 'step_1'}: optimizer.pt does not match its SHA-256"]
+    assert latest_verified_checkpoint(tmp_path / "missing") == (None, [])
