@@ -33,7 +33,7 @@ from gymrl.generation.policy_server import create_policy_server_app
 from gymrl.generation.torch_engine import TorchGenerationEngine
 from gymrl.model.policy import build_policy
 from gymrl.model.tokens import decode_text, eos_token_id
-from gymrl.preflight.validate import gym_actor_configs, validate_config
+from gymrl.preflight.validate import validate_config
 from nemo_gym_ext.envs.registry import start_builtin_environment
 from nemo_gym_ext.http_server import serve_in_thread
 from nemo_gym_ext.rollout import RolloutCollector, RolloutSettings
@@ -50,7 +50,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     overrides = [*args.overrides, f"env.data.num_builtin_val_rows_per_agent={args.rows}"]
     config = validate_config(compose_raw(overrides))
-    actors = gym_actor_configs(config)
+    actors = config.gym_shards
     grpo, data = config.grpo, config.env.data
     train_rows = load_rows(
         data,

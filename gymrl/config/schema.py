@@ -21,7 +21,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+
+from nemo_gym_ext.config import GymActorConfig
 
 
 class Strict(BaseModel):
@@ -679,3 +681,23 @@ class RecipeConfig(Strict):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     stop: StopConfig = Field(default_factory=StopConfig)
     token_capture: TokenCaptureConfig = Field(default_factory=TokenCaptureConfig)
+    # The typed Gym shards of `env.nemo_gym` (each shard's overrides merged over the base, the
+    # recipe-only keys validated), built once by `gymrl.preflight.validate.validate_config`,
+    # because the builder needs switches from elsewhere in the tree (router replay, receipt mode).
+    _gym_shards: tuple[GymActorConfig, ...] | None = PrivateAttr(default=None)
+
+    @property
+    def gym_shards(self) -> tuple[GymActorConfig, ...]:
+        """Every Gym shard's actor config, in `env.nemo_gym` order."""
+        if self._gym_shards is None:
+            raise RuntimeError(
+                "RecipeConfig.gym_shards is built by gymrl.preflight.validate.validate_config; "
+                "make the config with it instead of RecipeConfig.model_validate"
+            )
+        return self._gym_shards
+
+    def with_gym_shards(self, shards: list[GymActorConfig]) -> RecipeConfig:
+        """This config carrying `shards` (the validator's one build of them)."""
+        config = self.model_copy()
+        config._gym_shards = tuple(shards)
+        return config

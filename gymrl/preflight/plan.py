@@ -16,7 +16,6 @@ from gymrl.config.schema import (
     SGLangGenerationConfig,
     TorchTrainerConfig,
 )
-from gymrl.preflight.validate import gym_actor_configs
 from nemo_gym_ext.config import describe_shard_agents
 
 
@@ -55,7 +54,7 @@ def render_plan(config: RecipeConfig, output_dir: str) -> str:
         "  environments (cluster.roles: the interpreter or image of each role's Ray actors)",
         *_environment_lines(config),
     ]
-    actors = gym_actor_configs(config)
+    actors = config.gym_shards
     lines.append(f"  gym shards  {len(actors)}")
     for actor in actors:
         described = describe_shard_agents(actor)

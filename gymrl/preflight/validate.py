@@ -6,10 +6,10 @@ Two passes, both always run so that one error message lists everything wrong wit
 2. cross-field rules that no single field can check: the model's native context (or YaRN)
    against the episode length (`gymrl.config.context`), backend pairs that cannot refit, GPU budget
    and parallelism, async GRPO's need for importance sampling, the roles' environments, and, per
-   Gym shard, the recipe-only
-   keys and their incompatibilities and the agents (built by
-   `nemo_gym_ext.config.build_gym_actor_config`, the same builder the Gym actors use). The Gym
-   rules read the raw tree, so they report even when an unrelated field fails pass 1.
+   Gym shard, the recipe-only keys and their incompatibilities and the agents (built by
+   `nemo_gym_ext.config.build_gym_actor_config`). The Gym rules read the raw tree, so they
+   report even when an unrelated field fails pass 1; the shards they build are the ones the run
+   uses (`RecipeConfig.gym_shards`): merged and validated once.
 """
 
 from __future__ import annotations
@@ -55,23 +55,14 @@ def validate_config(raw: Mapping[str, Any]) -> RecipeConfig:
         config = RecipeConfig.model_validate(raw)
     except ValidationError as error:
         issues.extend(_issue_from_pydantic(detail) for detail in error.errors())
-    issues.extend(_gym_issues(raw))
+    shards, gym_issues = _gym_shards(raw)
+    issues.extend(gym_issues)
     if config is not None:
         issues.extend(_cross_field_issues(config))
     if issues:
         raise ConfigError(issues)
     assert config is not None
-    return config
-
-
-def gym_actor_configs(config: RecipeConfig) -> list[GymActorConfig]:
-    """Every shard's Gym actor config of a validated recipe config."""
-    return build_all_gym_actor_configs(
-        config.env.nemo_gym,
-        source=config.env.source,
-        router_replay_enabled=config.policy.router_replay.enabled,
-        token_capture_enabled=config.token_capture.enabled,
-    )
+    return config.with_gym_shards(shards)
 
 
 # ------------------------------------------------------------------------------------ pass 1
@@ -156,24 +147,25 @@ def _is_model(value: Any) -> bool:
 
 
 # ------------------------------------------------------------------------------------ pass 2
-def _gym_issues(raw: Mapping[str, Any]) -> list[ConfigIssue]:
+def _gym_shards(raw: Mapping[str, Any]) -> tuple[list[GymActorConfig], list[ConfigIssue]]:
+    """Every shard's actor config built from the raw tree, or the issues that stop it."""
     env = raw.get("env")
     if not isinstance(env, Mapping) or not isinstance(env.get("nemo_gym"), Mapping):
-        return []  # pass 1 reports the missing or mistyped env.nemo_gym
+        return [], []  # pass 1 reports the missing or mistyped env.nemo_gym
     nemo_gym = env["nemo_gym"]
     source = env.get("source", EnvConfig.model_fields["source"].default)
     if source not in typing.get_args(EnvSource):
-        return []  # pass 1 reports the unknown source
+        return [], []  # pass 1 reports the unknown source
     try:
-        build_all_gym_actor_configs(
+        shards = build_all_gym_actor_configs(
             nemo_gym,
             source=source,
             router_replay_enabled=_raw_switch(raw, "policy", "router_replay", "enabled"),
             token_capture_enabled=_raw_switch(raw, "token_capture", "enabled"),
         )
     except ConfigError as error:
-        return list(error.issues)
-    return []
+        return [], list(error.issues)
+    return shards, []
 
 
 def _raw_switch(raw: Mapping[str, Any], *path: str) -> bool:

@@ -40,7 +40,6 @@ from gymrl.experience.validation import Validator
 from gymrl.generation.announce import announce_policy_server
 from gymrl.generation.api_key import ApiKeyError, resolve_api_key
 from gymrl.model.policy import tokenizer_folder
-from gymrl.preflight.validate import gym_actor_configs
 from gymrl.roles.generation_server import start_generation_server
 from gymrl.roles.gym_shard import RayGroupRunner, start_gym_shards
 from gymrl.roles.replay_buffer import start_replay_buffer
@@ -161,10 +160,9 @@ class GRPORecipe:
             group=group,
             on_cleanup=self._on_cleanup,
         )
-        self.actor_configs = gym_actor_configs(config)
         shards_by_agent = start_gym_shards(
             config,
-            self.actor_configs,
+            config.gym_shards,
             output_dir=self.output_dir,
             policy=PolicyEndpoint(
                 base_url, self.policy_api_key.get_secret_value(), config.policy.name
@@ -175,14 +173,14 @@ class GRPORecipe:
             on_cleanup=self._on_cleanup,
         )
         print(
-            f"{len(self.actor_configs)} Gym shard(s) up, {time.monotonic() - started:.1f} s into "
+            f"{len(config.gym_shards)} Gym shard(s) up, {time.monotonic() - started:.1f} s into "
             f"setup ({config.env.source}), serving {sorted(shards_by_agent)}",
             flush=True,
         )
         # Every row's agent is served, checked before any episode runs.
         rows = load_rows(
             config.env.data,
-            self.actor_configs,
+            config.gym_shards,
             config.generation.sampling,
             config.run.seed,
             served_agents=shards_by_agent,
@@ -201,7 +199,7 @@ class GRPORecipe:
             Validator(
                 load_validation_rows(
                     config.env.data,
-                    self.actor_configs,
+                    config.gym_shards,
                     rows,
                     temperature=grpo.val_temperature,
                     top_p=config.generation.sampling.top_p,

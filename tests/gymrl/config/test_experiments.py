@@ -6,7 +6,7 @@ import pytest
 
 from gymrl.config.compose import CONFIG_DIR, compose_raw, experiment_names
 from gymrl.preflight.plan import render_plan
-from gymrl.preflight.validate import gym_actor_configs, validate_config
+from gymrl.preflight.validate import validate_config
 from nemo_gym_ext.config import ConfigError
 
 
@@ -24,14 +24,12 @@ def test_the_shipped_experiments_exist():
 def test_every_experiment_composes_and_validates(experiment):
     overrides = [f"+experiment={experiment}"] if experiment else []
     config = validate_config(compose_raw(overrides))
-    assert gym_actor_configs(config)
+    assert config.gym_shards
 
 
 def _truncation_by_shard(experiment):
     config = validate_config(compose_raw([f"+experiment={experiment}"]))
-    return {
-        a.shard: a.postprocess.truncate_noncontiguous_episodes for a in gym_actor_configs(config)
-    }
+    return {a.shard: a.postprocess.truncate_noncontiguous_episodes for a in config.gym_shards}
 
 
 def test_swe_bench_30b_is_the_16_node_moe_recipe():
@@ -56,9 +54,7 @@ def test_math_1p5b_is_the_2_node_recipe_with_truncation():
 
 def test_default_and_smoke_keep_truncation_off():
     config = validate_config(compose_raw([]))
-    assert {a.postprocess.truncate_noncontiguous_episodes for a in gym_actor_configs(config)} == {
-        False
-    }
+    assert {a.postprocess.truncate_noncontiguous_episodes for a in config.gym_shards} == {False}
     assert set(_truncation_by_shard("smoke").values()) == {False}
     assert set(_truncation_by_shard("smoke_noncontiguous").values()) == {True}
 

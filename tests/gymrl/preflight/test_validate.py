@@ -1,9 +1,13 @@
 """Cross-field validation: every issue carries the dotted key, the value and a fix."""
 
+import pickle
+
 import pytest
 
+import gymrl.preflight.validate as validate_module
 from gymrl.cluster.placement import generation_gpus, trainer_gpus
 from gymrl.config.compose import compose_raw
+from gymrl.preflight.plan import render_plan
 from gymrl.preflight.validate import validate_config
 from nemo_gym_ext.config import ConfigError
 
@@ -288,3 +292,30 @@ def test_an_env_option_inherits_nothing_from_another():
     assert issues["env.nemo_gym.agents"].fix == "select env=builtin for it, or remove it"
     issues = _issues(["env=gym_launch"])
     assert set(issues) == {"env.nemo_gym.config_paths"}
+
+
+def test_the_gym_shards_are_built_once_and_travel_with_the_config(monkeypatch):
+    """The validator builds every shard once; the plan, the recipe and Ray's copy of the config
+    (pickled into each actor) read that one build."""
+    builds = []
+    real_build = validate_module.build_all_gym_actor_configs
+
+    def counted(*args, **kwargs):
+        builds.append(args)
+        return real_build(*args, **kwargs)
+
+    monkeypatch.setattr(validate_module, "build_all_gym_actor_configs", counted)
+    config = validate_config(compose_raw(["+experiment=swe_bench_30b"]))
+    render_plan(config, "out")
+    assert len(builds) == 1
+    shards = config.gym_shards
+    assert len(shards) > 1 and all(s.postprocess.truncate_noncontiguous_episodes for s in shards)
+    assert pickle.loads(pickle.dumps(config)).gym_shards == shards
+    assert config.model_copy(update={"dry_run": True}).gym_shards == shards
+
+
+def test_a_config_not_made_by_the_validator_says_where_its_shards_come_from():
+    config = validate_config(compose_raw([]))
+    bare = type(config).model_validate(config.model_dump())
+    with pytest.raises(RuntimeError, match=r"built by gymrl\.preflight\.validate\.validate_config"):
+        _ = bare.gym_shards
