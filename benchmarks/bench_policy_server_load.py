@@ -183,7 +183,6 @@ def serve_policy(model_name: str, threads: int, cache_dir: Path):
         default_max_tokens=16,
         max_context_tokens=2048,
         request_timeout_s=600,
-        max_batch_size=64,
     )
     return serve_in_thread(app), tokenizer
 

@@ -108,8 +108,6 @@ async def _run(config, actors, rows) -> tuple[list[dict[str, Any]], int]:
         default_max_tokens=server.max_tokens_per_turn,
         max_context_tokens=config.policy.max_total_sequence_length,
         request_timeout_s=server.request_timeout_s,
-        max_batch_size=generation.max_batch_size,
-        max_concurrent_batches=server.max_concurrent_batches,
     )
     with serve_in_thread(app) as policy:
         environments, urls = [], {}

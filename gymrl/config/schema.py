@@ -201,15 +201,9 @@ class ModelServerConfig(Strict):
 
 
 class TorchModelServerConfig(ModelServerConfig):
-    """Short turns, batched, one batch at a time: the torch engine decodes on a laptop CPU."""
+    """Short turns: the torch engine decodes on a laptop CPU."""
 
     max_tokens_per_turn: MaxTokensPerTurn = 64
-    max_concurrent_batches: int = Field(
-        default=1,
-        gt=0,
-        description="Engine batches in flight at once; the torch engine runs one at a time, so "
-        "more only queue behind it.",
-    )
 
 
 class SGLangModelServerConfig(ModelServerConfig):
@@ -231,7 +225,12 @@ class SamplingConfig(Strict):
 
 class TorchGenerationConfig(Strict):
     backend: Literal["torch"] = "torch"
-    max_batch_size: int = Field(default=16, gt=0, description="Rows decoded together.")
+    max_batch_size: int = Field(
+        default=16,
+        gt=0,
+        description="Rows decoded together; a request arriving while they decode takes the next "
+        "free slot at the next step.",
+    )
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     server: TorchModelServerConfig = Field(default_factory=TorchModelServerConfig)
 

@@ -8,11 +8,10 @@ NeMo-Gym agents call the policy through its `vllm_model` adapter, which posts no
 * renders messages and tools with the model's own chat template
   (:mod:`gymrl.generation.chat_template`), keeping the exact ids clients send back on earlier
   assistant turns (the on-policy prefix fix) when `honor_prompt_token_ids` is set;
-* batches requests from many concurrent clients into single `engine.generate` calls on a
-  background thread (:class:`RequestBatcher`), since the torch engine decodes a batch for about
-  the cost of one request; an engine that schedules requests itself (SGLang, a
-  `RequestScheduler`) gets each request alone as it arrives instead, so no answer waits for the
-  slowest generation of a batch;
+* hands each request to the engine alone as it arrives (`RequestScheduler.submit`): both engines
+  batch concurrent requests themselves (the torch engine admits a new request into the rows
+  already decoding at its next step, SGLang on the server), so no answer waits for the slowest
+  generation of a batch;
 * parses tool calls and reasoning with the model family's parsers
   (:mod:`gymrl.generation.parsers`) into `message.tool_calls` and `reasoning_content`, and
   answers a full OpenAI `ChatCompletion`, plus two extras on the message: the token bundle and
@@ -31,14 +30,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import queue
 import secrets
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Depends, FastAPI, Header, Request
@@ -54,7 +50,7 @@ from gymrl.generation.chat_template import (
     build_prompt_token_ids,
 )
 from gymrl.generation.types import (
-    GenerationEngine,
+    EngineUnavailableError,
     GenerationOutput,
     GenerationRequest,
     RequestScheduler,
@@ -174,170 +170,12 @@ def _lone_surrogate_at(data: Any) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Batching
+# Waiting for the engine
 # ---------------------------------------------------------------------------------------------
 
 
 class GenerationTimeoutError(TimeoutError):
     """A request's generation did not finish within the server's request timeout."""
-
-
-class ServerNotRunningError(RuntimeError):
-    """A request reached the batcher before its start or after its shutdown."""
-
-
-@dataclass
-class _Pending:
-    request: GenerationRequest
-    future: Future[GenerationOutput]
-
-
-_STOP = object()
-
-
-class RequestBatcher:
-    """Gathers generation requests from many callers into batched `engine.generate` calls.
-
-    One background thread takes the first waiting request, keeps collecting for up to
-    `max_wait_s` or until `max_batch_size`, then calls the (blocking) engine once and resolves
-    each caller's future. Requests that arrive while the engine runs queue up and form the next
-    batch. A caller that gave up (its future cancelled before the batch started) is skipped.
-
-    With `max_concurrent_batches > 1`, up to that many batches run at once on worker threads:
-    for engines that schedule requests themselves (SGLang), so that one long generation does not
-    hold back requests that arrive after its batch started. The torch engine serialises its
-    calls with one lock, so it gains nothing from more than one.
-    """
-
-    def __init__(
-        self,
-        engine: GenerationEngine,
-        *,
-        max_batch_size: int,
-        max_wait_s: float,
-        max_concurrent_batches: int = 1,
-    ):
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
-        if max_wait_s < 0:
-            raise ValueError(f"max_wait_s={max_wait_s} must be >= 0")
-        if max_concurrent_batches < 1:
-            raise ValueError(f"max_concurrent_batches={max_concurrent_batches} must be >= 1")
-        self._engine = engine
-        self._max_batch_size = max_batch_size
-        self._max_wait_s = max_wait_s
-        # A free slot is taken before a batch is collected, so requests keep gathering into the
-        # next batch while every slot is busy instead of leaving as batches of one.
-        self._slots = threading.BoundedSemaphore(max_concurrent_batches)
-        self._workers = ThreadPoolExecutor(
-            max_workers=max_concurrent_batches, thread_name_prefix="model-server-batch"
-        )
-        self._queue: queue.Queue[Any] = queue.Queue()
-        self._lock = threading.Lock()
-        self._accepting = False
-        self._thread = threading.Thread(target=self._run, name="model-server-batcher", daemon=True)
-
-    def start(self) -> None:
-        with self._lock:
-            if self._thread.is_alive() or self._thread.ident is not None:
-                raise RuntimeError("RequestBatcher.start() called twice; create a new batcher")
-            self._accepting = True
-            self._thread.start()
-
-    def submit(self, request: GenerationRequest) -> Future[GenerationOutput]:
-        future: Future[GenerationOutput] = Future()
-        with self._lock:
-            if not self._accepting:
-                raise ServerNotRunningError(
-                    "the model server is not running (its lifespan has not started or has ended)"
-                )
-            self._queue.put(_Pending(request, future))
-        return future
-
-    async def generate(self, request: GenerationRequest, *, timeout_s: float) -> GenerationOutput:
-        """Submit `request` and await its output; :class:`GenerationTimeoutError` after timeout."""
-        return await await_generation(self.submit(request), timeout_s=timeout_s)
-
-    def close(self, timeout_s: float) -> None:
-        """Stop accepting, let the running batch finish, fail whatever is still queued."""
-        with self._lock:
-            was_accepting, self._accepting = self._accepting, False
-            if was_accepting:
-                self._queue.put(_STOP)
-        if self._thread.ident is not None:
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
-                raise TimeoutError(
-                    f"the batching thread did not stop within {timeout_s} s (engine.generate is "
-                    "still running)"
-                )
-        self._fail_queued()
-
-    def _run(self) -> None:
-        try:
-            while True:
-                # No timeouts needed: close() always enqueues _STOP, which ends the queue wait,
-                # and every running batch releases its slot when the engine returns.
-                self._slots.acquire()
-                first = self._queue.get()
-                if first is _STOP:
-                    return
-                batch, stop = self._collect(first)
-                self._workers.submit(self._run_batch_and_release, batch)
-                if stop:
-                    return
-        finally:
-            self._workers.shutdown(wait=True)
-
-    def _run_batch_and_release(self, batch: list[_Pending]) -> None:
-        try:
-            self._run_batch(batch)
-        finally:
-            self._slots.release()
-
-    def _collect(self, first: _Pending) -> tuple[list[_Pending], bool]:
-        batch = [first]
-        deadline = time.monotonic() + self._max_wait_s
-        while len(batch) < self._max_batch_size:
-            remaining = deadline - time.monotonic()
-            try:
-                item = (
-                    self._queue.get(timeout=remaining)
-                    if remaining > 0
-                    else self._queue.get_nowait()
-                )
-            except queue.Empty:
-                break
-            if item is _STOP:
-                return batch, True
-            batch.append(item)
-        return batch, False
-
-    def _run_batch(self, batch: list[_Pending]) -> None:
-        live = [pending for pending in batch if pending.future.set_running_or_notify_cancel()]
-        if not live:
-            return
-        try:
-            outputs = self._engine.generate([pending.request for pending in live])
-            if len(outputs) != len(live):
-                raise RuntimeError(
-                    f"engine.generate returned {len(outputs)} outputs for {len(live)} requests"
-                )
-        except Exception as error:
-            for pending in live:
-                pending.future.set_exception(error)
-            return
-        for pending, output in zip(live, outputs, strict=True):
-            pending.future.set_result(output)
-
-    def _fail_queued(self) -> None:
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            if item is not _STOP and item.future.set_running_or_notify_cancel():
-                item.future.set_exception(ServerNotRunningError("the model server shut down"))
 
 
 async def await_generation(
@@ -374,7 +212,7 @@ def _error_response(status: int, message: str, error_type: str, param: str | Non
 
 
 def create_policy_server_app(
-    engine: GenerationEngine,
+    engine: RequestScheduler,
     chat_format: ChatFormat,
     *,
     model_name: str,
@@ -383,19 +221,10 @@ def create_policy_server_app(
     default_max_tokens: int,
     max_context_tokens: int,
     request_timeout_s: float,
-    max_batch_size: int = 64,
-    batch_wait_s: float = 0.005,
-    max_concurrent_batches: int = 1,
-    shutdown_timeout_s: float = 30.0,
 ) -> FastAPI:
-    """An OpenAI-compatible policy server over `engine` (see the module docstring).
-
-    The batching thread starts and stops with the app's lifespan, so serve it with lifespan on
-    (`nemo_gym_ext.http_server.serve_in_thread` does). `max_batch_size` and `batch_wait_s` bound
-    one engine batch, `max_concurrent_batches` how many run at once (see `RequestBatcher`);
-    `shutdown_timeout_s` bounds the wait for running batches at shutdown. A `RequestScheduler`
-    engine is not batched, and these four do not apply to it.
-    """
+    """An OpenAI-compatible policy server over `engine` (see the module docstring). Its render
+    worker stops with the app's lifespan, so serve it with lifespan on
+    (`nemo_gym_ext.http_server.serve_in_thread` does)."""
     for name, value, minimum in (
         ("default_max_tokens", default_max_tokens, 1),
         ("max_context_tokens", max_context_tokens, 2),
@@ -405,23 +234,8 @@ def create_policy_server_app(
     if request_timeout_s <= 0:
         raise ValueError(f"request_timeout_s={request_timeout_s} must be > 0 seconds")
 
-    # An engine that schedules requests itself gets each one alone; the others get batches.
-    batcher: RequestBatcher | None = None
-    if isinstance(engine, RequestScheduler):
-        scheduler = engine
-
-        async def generate(request: GenerationRequest) -> GenerationOutput:
-            return await await_generation(scheduler.submit(request), timeout_s=request_timeout_s)
-    else:
-        batching = batcher = RequestBatcher(
-            engine,
-            max_batch_size=max_batch_size,
-            max_wait_s=batch_wait_s,
-            max_concurrent_batches=max_concurrent_batches,
-        )
-
-        async def generate(request: GenerationRequest) -> GenerationOutput:
-            return await batching.generate(request, timeout_s=request_timeout_s)
+    async def generate(request: GenerationRequest) -> GenerationOutput:
+        return await await_generation(engine.submit(request), timeout_s=request_timeout_s)
 
     # One worker: rendering and tokenising stay off the event loop, and the tokenizer is only ever
     # used from one thread.
@@ -430,13 +244,9 @@ def create_policy_server_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        if batcher is not None:
-            batcher.start()
         try:
             yield
         finally:
-            if batcher is not None:
-                batcher.close(shutdown_timeout_s)
             render_pool.shutdown(wait=True, cancel_futures=True)
 
     dependencies = [] if api_key is None else [Depends(_bearer_check(api_key))]
@@ -509,7 +319,7 @@ def create_policy_server_app(
             output = await generate(request)
         except GenerationTimeoutError as error:
             raise _ApiError(504, str(error), error_type="timeout_error") from error
-        except ServerNotRunningError as error:
+        except EngineUnavailableError as error:
             raise _ApiError(503, str(error), error_type="service_unavailable_error") from error
         except Exception as error:
             raise _ApiError(

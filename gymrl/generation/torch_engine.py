@@ -5,10 +5,13 @@ needs what `generate` does not give cheaply: per-request seeds and sampling para
 log-probability of every sampled token under the temperature-scaled distribution, weight refits
 between calls, and no compute spent on finished rows or on padding.
 
-How a call runs:
+How requests run:
 
-- Requests wait in a queue; up to `max_batch_size` are decoding at once, and a slot freed by a
-  finished row is refilled from the queue at the next step (continuous batching).
+- The engine schedules requests itself (a `RequestScheduler`): `submit` queues one and returns a
+  future; one loop thread decodes up to `max_batch_size` rows at once, admits queued requests
+  into free slots at every step, and answers each row the moment it finishes (continuous
+  batching across callers). In a multi-turn run an agent's next turn therefore joins the batch
+  while other episodes are still generating, instead of waiting for a whole batch to end.
 - Admitted prompts are prefilled *packed*: concatenated into one sequence with a block-diagonal
   causal mask and per-prompt position ids, so no padding is computed and the matrix products stay
   large. Logits are computed only at each prompt's last position.
@@ -25,6 +28,7 @@ import inspect
 import threading
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +36,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
 
 from gymrl.generation.types import (
+    EngineUnavailableError,
     FinishReason,
     GenerationOutput,
     GenerationRequest,
@@ -106,15 +111,20 @@ def _grown(buffer: torch.Tensor, filled: int, capacity: int) -> torch.Tensor:
     return bigger
 
 
+class EngineClosedError(EngineUnavailableError):
+    """A request reached the engine after `close()`, or was still waiting when it closed."""
+
+
 @dataclass
 class _Row:
-    """One request being served: its sampling state and what it has generated so far."""
+    """One request being served: its sampling state, what it has generated so far, and the
+    future its caller waits on."""
 
-    index: int
     prompt: list[int]
     params: SamplingParams
     stop_ids: frozenset[int]
     generator: torch.Generator
+    future: Future[GenerationOutput]
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
@@ -200,6 +210,14 @@ class _DecodeBatch:
         self.rows, self.layers = rows, layers
 
 
+def _fail(future: Future[GenerationOutput], error: BaseException) -> None:
+    """Fail `future` unless it is answered or its caller cancelled it."""
+    if future.done():
+        return
+    if future.running() or future.set_running_or_notify_cancel():
+        future.set_exception(error)
+
+
 def _prefill_chunks(rows: Sequence[_Row], token_budget: int) -> Iterator[list[_Row]]:
     """Consecutive groups of rows whose prompts together fit `token_budget` (a longer one alone)."""
     chunk: list[_Row] = []
@@ -273,14 +291,15 @@ def sample_tokens(
 
 
 class TorchGenerationEngine:
-    """Token-in/token-out generation on a Hugging Face causal LM; a `GenerationEngine`.
+    """Token-in/token-out generation on a Hugging Face causal LM; a `GenerationEngine` that
+    schedules its requests itself (`RequestScheduler`).
 
     The engine owns `model`: it is switched to eval mode, its body's matmul weights are stored in
     the compute dtype when that is not the weights' own (`round_body_matmul_weights`), and its
-    weights are replaced in place by `update_weights`. `generate` and `update_weights` are
-    serialised by one lock, so calls from several threads are safe and a refit never lands in the
-    middle of a generation: every output of a call carries the one weight version it was
-    generated with.
+    weights are replaced in place by `update_weights`. A refit never lands in the middle of a
+    generation: it stops admitting queued requests, waits for the rows in flight to finish, then
+    loads, so every output carries the one weight version it was generated with. Safe to call
+    from any thread.
     """
 
     def __init__(
@@ -334,29 +353,94 @@ class TorchGenerationEngine:
         self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
         self._seed_source = torch.Generator().manual_seed(seed)
         self._version = weight_version
-        self._lock = threading.Lock()
+        # `_model_lock` guards the model (a decode step, a refit). `_schedule` guards the queue,
+        # the count of rows admitted and not yet answered, and the refits waiting for them to
+        # drain; it is never held while taking `_model_lock`.
+        self._model_lock = threading.Lock()
+        self._schedule = threading.Condition()
+        self._waiting: deque[_Row] = deque()
+        self._in_flight = 0
+        self._refits_waiting = 0
+        self._closed = False
+        self._loop: threading.Thread | None = None
 
     @property
     def weight_version(self) -> int:
         return self._version
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Load `state_dict` into the model in place (strict) and set the weight version."""
-        with self._lock:
-            if version < self._version:
-                raise ValueError(
-                    f"weight version {version} is older than the engine's current version "
-                    f"{self._version}; refit with a version >= {self._version}"
-                )
-            with torch.no_grad():
+        """Load `state_dict` into the model in place (strict) and set the weight version, once
+        the rows in flight have finished; queued requests start after it with the new weights."""
+        self._check_version(version)
+        with self._schedule:
+            self._refits_waiting += 1
+            # Bounded: admission is paused, and every row in flight ends within its
+            # max_new_tokens (the caller's own deadline covers a stalled engine).
+            while self._in_flight:
+                self._schedule.wait()
+        try:
+            with self._model_lock, torch.no_grad():
+                self._check_version(version)
                 self._model.load_state_dict(state_dict, strict=True)
-            self._version = version
+                self._version = version
+        finally:
+            with self._schedule:
+                self._refits_waiting -= 1
+                self._schedule.notify_all()
+
+    def submit(self, request: GenerationRequest) -> Future[GenerationOutput]:
+        """Queue `request`; its future resolves when it finishes (an invalid request's at once,
+        with the ValueError naming the field). Cancelling it before it is admitted abandons it."""
+        return self._enqueue([request])[0]
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
+        """Generate for a batch of requests, one output per request, in order; invalid requests
+        raise before any is queued."""
         for index, request in enumerate(requests):
             self._validate(index, request)
-        with self._lock, torch.inference_mode():
-            return self._serve(requests)
+        return [future.result() for future in self._enqueue(requests)]
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop the loop after its current step; requests not yet answered fail."""
+        with self._schedule:
+            self._closed = True
+            self._schedule.notify_all()
+            loop = self._loop
+        if loop is not None:
+            loop.join(timeout_s)
+            if loop.is_alive():
+                raise TimeoutError(f"the torch engine's loop did not stop within {timeout_s} s")
+
+    def _check_version(self, version: int) -> None:
+        if version < self._version:
+            raise ValueError(
+                f"weight version {version} is older than the engine's current version "
+                f"{self._version}; refit with a version >= {self._version}"
+            )
+
+    def _enqueue(self, requests: Sequence[GenerationRequest]) -> list[Future[GenerationOutput]]:
+        """Queue every valid request of `requests` at once (so one call's requests are admitted
+        together) and start the loop on first use."""
+        futures: list[Future[GenerationOutput]] = []
+        with self._schedule:
+            for index, request in enumerate(requests):
+                future: Future[GenerationOutput] = Future()
+                futures.append(future)
+                try:
+                    if self._closed:
+                        raise EngineClosedError("the torch engine is closed")
+                    self._validate(index, request)
+                except (ValueError, EngineClosedError) as error:
+                    future.set_exception(error)
+                    continue
+                self._waiting.append(self._new_row(request, future))
+            if self._loop is None and not self._closed:
+                self._loop = threading.Thread(
+                    target=self._run, name="torch-engine-loop", daemon=True
+                )
+                self._loop.start()
+            self._schedule.notify_all()
+        return futures
 
     def _validate(self, index: int, request: GenerationRequest) -> None:
         where = f"requests[{index}]"
@@ -386,51 +470,93 @@ class TorchGenerationEngine:
                 f"{where}.params.seed must be None or in [0, 2**64), got {params.seed}"
             )
 
-    def _serve(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
-        outputs: dict[int, GenerationOutput] = {}
-        waiting = deque(self._new_row(index, request) for index, request in enumerate(requests))
+    def _run(self) -> None:
+        """The loop: admit queued rows into free slots, prefill them, take one decode step,
+        answer the rows that finished; sleep while there is nothing to do. When it ends (closed,
+        or a step failed), every request not yet answered fails with the reason."""
         batch = _DecodeBatch()
-        keep = []
-        while waiting or batch.rows:
-            free = self._max_batch_size - len(keep)
-            admitted = [waiting.popleft() for _ in range(min(free, len(waiting)))]
-            arrivals = [
-                arrival
-                for arrival in self._prefill(admitted)
-                if not self._finish_if_done(arrival.row, outputs)
-            ]
-            if arrivals or len(keep) < len(batch.rows):
-                batch.rebuild(keep, arrivals)
-            if not batch.rows:
-                keep = []
-                continue
-            self._decode_step(batch)
-            keep = [i for i, row in enumerate(batch.rows) if not self._finish_if_done(row, outputs)]
-        return [outputs[index] for index in range(len(requests))]  # every row has finished
+        keep: list[int] = []  # rows of `batch` still decoding
+        admitted: list[_Row] | None = []
+        ended: BaseException = EngineClosedError(
+            "the torch engine closed before this request finished"
+        )
+        try:
+            while True:
+                admitted = self._admit(free=self._max_batch_size - len(keep), decoding=bool(keep))
+                if admitted is None:
+                    return
+                with self._model_lock, torch.inference_mode():
+                    arrivals = [
+                        arrival
+                        for arrival in self._prefill(admitted)
+                        if not self._answer_if_done(arrival.row)
+                    ]
+                    if arrivals or len(keep) < len(batch.rows):
+                        batch.rebuild(keep, arrivals)
+                    if not batch.rows:
+                        keep = []
+                        continue
+                    self._decode_step(batch)
+                    keep = [i for i, row in enumerate(batch.rows) if not self._answer_if_done(row)]
+        except BaseException as error:
+            ended = error
+            raise
+        finally:
+            with self._schedule:
+                self._closed = True
+                unanswered = [*self._waiting, *(admitted or []), *batch.rows]
+                self._waiting.clear()
+                self._in_flight = 0
+                self._schedule.notify_all()
+            for row in unanswered:
+                _fail(row.future, ended)
 
-    def _new_row(self, index: int, request: GenerationRequest) -> _Row:
+    def _admit(self, *, free: int, decoding: bool) -> list[_Row] | None:
+        """Rows to admit now (none while a refit waits); waits while idle; None once closed."""
+        with self._schedule:
+            while not self._closed and not decoding and not self._admissible():
+                self._schedule.wait()
+            if self._closed:
+                return None
+            admitted = []
+            while free > len(admitted) and self._admissible():
+                row = self._waiting.popleft()
+                if row.future.set_running_or_notify_cancel():  # else its caller gave up
+                    admitted.append(row)
+            self._in_flight += len(admitted)
+            return admitted
+
+    def _admissible(self) -> bool:
+        return bool(self._waiting) and not self._refits_waiting
+
+    def _new_row(self, request: GenerationRequest, future: Future[GenerationOutput]) -> _Row:
         params = request.params
         seed = params.seed
         if seed is None:
             seed = int(torch.randint(_SEED_BOUND, (), generator=self._seed_source))
         return _Row(
-            index=index,
             prompt=list(request.prompt_token_ids),
             params=params,
             stop_ids=self._eos_ids | frozenset(params.stop_token_ids),
             generator=torch.Generator().manual_seed(seed),
+            future=future,
         )
 
-    def _finish_if_done(self, row: _Row, outputs: dict[int, GenerationOutput]) -> bool:
+    def _answer_if_done(self, row: _Row) -> bool:
         if row.finish_reason is None:
             return False
-        outputs[row.index] = GenerationOutput(
-            token_ids=row.token_ids,
-            logprobs=row.logprobs,
-            finish_reason=row.finish_reason,
-            weight_version=self._version,
-            prompt_token_ids=row.prompt,
+        row.future.set_result(
+            GenerationOutput(
+                token_ids=row.token_ids,
+                logprobs=row.logprobs,
+                finish_reason=row.finish_reason,
+                weight_version=self._version,
+                prompt_token_ids=row.prompt,
+            )
         )
+        with self._schedule:
+            self._in_flight -= 1
+            self._schedule.notify_all()  # a refit may be waiting for the last row
         return True
 
     def _prefill(self, rows: Sequence[_Row]) -> list[_Arrival]:

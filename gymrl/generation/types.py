@@ -59,9 +59,15 @@ class GenerationEngine(Protocol):
         ...
 
 
+class EngineUnavailableError(RuntimeError):
+    """The engine cannot take requests now (closed, or shutting down); the policy server answers
+    503, which clients may retry."""
+
+
 @runtime_checkable
 class RequestScheduler(Protocol):
-    """An engine that schedules concurrent requests itself (SGLang batches on the server).
+    """An engine that schedules concurrent requests itself: the torch engine admits each new
+    request into the rows already decoding, SGLang batches on its server.
 
     The policy server hands it each request alone as it arrives, so a long generation never
     holds back the answer to a short one, instead of gathering requests into batches that end

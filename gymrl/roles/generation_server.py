@@ -72,7 +72,6 @@ class GenerationServer:
                 )
                 started.callback(self._engine.close)
                 self._tp_size = generation.tensor_parallel_size
-                batching = {}  # SGLang schedules each request itself: nothing is batched
             else:
                 model, tokenizer = build_policy(policy, config.run.seed)
                 # transformers' `to` is typed as unbound (see gymrl.model.loading.build_tiny_llama).
@@ -84,10 +83,7 @@ class GenerationServer:
                     seed=config.run.seed,
                     compute_dtype=policy.compute_dtype,
                 )
-                batching = {
-                    "max_batch_size": generation.max_batch_size,
-                    "max_concurrent_batches": generation.server.max_concurrent_batches,
-                }
+                started.callback(self._engine.close)
             server = generation.server
             app = create_policy_server_app(
                 self._engine,
@@ -98,7 +94,6 @@ class GenerationServer:
                 default_max_tokens=server.max_tokens_per_turn,
                 max_context_tokens=policy.max_total_sequence_length,
                 request_timeout_s=server.request_timeout_s,
-                **batching,
             )
             http_server = serve_in_thread(
                 app,
@@ -107,7 +102,7 @@ class GenerationServer:
                 max_body_bytes=server.max_request_bytes,
                 max_concurrency=server.max_concurrent_requests,
             )
-            # A running engine batch finishes first.
+            # Requests in progress finish first; the engines close after the server.
             started.callback(http_server.close, timeout_s=50.0)
             self._public_url = http_server.url.replace("0.0.0.0", ray.util.get_node_ip_address())
             self._started = started.pop_all()

@@ -13,7 +13,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 
 import httpx
@@ -36,17 +36,17 @@ USER_ONLY = [{"role": "user", "content": "What is 2 + 3?"}]
 
 
 class ScriptedEngine:
-    """Answers every request with `reply` (cut at `max_new_tokens`), after `delay_s` per batch.
+    """Answers every request with `reply` (cut at `max_new_tokens`), after `delay_s`, on a
+    thread of its own (a `RequestScheduler`, as both real engines are).
 
-    Records each batch's size and each request, so tests can check what the server sent.
-    Log-probabilities are deterministic negative numbers, one per token.
+    Records each request, so tests can check what the server sent. Log-probabilities are
+    deterministic negative numbers, one per token.
     """
 
     def __init__(self, reply: Sequence[int], *, delay_s: float = 0.0, fail_with: str | None = None):
         self.reply = list(reply)
         self.delay_s = delay_s
         self.fail_with = fail_with
-        self.batch_sizes: list[int] = []
         self.requests: list[GenerationRequest] = []
         self._version = 7
         self._lock = threading.Lock()
@@ -59,14 +59,21 @@ class ScriptedEngine:
         with self._lock:
             self._version = version
 
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
+    def submit(self, request: GenerationRequest) -> Future[GenerationOutput]:
         with self._lock:
-            self.batch_sizes.append(len(requests))
-            self.requests.extend(requests)
-            time.sleep(self.delay_s)
-            if self.fail_with is not None:
-                raise ValueError(self.fail_with)
-            return [self._answer(request) for request in requests]
+            self.requests.append(request)
+        future: Future[GenerationOutput] = Future()
+        threading.Thread(target=self._run, args=(request, future), daemon=True).start()
+        return future
+
+    def _run(self, request: GenerationRequest, future: Future[GenerationOutput]) -> None:
+        time.sleep(self.delay_s)
+        if not future.set_running_or_notify_cancel():
+            return
+        if self.fail_with is not None:
+            future.set_exception(ValueError(self.fail_with))
+        else:
+            future.set_result(self._answer(request))
 
     def _answer(self, request: GenerationRequest) -> GenerationOutput:
         params = request.params
@@ -298,15 +305,31 @@ def test_earlier_token_ids_are_kept_only_when_honoured(tokenizer, chat_format, h
         assert prompt[: len(earlier)] != earlier
 
 
-def test_concurrent_requests_are_batched(tokenizer, chat_format):
-    engine = scripted(chat_format, "ok", delay_s=0.2)
-    with served(engine, chat_format) as client, ThreadPoolExecutor(8) as pool:
-        questions = [[{"role": "user", "content": f"question {i}"}] for i in range(8)]
-        responses = list(pool.map(lambda messages: completion(client, messages), questions))
+def _tiny_torch_engine(tokenizer, **settings):
+    model = build_tiny_llama(
+        tokenizer, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, seed=0
+    )
+    return TorchGenerationEngine(model, seed=0, compute_dtype="float32", **settings)
+
+
+def test_concurrent_requests_decode_together_and_each_gets_its_own_answer(tokenizer, chat_format):
+    engine = _tiny_torch_engine(tokenizer, max_batch_size=8)
+    widths: list[int] = []
+    hook = engine._model.base_model.register_forward_pre_hook(
+        lambda _module, _args, kwargs: widths.append(kwargs["input_ids"].shape[0]),
+        with_kwargs=True,
+    )
+    try:
+        with served(engine, chat_format) as client, ThreadPoolExecutor(8) as pool:
+            questions = [[{"role": "user", "content": f"question {i}"}] for i in range(8)]
+            responses = list(
+                pool.map(lambda messages: completion(client, messages, max_tokens=40), questions)
+            )
+    finally:
+        hook.remove()
+        engine.close()
     assert [r.status_code for r in responses] == [200] * 8
-    assert sum(engine.batch_sizes) == 8
-    assert max(engine.batch_sizes) > 1
-    # Each caller got the answer to its own prompt.
+    assert max(widths) > 1, "no decode step held more than one request"
     for question, response in zip(questions, responses, strict=True):
         prompt = response.json()["choices"][0]["message"]["prompt_token_ids"]
         assert question[0]["content"] in tokenizer.decode(prompt)
@@ -431,39 +454,27 @@ def test_real_torch_engine_two_turns_stay_contiguous(tokenizer, chat_format):
     assert message_2["prompt_token_ids"][: len(earlier)] == earlier
 
 
-class ConcurrentEngine(ScriptedEngine):
-    """Like ScriptedEngine, but batches may run at once (as SGLang's do); records their spans."""
-
-    def __init__(self, reply, *, delay_s):
-        super().__init__(reply, delay_s=delay_s)
-        self.spans: list[tuple[float, float]] = []
-        self.first_batch_started = threading.Event()
-
-    def generate(self, requests):
-        start = time.monotonic()
-        self.first_batch_started.set()
-        time.sleep(self.delay_s)
-        self.spans.append((start, time.monotonic()))
-        return [self._answer(request) for request in requests]
-
-
-@pytest.mark.parametrize("concurrent_batches", [1, 2])
-def test_a_request_arriving_mid_batch_waits_only_without_spare_batch_slots(
-    tokenizer, chat_format, concurrent_batches
-):
-    engine = ConcurrentEngine([*chat_format.encode("ok"), chat_format.end_of_turn_id], delay_s=0.5)
-    with (
-        served(engine, chat_format, max_concurrent_batches=concurrent_batches) as client,
-        ThreadPoolExecutor(2) as pool,
-    ):
-        first = pool.submit(completion, client, USER_ONLY)
-        assert engine.first_batch_started.wait(10)
-        second = pool.submit(completion, client, [{"role": "user", "content": "later"}])
-        assert first.result().status_code == second.result().status_code == 200
-    (first_start, first_end), (second_start, _) = sorted(engine.spans)
-    overlapped = second_start < first_end
-    assert overlapped is (concurrent_batches == 2)
-    assert first_start < second_start
+def test_a_short_request_is_not_held_back_by_a_long_torch_generation(tokenizer, chat_format):
+    """A short answer asked for while a long one is decoding joins the engine's rows at its
+    next step and comes back before the long one ends (no batch waits for its slowest row)."""
+    engine = _tiny_torch_engine(tokenizer, max_batch_size=4)
+    steps = threading.Semaphore(0)
+    hook = engine._model.base_model.register_forward_pre_hook(
+        lambda *_args, **_kwargs: steps.release(), with_kwargs=True
+    )
+    try:
+        with served(engine, chat_format) as client, ThreadPoolExecutor(1) as pool:
+            long = pool.submit(completion, client, USER_ONLY, max_tokens=1500, seed=1)
+            for _ in range(3):  # its prefill and two decode steps
+                assert steps.acquire(timeout=30), "the long generation did not start"
+            short = completion(client, [{"role": "user", "content": "later"}], max_tokens=3)
+            assert short.status_code == 200, short.text
+            assert not long.done(), "the short answer waited for the long generation"
+            assert long.result().status_code == 200
+    finally:
+        hook.remove()
+        engine.close()
+    assert len(short.json()["choices"][0]["message"]["generation_token_ids"]) == 3
 
 
 def test_sglang_requests_are_not_held_back_by_a_long_generation(chat_format):
@@ -473,7 +484,7 @@ def test_sglang_requests_are_not_held_back_by_a_long_generation(chat_format):
     with (
         serve_in_thread(app) as sglang,
         SGLangEngine([sglang.url], request_timeout_s=20.0, refit_timeout_s=20.0) as engine,
-        served(engine, chat_format, max_batch_size=64, batch_wait_s=0.5) as client,
+        served(engine, chat_format) as client,
         ThreadPoolExecutor(2) as pool,
     ):
         started = time.monotonic()

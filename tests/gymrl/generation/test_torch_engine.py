@@ -8,13 +8,15 @@ ids, the batch compaction or the sampler go wrong.
 from __future__ import annotations
 
 import copy
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
-from gymrl.generation.torch_engine import TorchGenerationEngine, sample_tokens
+from gymrl.generation.torch_engine import EngineClosedError, TorchGenerationEngine, sample_tokens
 from gymrl.generation.types import GenerationOutput, GenerationRequest, SamplingParams
 from gymrl.model.loading import build_tiny_llama, ensure_smollm2_checkpoint, load_tokenizer
 from gymrl.model.precision import body_autocast
@@ -316,3 +318,81 @@ def test_engine_on_cuda_matches_teacher_forcing(tokenizer, prompts, dtype):
             assert float(error.max()) < 1e-3
         else:  # bf16: cached, packed kernels vs one plain forward pass round differently
             assert float(error.mean()) < 0.05
+
+
+class _ForwardLog:
+    """The batch size of every forward pass the model's body runs (a prefill packs its prompts
+    into one row, so it logs 1), with an event per pass so a test can wait for progress."""
+
+    def __init__(self, model):
+        self.sizes: list[int] = []
+        self._passes = threading.Semaphore(0)
+        self._handle = model.base_model.register_forward_pre_hook(self._record, with_kwargs=True)
+
+    def _record(self, _module, _args, kwargs):
+        self.sizes.append(kwargs["input_ids"].shape[0])
+        self._passes.release()
+
+    def wait_passes(self, count: int) -> None:
+        for _ in range(count):
+            assert self._passes.acquire(timeout=30), "the engine made no progress"
+
+    def close(self):
+        self._handle.remove()
+
+
+def test_a_request_joins_the_rows_already_decoding_and_is_answered_when_it_ends(model, prompts):
+    engine = make_engine(model, max_batch_size=4)
+    log = _ForwardLog(model)
+    try:
+        long = engine.submit(request(prompts[1], max_new_tokens=120, seed=1))
+        log.wait_passes(3)  # its prefill and two decode steps
+        short = engine.submit(request(prompts[2], max_new_tokens=3, seed=2))
+        answer = short.result(timeout=60)
+        assert not long.done(), "the short request waited for the long one"
+        long_answer = long.result(timeout=60)
+    finally:
+        log.close()
+        engine.close()
+    assert len(answer.token_ids) == 3 and len(long_answer.token_ids) == 120
+    assert 2 in log.sizes, "the short request never decoded alongside the long one"
+    alone = make_engine(model).generate([request(prompts[2], max_new_tokens=3, seed=2)])[0]
+    assert answer.token_ids == alone.token_ids
+    torch.testing.assert_close(answer.logprobs, alone.logprobs, atol=1e-5, rtol=0)
+
+
+def test_a_refit_waits_for_the_rows_in_flight_and_holds_back_new_ones(tokenizer, prompts):
+    engine = make_engine(tiny_llama(tokenizer, seed=0), max_batch_size=4)
+    log = _ForwardLog(engine._model)
+    try:
+        before = engine.submit(request(prompts[1], max_new_tokens=60, seed=1))
+        log.wait_passes(2)
+        refit = threading.Thread(
+            target=engine.update_weights,
+            args=(tiny_llama(tokenizer, seed=1).state_dict(), 1),
+        )
+        refit.start()
+        while not engine._refits_waiting:  # the refit is waiting for `before` to finish
+            time.sleep(0.001)
+        after = engine.submit(request(prompts[2], max_new_tokens=4, seed=2))
+        first = before.result(timeout=60)
+        refit.join(timeout=60)
+        second = after.result(timeout=60)
+    finally:
+        log.close()
+        engine.close()
+    assert not refit.is_alive()
+    assert (first.weight_version, second.weight_version) == (0, 1)
+    assert len(first.token_ids) == 60
+
+
+def test_close_fails_what_is_not_answered_and_refuses_new_requests(model, prompts):
+    engine = make_engine(model, max_batch_size=1)
+    running = engine.submit(request(prompts[1], max_new_tokens=400, seed=1))
+    queued = engine.submit(request(prompts[2], max_new_tokens=4, seed=2))
+    engine.close()
+    for future in (running, queued):
+        with pytest.raises(EngineClosedError):
+            future.result(timeout=30)
+    with pytest.raises(EngineClosedError, match="closed"):
+        engine.submit(request(prompts[0])).result(timeout=5)
