@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
@@ -109,6 +110,20 @@ def _grown(buffer: torch.Tensor, filled: int, capacity: int) -> torch.Tensor:
     bigger = buffer.new_empty(batch, heads, capacity, dim)
     bigger[:, :, :filled] = buffer[:, :, :filled]
     return bigger
+
+
+@dataclass(frozen=True)
+class EngineCounters:
+    """Totals since the engine started, to tell where rollout time goes: seconds the loop spent
+    computing (prefill and decode) rather than waiting for requests, decode steps and the rows
+    they held (`decode_rows / decode_steps` is the mean batch occupancy), prompt tokens
+    prefilled and tokens generated."""
+
+    busy_s: float = 0.0
+    decode_steps: int = 0
+    decode_rows: int = 0
+    prefill_tokens: int = 0
+    generated_tokens: int = 0
 
 
 class EngineClosedError(EngineUnavailableError):
@@ -363,10 +378,15 @@ class TorchGenerationEngine:
         self._refits_waiting = 0
         self._closed = False
         self._loop: threading.Thread | None = None
+        self._counters = EngineCounters()  # replaced whole under `_schedule`, read from any thread
 
     @property
     def weight_version(self) -> int:
         return self._version
+
+    def counters(self) -> EngineCounters:
+        with self._schedule:
+            return self._counters
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Load `state_dict` into the model in place (strict) and set the weight version, once
@@ -485,6 +505,7 @@ class TorchGenerationEngine:
                 admitted = self._admit(free=self._max_batch_size - len(keep), decoding=bool(keep))
                 if admitted is None:
                     return
+                started = time.monotonic()
                 with self._model_lock, torch.inference_mode():
                     arrivals = [
                         arrival
@@ -493,11 +514,11 @@ class TorchGenerationEngine:
                     ]
                     if arrivals or len(keep) < len(batch.rows):
                         batch.rebuild(keep, arrivals)
-                    if not batch.rows:
-                        keep = []
-                        continue
-                    self._decode_step(batch)
+                    decoding = len(batch.rows)
+                    if decoding:
+                        self._decode_step(batch)
                     keep = [i for i, row in enumerate(batch.rows) if not self._answer_if_done(row)]
+                self._count(time.monotonic() - started, admitted, decoding)
         except BaseException as error:
             ended = error
             raise
@@ -525,6 +546,19 @@ class TorchGenerationEngine:
                     admitted.append(row)
             self._in_flight += len(admitted)
             return admitted
+
+    def _count(self, seconds: float, admitted: Sequence[_Row], decoded_rows: int) -> None:
+        """Add one loop iteration to the counters: each admitted row's prefill sampled its first
+        token, each decoded row one more."""
+        with self._schedule:
+            c = self._counters
+            self._counters = EngineCounters(
+                busy_s=c.busy_s + seconds,
+                decode_steps=c.decode_steps + bool(decoded_rows),
+                decode_rows=c.decode_rows + decoded_rows,
+                prefill_tokens=c.prefill_tokens + sum(len(row.prompt) for row in admitted),
+                generated_tokens=c.generated_tokens + len(admitted) + decoded_rows,
+            )
 
     def _admissible(self) -> bool:
         return bool(self._waiting) and not self._refits_waiting

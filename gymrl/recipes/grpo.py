@@ -31,6 +31,7 @@ from ray.util.placement_group import remove_placement_group
 from gymrl.algo.advantages import grpo_advantages, share_of_groups_with_variance
 from gymrl.algo.trajectory import Trajectory
 from gymrl.cluster.placement import plan_placement, reserve
+from gymrl.cluster.ray_calls import wait_for
 from gymrl.cluster.ray_session import ClusterUnavailableError, start_ray
 from gymrl.config.schema import RecipeConfig
 from gymrl.experience.producer import ProducerCounts, RolloutProducer
@@ -39,6 +40,7 @@ from gymrl.experience.rows import RowStream, UnservedAgentError, load_rows, load
 from gymrl.experience.validation import Validator
 from gymrl.generation.announce import announce_policy_server
 from gymrl.generation.api_key import ApiKeyError, resolve_api_key
+from gymrl.generation.torch_engine import EngineCounters
 from gymrl.model.policy import tokenizer_folder
 from gymrl.roles.generation_server import start_generation_server
 from gymrl.roles.gym_shard import RayGroupRunner, start_gym_shards
@@ -228,6 +230,7 @@ class GRPORecipe:
             first_step=self.first_step,
             failure_budget=config.env.rollout.failure_budget,
         )
+        self._engine_seen = self._engine_snapshot()  # the first step's window starts here
         self.producer.start()
         self._on_cleanup("the rollout producer", self.producer.stop)
 
@@ -351,6 +354,7 @@ class GRPORecipe:
         self._step_end_position = self.rows.position
         producer.advance(step + 1, buffer_stats["evicted_stale"])
         metrics = self._metrics(step, groups, train_metrics, producer.counts())
+        metrics.update(self._engine_metrics())
         metrics.update(
             {
                 "timing/wait_for_batch_s": waited,
@@ -362,6 +366,32 @@ class GRPORecipe:
             }
         )
         return metrics
+
+    def _engine_snapshot(self) -> tuple[float, EngineCounters | None]:
+        counters = wait_for(
+            self.generation.engine_counters.remote(),
+            timeout_s=self.config.grpo.batch_timeout_s,
+            what="the engine's counters",
+        )
+        return time.monotonic(), counters
+
+    def _engine_metrics(self) -> dict[str, float]:
+        """How the torch engine spent the time since the last step (docs/metrics.md)."""
+        (then, before), (now, after) = self._engine_seen, self._engine_snapshot()
+        self._engine_seen = (now, after)
+        if before is None or after is None:
+            return {}
+        steps = after.decode_steps - before.decode_steps
+        busy = after.busy_s - before.busy_s
+        generated = after.generated_tokens - before.generated_tokens
+        return {
+            "perf/engine_busy_share": busy / (now - then),
+            "perf/engine_rows_per_decode_step": (
+                (after.decode_rows - before.decode_rows) / steps if steps else math.nan
+            ),
+            "perf/engine_tokens_per_busy_s": generated / busy if busy else math.nan,
+            "perf/generated_tokens_per_s": generated / (now - then),
+        }
 
     def _wait_for_batch(self, step: int) -> list[RolloutGroup]:
         """The step's groups, waiting in short slices so a producer error surfaces at once."""

@@ -23,7 +23,7 @@ from gymrl.generation.announce import policy_server_host
 from gymrl.generation.chat_template import ChatFormat
 from gymrl.generation.policy_server import create_policy_server_app
 from gymrl.generation.sglang_engine import SGLangEngine, SGLangServerGroup
-from gymrl.generation.torch_engine import TorchGenerationEngine
+from gymrl.generation.torch_engine import EngineCounters, TorchGenerationEngine
 from gymrl.model.loading import load_tokenizer
 from gymrl.model.policy import build_policy, tokenizer_folder
 from gymrl.model.tokens import eos_token_id
@@ -110,6 +110,12 @@ class GenerationServer:
     def base_url(self) -> str:
         """The OpenAI base URL agents use (`.../v1`)."""
         return f"{self._public_url}/v1"
+
+    def engine_counters(self) -> EngineCounters | None:
+        """The torch engine's totals (`EngineCounters`); SGLang's live on its servers."""
+        if isinstance(self._engine, TorchGenerationEngine):
+            return self._engine.counters()
+        return None
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> int:
         self._engine.update_weights(state_dict, version)

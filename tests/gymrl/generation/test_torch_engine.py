@@ -396,3 +396,18 @@ def test_close_fails_what_is_not_answered_and_refuses_new_requests(model, prompt
             future.result(timeout=30)
     with pytest.raises(EngineClosedError, match="closed"):
         engine.submit(request(prompts[0])).result(timeout=5)
+
+
+def test_the_counters_add_up_what_the_engine_did(model, prompts):
+    engine = make_engine(model, max_batch_size=2)
+    requests = [request(p, max_new_tokens=3 + i, seed=i) for i, p in enumerate(prompts[:3])]
+    outputs = engine.generate(requests)
+    counters = engine.counters()
+    engine.close()
+    generated = sum(len(o.token_ids) for o in outputs)
+    assert counters.generated_tokens == generated
+    assert counters.prefill_tokens == sum(len(p) for p in prompts[:3])
+    # Every token but each row's first (sampled at prefill) came from a decode step.
+    assert counters.decode_rows == generated - len(requests)
+    assert 1 <= counters.decode_rows / counters.decode_steps <= 2
+    assert counters.busy_s > 0
