@@ -126,6 +126,17 @@ class EngineCounters:
     generated_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class EngineStep:
+    """One iteration of the engine's loop, for a timeline: when it ran (`time.monotonic()`, one
+    clock for every process of a machine), the rows it admitted (prefilled) and decoded."""
+
+    start_s: float
+    end_s: float
+    admitted: int
+    decoded_rows: int
+
+
 class EngineClosedError(EngineUnavailableError):
     """A request reached the engine after `close()`, or was still waiting when it closed."""
 
@@ -379,6 +390,7 @@ class TorchGenerationEngine:
         self._closed = False
         self._loop: threading.Thread | None = None
         self._counters = EngineCounters()  # replaced whole under `_schedule`, read from any thread
+        self._timeline: list[EngineStep] | None = None  # recorded only when asked for
 
     @property
     def weight_version(self) -> int:
@@ -387,6 +399,17 @@ class TorchGenerationEngine:
     def counters(self) -> EngineCounters:
         with self._schedule:
             return self._counters
+
+    def record_timeline(self) -> None:
+        """Start recording every loop iteration (`EngineStep`), forgetting an earlier record."""
+        with self._schedule:
+            self._timeline = []
+
+    def timeline(self) -> list[EngineStep]:
+        """The iterations recorded since `record_timeline`; recording stops."""
+        with self._schedule:
+            steps, self._timeline = self._timeline or [], None
+            return steps
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Load `state_dict` into the model in place (strict) and set the weight version, once
@@ -518,7 +541,7 @@ class TorchGenerationEngine:
                     if decoding:
                         self._decode_step(batch)
                     keep = [i for i, row in enumerate(batch.rows) if not self._answer_if_done(row)]
-                self._count(time.monotonic() - started, admitted, decoding)
+                self._count(started, time.monotonic(), admitted, decoding)
         except BaseException as error:
             ended = error
             raise
@@ -547,13 +570,15 @@ class TorchGenerationEngine:
             self._in_flight += len(admitted)
             return admitted
 
-    def _count(self, seconds: float, admitted: Sequence[_Row], decoded_rows: int) -> None:
-        """Add one loop iteration to the counters: each admitted row's prefill sampled its first
-        token, each decoded row one more."""
+    def _count(self, start: float, end: float, admitted: Sequence[_Row], decoded_rows: int) -> None:
+        """Add one loop iteration to the counters (each admitted row's prefill sampled its first
+        token, each decoded row one more) and to the timeline, if one is recorded."""
         with self._schedule:
+            if self._timeline is not None:
+                self._timeline.append(EngineStep(start, end, len(admitted), decoded_rows))
             c = self._counters
             self._counters = EngineCounters(
-                busy_s=c.busy_s + seconds,
+                busy_s=c.busy_s + end - start,
                 decode_steps=c.decode_steps + bool(decoded_rows),
                 decode_rows=c.decode_rows + decoded_rows,
                 prefill_tokens=c.prefill_tokens + sum(len(row.prompt) for row in admitted),

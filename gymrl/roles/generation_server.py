@@ -23,7 +23,7 @@ from gymrl.generation.announce import policy_server_host
 from gymrl.generation.chat_template import ChatFormat
 from gymrl.generation.policy_server import create_policy_server_app
 from gymrl.generation.sglang_engine import SGLangEngine, SGLangServerGroup
-from gymrl.generation.torch_engine import EngineCounters, TorchGenerationEngine
+from gymrl.generation.torch_engine import EngineCounters, EngineStep, TorchGenerationEngine
 from gymrl.model.loading import load_tokenizer
 from gymrl.model.policy import build_policy, tokenizer_folder
 from gymrl.model.tokens import eos_token_id
@@ -115,6 +115,17 @@ class GenerationServer:
         """The torch engine's totals (`EngineCounters`); SGLang's live on its servers."""
         if isinstance(self._engine, TorchGenerationEngine):
             return self._engine.counters()
+        return None
+
+    def record_engine_timeline(self) -> None:
+        """Start recording the torch engine's loop iterations (SGLang's: none)."""
+        if isinstance(self._engine, TorchGenerationEngine):
+            self._engine.record_timeline()
+
+    def engine_timeline(self) -> list[EngineStep] | None:
+        """The iterations recorded since `record_engine_timeline`; None for SGLang engines."""
+        if isinstance(self._engine, TorchGenerationEngine):
+            return self._engine.timeline()
         return None
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> int:

@@ -401,8 +401,9 @@ def test_close_fails_what_is_not_answered_and_refuses_new_requests(model, prompt
 def test_the_counters_add_up_what_the_engine_did(model, prompts):
     engine = make_engine(model, max_batch_size=2)
     requests = [request(p, max_new_tokens=3 + i, seed=i) for i, p in enumerate(prompts[:3])]
+    engine.record_timeline()
     outputs = engine.generate(requests)
-    counters = engine.counters()
+    counters, timeline = engine.counters(), engine.timeline()
     engine.close()
     generated = sum(len(o.token_ids) for o in outputs)
     assert counters.generated_tokens == generated
@@ -411,3 +412,8 @@ def test_the_counters_add_up_what_the_engine_did(model, prompts):
     assert counters.decode_rows == generated - len(requests)
     assert 1 <= counters.decode_rows / counters.decode_steps <= 2
     assert counters.busy_s > 0
+    # The timeline holds the same iterations, in order.
+    assert sum(s.decoded_rows for s in timeline) == counters.decode_rows
+    assert sum(s.admitted for s in timeline) == len(requests)
+    assert all(a.end_s <= b.start_s for a, b in zip(timeline, timeline[1:]))
+    assert engine.timeline() == []  # recording stopped
