@@ -8,6 +8,7 @@ ids, the batch compaction or the sampler go wrong.
 from __future__ import annotations
 
 import copy
+import itertools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -415,5 +416,5 @@ def test_the_counters_add_up_what_the_engine_did(model, prompts):
     # The timeline holds the same iterations, in order.
     assert sum(s.decoded_rows for s in timeline) == counters.decode_rows
     assert sum(s.admitted for s in timeline) == len(requests)
-    assert all(a.end_s <= b.start_s for a, b in zip(timeline, timeline[1:]))
+    assert all(a.end_s <= b.start_s for a, b in itertools.pairwise(timeline))
     assert engine.timeline() == []  # recording stopped
