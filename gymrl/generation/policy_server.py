@@ -63,6 +63,7 @@ from gymrl.generation.types import (
 )
 from nemo_gym_ext.http_server import describe_validation_errors
 from nemo_gym_ext.json_body import read_json_body
+from nemo_gym_ext.retry import retry_after_header
 from nemo_gym_ext.wire import (
     ChatChoice,
     ChatCompletion,
@@ -341,9 +342,12 @@ class _ApiError(Exception):
         self.param = param
 
 
+_RETRY_LATER = {503: retry_after_header()}  # "not now", said with when to come back
+
+
 def _error_response(status: int, message: str, error_type: str, param: str | None) -> JSONResponse:
     body = {"error": {"message": message, "type": error_type, "param": param, "code": status}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=status, headers=_RETRY_LATER.get(status))
 
 
 def create_policy_server_app(

@@ -288,3 +288,14 @@ def test_an_env_option_inherits_nothing_from_another():
     assert issues["env.nemo_gym.agents"].fix == "select env=builtin for it, or remove it"
     issues = _issues(["env=gym_launch"])
     assert set(issues) == {"env.nemo_gym.config_paths"}
+
+
+def test_a_first_retry_backoff_above_its_maximum_is_refused_naming_both():
+    with pytest.raises(ConfigError) as raised:
+        validate_config(
+            compose_raw(["env.rollout.retry_backoff_s=60", "env.rollout.retry_backoff_max_s=30"])
+        )
+    text = str(raised.value)
+    assert (
+        "env.rollout.retry_backoff_s=60.0 is more than env.rollout.retry_backoff_max_s=30.0" in text
+    )
