@@ -131,6 +131,8 @@ async def _run(config, actors, rows) -> tuple[list[dict[str, Any]], int]:
                 run_timeout_s=rollout.run_timeout_s,
                 max_retries=rollout.max_retries,
                 max_result_bytes=rollout.max_result_bytes,
+                retry_backoff_s=rollout.retry_backoff_s,
+                retry_backoff_max_s=rollout.retry_backoff_max_s,
             ),
             vocab_size=len(tokenizer),
             decode=partial(decode_text, tokenizer, skip_special_tokens=False),

@@ -4,8 +4,8 @@ The model server and the built-in environments are real HTTP servers on 127.0.0.
 port), so the same code talks to them as to a remote NeMo-Gym deployment.
 
 Every server gets two limits, so that one client (or a bug in one) cannot take a server down:
-a largest request body (413 above it) and a number of requests in progress at once (503 above
-it), both in :class:`RequestLimits`.
+a largest request body (413 above it) and a number of requests in progress at once (503 with
+`Retry-After` above it), both in :class:`RequestLimits`.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+
+from nemo_gym_ext.retry import RETRY_AFTER_S
 
 LOOPBACK = "127.0.0.1"
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -183,9 +185,10 @@ class RequestLimits:
 async def _refuse(send, status: int, message: str, *, param: str | None) -> None:
     """An OpenAI-shaped error answer; the connection is closed after it."""
     error = {"message": message, "type": "invalid_request_error", "param": param, "code": status}
+    headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
     if status >= 500:
         error["type"] = "service_unavailable_error"
-    headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        headers += [(b"retry-after", str(RETRY_AFTER_S).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": json.dumps({"error": error}).encode()})
 

@@ -1,17 +1,22 @@
 """Rollout collection: post rows to Gym agents, postprocess each result, group them for GRPO.
 
 One GRPO group is `n` episodes of the same row (same agent, same task). Each episode is one
-`POST {agent_url}/run` with a deadline. Transport failures (connection errors, timeouts, 5xx) are
-retried a bounded number of times; what still fails is reported with its cause so the caller can
-count it against the run's failure budget. A result that cannot be trained on (a contiguity
-error with truncation off, a malformed result with `on_malformed_result=raise`) is not retried:
-it is a property of the pipeline, not a transient fault, and the run should stop on it.
+`POST {agent_url}/run` with a deadline. Transport failures (connection errors, timeouts, 5xx,
+429) are retried a bounded number of times, after an exponential back-off with jitter that is
+never shorter than the agent's `Retry-After` (:mod:`nemo_gym_ext.retry`); an answer that cannot
+get better on retry (over `max_result_bytes`, not JSON, not an object) fails its episode at once.
+What still fails is reported with its cause so the caller can count it against the run's failure
+budget. A result that cannot be trained on (a contiguity error with truncation off, a malformed
+result with `on_malformed_result=raise`) is not retried either: it is a property of the pipeline,
+not a transient fault, and the run should stop on it.
+
+Rows go out and results come in as JSON through orjson; results are parsed without building the
+ints of repeated prompt prefixes (:mod:`nemo_gym_ext.result_json`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +24,10 @@ from typing import Any
 import httpx
 
 from nemo_gym_ext.config import NemoGymPostprocessConfig
+from nemo_gym_ext.json_body import JSON_HEADERS, dumps_json
 from nemo_gym_ext.postprocess import Decode, postprocess_gym_result, row_id_of
+from nemo_gym_ext.result_json import loads_result
+from nemo_gym_ext.retry import backoff_s, retry_after_s
 from nemo_gym_ext.wire import agent_name_of
 
 
@@ -63,7 +71,11 @@ class GroupOutcome:
     retries: int = 0
 
 
-class ResultTooLargeError(ValueError):
+class UnusableAnswerError(ValueError):
+    """An agent's /run answer that no retry can fix: too large, not JSON, not an object."""
+
+
+class ResultTooLargeError(UnusableAnswerError):
     """An agent's /run answer exceeded `max_result_bytes`."""
 
 
@@ -73,6 +85,8 @@ class RolloutSettings:
     run_timeout_s: float
     max_retries: int
     max_result_bytes: int
+    retry_backoff_s: float
+    retry_backoff_max_s: float
 
 
 class RolloutCollector:
@@ -120,15 +134,33 @@ class RolloutCollector:
         self, row: Mapping[str, Any], agent: str, outcome: GroupOutcome
     ) -> dict[str, Any] | None:
         url = f"{self._agent_urls[agent]}/run"
-        cause = ""
-        for attempt in range(self._settings.max_retries + 1):
+        settings = self._settings
+        cause, retry_after = "", None
+        for attempt in range(settings.max_retries + 1):
             if attempt:
                 outcome.retries += 1
+                # Waiting holds no slot: other episodes run meanwhile.
+                await asyncio.sleep(
+                    backoff_s(
+                        attempt,
+                        base_s=settings.retry_backoff_s,
+                        max_s=settings.retry_backoff_max_s,
+                        retry_after=retry_after,
+                    )
+                )
             try:
                 async with self._slots:
                     result = await self._post(url, row)
-            except (httpx.TransportError, httpx.HTTPStatusError, TimeoutError, ValueError) as error:
+            except UnusableAnswerError as error:
+                outcome.failures.append(
+                    f"agent {agent!r} row {outcome.row_id!r} failed, not retried (a retry cannot "
+                    f"fix it): {type(error).__name__}: {error}"
+                )
+                return None
+            except (httpx.TransportError, httpx.HTTPStatusError, TimeoutError) as error:
                 cause = f"{type(error).__name__}: {error}"
+                response = getattr(error, "response", None)
+                retry_after = None if response is None else retry_after_s(response.headers)
                 continue
             # Contiguity and malformed-result errors propagate: retrying would hide them.
             return postprocess_gym_result(
@@ -136,19 +168,21 @@ class RolloutCollector:
             )
         outcome.failures.append(
             f"agent {agent!r} row {outcome.row_id!r} failed after "
-            f"{self._settings.max_retries + 1} attempts: {cause}"
+            f"{settings.max_retries + 1} attempts: {cause}"
         )
         return None
 
     async def _post(self, url: str, row: Mapping[str, Any]) -> dict[str, Any]:
         async with (
             asyncio.timeout(self._settings.run_timeout_s),
-            self._client.stream("POST", url, json=dict(row)) as response,
+            self._client.stream(
+                "POST", url, content=dumps_json(dict(row)), headers=JSON_HEADERS
+            ) as response,
         ):
             body = await self._read_capped(url, response)
         if response.status_code >= 400:
             detail = body[:500].decode(errors="replace")
-            if response.status_code < 500:
+            if response.status_code < 500 and response.status_code != 429:
                 raise RuntimeError(
                     f"agent at {url} rejected the row ({response.status_code}): {detail}"
                 )
@@ -158,9 +192,16 @@ class RolloutCollector:
                 request=response.request,
                 response=response,
             )
-        result = json.loads(body)
+        try:
+            result = loads_result(body)
+        except ValueError as error:
+            raise UnusableAnswerError(
+                f"agent at {url} answered what is not JSON: {type(error).__name__}: {error}"
+            ) from error
         if not isinstance(result, dict):
-            raise ValueError(f"agent at {url} returned {type(result).__name__}, not an object")
+            raise UnusableAnswerError(
+                f"agent at {url} returned {type(result).__name__}, not an object"
+            )
         return result
 
     async def _read_capped(self, url: str, response: httpx.Response) -> bytes:

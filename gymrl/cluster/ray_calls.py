@@ -4,9 +4,10 @@ Ray wraps an exception raised inside an actor in `RayTaskError`; the recipe need
 (a contiguity error is a message for the user, not a crash), and a wait that never ends would
 stall a run until walltime.
 
-Long waits are taken in slices of at most `_SLICE_S`: a signal handler's exception raised while
-the main thread is inside `ray.get` (the stop deadline, a second Ctrl-C) only comes out when that
-call returns, so one 30-minute `ray.get` would hold a stop request for up to 30 minutes.
+Long waits are taken in slices of at most `_SLICE_S`, each inside `gymrl.run.stop.stops_held`:
+a stop that a signal asks for while the main thread is inside `ray.get` (the first Ctrl-C, the
+stop deadline, a second Ctrl-C) is raised when that slice returns, so it comes out within a
+second and is never lost in Ray's compiled code (which passes on only `KeyboardInterrupt`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayTaskError
+
+from gymrl.run.stop import stops_held
 
 _SLICE_S = 1.0
 
@@ -28,7 +31,8 @@ def wait_for(ref: Any, *, timeout_s: float, what: str) -> Any:
         while True:
             left = deadline - time.monotonic()
             try:
-                return ray.get(ref, timeout=max(0.0, min(left, _SLICE_S)))
+                with stops_held():
+                    return ray.get(ref, timeout=max(0.0, min(left, _SLICE_S)))
             except GetTimeoutError:
                 if left <= _SLICE_S:
                     raise

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from nemo_gym_ext.config import GymActorConfig
 
@@ -410,6 +410,18 @@ class RolloutConfig(Strict):
     max_retries: int = Field(
         default=2, ge=0, description="Retries of a failed episode before it counts as a failure."
     )
+    retry_backoff_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="Ceiling of the wait before the first retry of an episode; it doubles with "
+        "each further retry, the wait is drawn uniformly below it (jitter), and an agent's "
+        "Retry-After is waited at least.",
+    )
+    retry_backoff_max_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Longest wait before a retry, Retry-After included.",
+    )
     failure_budget: int = Field(
         default=4,
         ge=0,
@@ -419,9 +431,19 @@ class RolloutConfig(Strict):
     max_result_bytes: int = Field(
         default=256 * 1024 * 1024,
         gt=0,
-        description="Largest /run answer read; a bigger one fails the episode (retried, then "
-        "counted) instead of exhausting memory. A 200-turn SWE episode is about 45 MB.",
+        description="Largest /run answer read; a bigger one fails the episode (counted, not "
+        "retried) instead of exhausting memory. A 200-turn SWE episode is about 45 MB.",
     )
+
+    @model_validator(mode="after")
+    def _backoff_within_its_maximum(self) -> RolloutConfig:
+        if self.retry_backoff_s > self.retry_backoff_max_s:
+            raise ValueError(
+                f"env.rollout.retry_backoff_s={self.retry_backoff_s} is more than "
+                f"env.rollout.retry_backoff_max_s={self.retry_backoff_max_s}; lower the first or "
+                "raise the second"
+            )
+        return self
 
 
 class DataConfig(Strict):

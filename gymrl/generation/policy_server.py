@@ -1,9 +1,10 @@
 """The policy model server: OpenAI chat completions in front of a token-in/token-out engine.
 
 NeMo-Gym agents call the policy through its `vllm_model` adapter, which posts non-streaming
-`{base_url}/chat/completions` requests (users set `base_url` to `http://host:port/v1`, so only the
-`/v1` routes exist) and reads the token bundle (`prompt_token_ids`, `generation_token_ids`,
-`generation_log_probs`) from `choices[0].message`. This server:
+`{base_url}/chat/completions` requests (users set `base_url` to `http://host:port/v1`, so the
+routes are under `/v1`, besides the unauthenticated `GET /health` that probes poll) and reads
+the token bundle (`prompt_token_ids`, `generation_token_ids`, `generation_log_probs`) from
+`choices[0].message`. This server:
 
 * renders messages and tools with the model's own chat template
   (:mod:`gymrl.generation.chat_template`), keeping the exact ids clients send back on earlier
@@ -31,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -40,7 +42,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import SecretStr, field_validator, model_validator
+from pydantic import SecretStr, field_validator
 from starlette.exceptions import HTTPException
 
 from gymrl.generation.chat_template import (
@@ -57,6 +59,8 @@ from gymrl.generation.types import (
     SamplingParams,
 )
 from nemo_gym_ext.http_server import describe_validation_errors
+from nemo_gym_ext.json_body import read_json_body
+from nemo_gym_ext.retry import retry_after_header
 from nemo_gym_ext.wire import (
     ChatChoice,
     ChatCompletion,
@@ -81,21 +85,11 @@ class PolicyServerRequest(ChatCompletionRequest):
     """A chat completion request, refusing what this server cannot honour.
 
     Refused: `stream`, `n > 1`, `top_logprobs`, `stop` strings and a forced `tool_choice`, each
-    with the fix; seeds outside [0, 2**64) and text that is not Unicode (lone surrogates, which
-    JSON can encode but the tokenizer cannot). `parallel_tool_calls` is accepted and not
+    with the fix; seeds outside [0, 2**64). Text that is not Unicode (lone surrogates, which
+    JSON can encode but the tokenizer cannot) is refused by the JSON parser: validate bodies with
+    `nemo_gym_ext.json_body`, as the server does. `parallel_tool_calls` is accepted and not
     enforced: every parsed tool call is returned.
     """
-
-    @model_validator(mode="before")
-    @classmethod
-    def _unicode_text(cls, data: Any) -> Any:
-        where = _lone_surrogate_at(data)
-        if where is not None:
-            raise ValueError(
-                f"{where} holds a lone UTF-16 surrogate (U+D800..U+DFFF), which is not text; "
-                "send valid Unicode"
-            )
-        return data
 
     @field_validator("stream")
     @classmethod
@@ -150,25 +144,6 @@ class PolicyServerRequest(ChatCompletionRequest):
         return value
 
 
-def _lone_surrogate_at(data: Any) -> str | None:
-    """The dotted path of the first string (or key) in `data` with a lone surrogate, else None.
-    Iterative: a hostile body may nest deeper than Python's recursion limit allows."""
-    stack: list[tuple[str, Any]] = [("body", data)]
-    while stack:
-        path, value = stack.pop()
-        if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
-                return path
-        elif isinstance(value, dict):
-            stack.extend((f"{path}.{key}", key) for key in value)
-            stack.extend((f"{path}.{key}", item) for key, item in value.items())
-        elif isinstance(value, list):
-            stack.extend((f"{path}.{index}", item) for index, item in enumerate(value))
-    return None
-
-
 # ---------------------------------------------------------------------------------------------
 # Waiting for the engine
 # ---------------------------------------------------------------------------------------------
@@ -206,9 +181,12 @@ class _ApiError(Exception):
         self.param = param
 
 
+_RETRY_LATER = {503: retry_after_header()}  # "not now", said with when to come back
+
+
 def _error_response(status: int, message: str, error_type: str, param: str | None) -> JSONResponse:
     body = {"error": {"message": message, "type": error_type, "param": param, "code": status}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=status, headers=_RETRY_LATER.get(status))
 
 
 def create_policy_server_app(
@@ -242,11 +220,15 @@ def create_policy_server_app(
     render_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-server-render")
     created = int(time.time())
 
+    serving = threading.Event()  # between the lifespan's start and the start of its shutdown
+
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        serving.set()
         try:
             yield
         finally:
+            serving.clear()
             render_pool.shutdown(wait=True, cancel_futures=True)
 
     dependencies = [] if api_key is None else [Depends(_bearer_check(api_key))]
@@ -271,6 +253,16 @@ def create_policy_server_app(
             400, describe_validation_errors(error.errors()), "invalid_request_error", None
         )
 
+    @app.get("/health")
+    async def health() -> Response:
+        """200 while requests are served, 503 otherwise: what vLLM's and SGLang's `GET /health`
+        answer, so routers and readiness probes poll it without an API key."""
+        if serving.is_set():
+            return Response(status_code=200)
+        raise _ApiError(
+            503, "the policy server is shutting down", error_type="service_unavailable_error"
+        )
+
     @app.get("/v1/models", response_model=ModelList, dependencies=dependencies)
     async def list_models() -> ModelList:
         card = ModelCard(
@@ -279,7 +271,8 @@ def create_policy_server_app(
         return ModelList(data=[card])
 
     @app.post("/v1/chat/completions", response_model=ChatCompletion, dependencies=dependencies)
-    async def chat_completions(body: PolicyServerRequest) -> Response:
+    async def chat_completions(http_request: Request) -> Response:
+        body = await read_json_body(http_request, PolicyServerRequest)
         if body.model is not None and body.model != model_name:
             raise _ApiError(
                 404,

@@ -22,6 +22,7 @@ from gymrl.config.schema import RecipeConfig, RolloutConfig
 from gymrl.model.loading import load_tokenizer
 from gymrl.model.tokens import decode_text
 from gymrl.roles import OnCleanup
+from gymrl.run.stop import stops_held
 from nemo_gym_ext.config import HEAD_SERVER_URL_KEY, GymActorConfig
 from nemo_gym_ext.envs.registry import start_builtin_environment
 from nemo_gym_ext.gym_launch import PolicyEndpoint, shard_port_range, start_deployment
@@ -88,6 +89,8 @@ class GymShard:
                     run_timeout_s=rollout.run_timeout_s,
                     max_retries=rollout.max_retries,
                     max_result_bytes=rollout.max_result_bytes,
+                    retry_backoff_s=rollout.retry_backoff_s,
+                    retry_backoff_max_s=rollout.retry_backoff_max_s,
                 ),
                 vocab_size=len(tokenizer),
                 decode=partial(decode_text, tokenizer, skip_special_tokens=False),
@@ -199,7 +202,8 @@ class RayGroupRunner:
         return self._shards[agent].run_group.remote(row, num_episodes)
 
     def finished(self, running: Sequence[Any], timeout_s: float) -> list[Any]:
-        done, _ = ray.wait(list(running), num_returns=1, timeout=timeout_s)
+        with stops_held():  # validation waits here in the main thread
+            done, _ = ray.wait(list(running), num_returns=1, timeout=timeout_s)
         return done
 
     def outcome(self, group: Any) -> GroupOutcome:

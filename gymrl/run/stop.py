@@ -17,6 +17,13 @@ script can tell a preemption from a failure and requeue with `resume=true`.
 Once raised, further signals are only reported: cleanup has its own deadlines and must not be
 cut short by an impatient second Ctrl-C. `StopRequested` derives from `BaseException`, like
 `KeyboardInterrupt`, so that no `except Exception` on the way swallows it.
+
+Waits inside Ray's compiled code are the exception: Ray checks for signals in its own callback,
+which passes only `KeyboardInterrupt` and `SystemExit` on, so a `StopRequested` raised by the
+handler there is either reported as "Exception ignored" and lost, or left pending until the wait
+ends (a 30 s `ray.wait` then fails with a `SystemError` 30 s later). A wait on Ray therefore
+runs inside :func:`stops_held` (`gymrl.cluster.ray_calls.wait_for` does): there the handler only
+records the stop, and it is raised, in Python, the moment the Ray call returns.
 """
 
 from __future__ import annotations
@@ -45,6 +52,22 @@ class StopRequested(BaseException):
         return 128 + self.signum
 
 
+_installed: StopSignals | None = None  # the handlers in place, if any (one process, one run)
+
+
+@contextmanager
+def stops_held() -> Iterator[None]:
+    """Run the block with any stop the installed :class:`StopSignals` asks for held until it
+    ends, then raised (see the module docstring). Outside the main thread, or with no handlers
+    installed, a plain block: signal handlers only ever run in the main thread."""
+    signals = _installed
+    if signals is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    with signals.holding():
+        yield
+
+
 def stop_request_behind(error: BaseException) -> StopRequested | None:
     """The `StopRequested` that `error` is, or that caused it; None for any other error.
 
@@ -70,15 +93,34 @@ class StopSignals:
         self._in_step = False
         self._pending: int | None = None  # a signal waiting for the step to end
         self._raised = False
+        self._holding = 0  # depth of `holding()` blocks
+        self._held: StopRequested | None = None  # raised when the outermost one ends
 
     def install(self) -> None:
         """Take over SIGINT and SIGTERM (again after `ray.init`, which sets its own SIGTERM
         handler in the driver). Only the main thread can install signal handlers."""
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("StopSignals.install() must run in the main thread")
+        global _installed
         for signum in STOP_SIGNALS:
             signal.signal(signum, self._on_signal)
         signal.signal(signal.SIGALRM, self._on_deadline)
+        _installed = self
+
+    @contextmanager
+    def holding(self) -> Iterator[None]:
+        """Inside: the stop a handler asks for is recorded, then raised as the block ends (it
+        wins over whatever error the block raised, which becomes its context). Handlers and this
+        block both run in the main thread, so a stop is raised exactly once: in the block, or
+        by the handler outside it."""
+        self._holding += 1
+        try:
+            yield
+        finally:
+            self._holding -= 1
+            if not self._holding and self._held is not None:
+                stop, self._held = self._held, None
+                raise stop
 
     @contextmanager
     def step(self) -> Iterator[None]:
@@ -126,4 +168,8 @@ class StopSignals:
     def _raise(self, signum: int, *, step_finished: bool, reason: str) -> None:
         self._raised = True
         self._pending = None
-        raise StopRequested(signum, step_finished=step_finished, reason=reason)
+        stop = StopRequested(signum, step_finished=step_finished, reason=reason)
+        if self._holding:
+            self._held = stop
+            return
+        raise stop

@@ -24,22 +24,29 @@ and the turn counts.
 
 Failures that are not the model's (the policy or resources server unreachable, slow, or
 answering garbage) fail the `/run` request with 502/504 and a message naming the server, the URL
-and the option to change; the rollout collector retries those.
+and the option to change; the rollout collector retries those. A 503 from either server (it is
+busy or shutting down) is passed on as a 503 with that server's `Retry-After`, so the collector
+waits as long before it tries again. Bodies go out and come in through orjson: a late model call
+of a long episode carries every earlier turn's token ids.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
+import orjson
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from nemo_gym_ext.http_server import refuse_invalid_requests_safely
+from nemo_gym_ext.json_body import JSON_HEADERS, dumps_json
+from nemo_gym_ext.retry import RETRY_AFTER_S, retry_after_s
 from nemo_gym_ext.wire import (
     ChatCompletion,
     Row,
@@ -93,11 +100,13 @@ class AgentOptions(BaseModel):
 
 
 class AgentError(RuntimeError):
-    """A failure that is not the model's; `status_code` is what `/run` answers (502 or 504)."""
+    """A failure that is not the model's; `status_code` is what `/run` answers (502 or 504, or
+    503 with the `Retry-After` of a server behind that asked to be called later)."""
 
-    def __init__(self, message: str, *, status_code: int = 502):
+    def __init__(self, message: str, *, status_code: int = 502, retry_after: float | None = None):
         super().__init__(message)
         self.status_code = status_code
+        self.retry_after = retry_after
 
 
 class ToolAgent:
@@ -248,7 +257,12 @@ class ToolAgent:
     ) -> dict[str, Any]:
         timeout = self.options.request_timeout_s
         try:
-            response = await client.post(url, json=body, headers=headers, timeout=timeout)
+            response = await client.post(
+                url,
+                content=dumps_json(body),
+                headers={**JSON_HEADERS, **(headers or {})},
+                timeout=timeout,
+            )
         except httpx.TimeoutException as error:
             raise AgentError(
                 f"{what} at {url} did not answer within {timeout} s "
@@ -258,12 +272,18 @@ class ToolAgent:
             ) from error
         except httpx.HTTPError as error:
             raise AgentError(f"{what} at {url} could not be reached: {error!r}") from error
+        if response.status_code == 503:  # "call later": passed on, so the collector waits
+            raise AgentError(
+                f"{what} at {url} answered HTTP 503: {response.text[:500]}",
+                status_code=503,
+                retry_after=retry_after_s(response.headers),
+            )
         if response.status_code != 200:
             raise AgentError(
                 f"{what} at {url} answered HTTP {response.status_code}: {response.text[:500]}"
             )
         try:
-            answer = response.json()
+            answer = orjson.loads(response.content)
         except ValueError as error:
             raise AgentError(
                 f"{what} at {url} answered non-JSON: {response.text[:200]!r}"
@@ -299,10 +319,17 @@ def make_agent_app(agent: ToolAgent) -> FastAPI:
 
     @app.exception_handler(AgentError)
     async def agent_error(request: Request, error: AgentError) -> JSONResponse:
-        return JSONResponse(status_code=error.status_code, content={"detail": str(error)})
+        headers = None
+        if error.status_code == 503:
+            wait = RETRY_AFTER_S if error.retry_after is None else math.ceil(error.retry_after)
+            headers = {"Retry-After": str(wait)}
+        return JSONResponse(
+            status_code=error.status_code, content={"detail": str(error)}, headers=headers
+        )
 
     @app.post("/run")
-    async def run(request: Request, row: dict[str, Any]) -> dict[str, Any]:
-        return await agent.run(request.app.state.client, row)
+    async def run(request: Request, row: dict[str, Any]) -> Response:
+        result = await agent.run(request.app.state.client, row)
+        return Response(dumps_json(result), media_type="application/json")
 
     return app

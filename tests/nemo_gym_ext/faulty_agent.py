@@ -10,7 +10,8 @@ every row according to MODE:
 * `malformed-json`: 200 with a body that is not JSON;
 * `wrong-shape`: 200 with a JSON list instead of a result object;
 * `missing-fields`: 200 with a JSON object that is not a Gym result;
-* `huge`: 200 with a 100 MB JSON object (streamed, so the agent itself stays small).
+* `huge`: 200 with a 100 MB JSON object (streamed, so the agent itself stays small);
+* `busy`: 503 with `Retry-After: 1`, as an overloaded server answers.
 """
 
 import asyncio
@@ -37,6 +38,8 @@ def make_app(mode: str) -> FastAPI:
             await asyncio.Event().wait()
         if mode == "malformed-json":
             return Response(b'{"output": [1, 2', media_type="application/json")
+        if mode == "busy":
+            return Response(b'{"detail": "busy"}', status_code=503, headers={"Retry-After": "1"})
         if mode == "wrong-shape":
             return Response(b"[1, 2, 3]", media_type="application/json")
         if mode == "huge":

@@ -29,6 +29,8 @@ SETTINGS = RolloutSettings(
     run_timeout_s=RUN_TIMEOUT_S,
     max_retries=RETRIES,
     max_result_bytes=10 * 1024 * 1024,
+    retry_backoff_s=0.05,
+    retry_backoff_max_s=2.0,
 )
 
 
@@ -100,16 +102,29 @@ def test_agent_that_hangs_fails_each_attempt_at_its_deadline(tmp_path):
 @pytest.mark.parametrize(
     ("mode", "cause"),
     [
-        ("malformed-json", "JSONDecodeError"),
+        ("malformed-json", "not JSON: JSONDecodeError"),
         ("wrong-shape", "returned list, not an object"),
         ("huge", "more than env.rollout.max_result_bytes=10485760 bytes"),
     ],
 )
-def test_agent_answering_garbage_fails_the_episode_with_the_cause(tmp_path, mode, cause):
+def test_agent_answering_garbage_fails_the_episode_at_once_with_the_cause(tmp_path, mode, cause):
+    """No retry can fix such an answer, so none is spent on it."""
     with FaultyAgent(mode, tmp_path) as agent:
         outcome, seconds = _run_group(agent.url)
-    _assert_failed(outcome, cause)
-    assert seconds < RUN_TIMEOUT_S * (RETRIES + 1)
+    assert outcome.episodes == [] and outcome.retries == 0
+    assert len(outcome.failures) == 2
+    assert all("failed, not retried (a retry cannot fix it): " in f for f in outcome.failures)
+    assert cause in outcome.failures[0], outcome.failures[0]
+    assert seconds < RUN_TIMEOUT_S
+
+
+def test_an_agent_answering_503_is_retried_no_sooner_than_its_retry_after(tmp_path):
+    """`busy` answers 503 with `Retry-After: 1`: the back-off (at most 0.05 s here) is raised to
+    the second the agent asked for."""
+    with FaultyAgent("busy", tmp_path) as agent:
+        outcome, seconds = _run_group(agent.url)
+    _assert_failed(outcome, "answered 503")
+    assert 1.0 * RETRIES <= seconds < 1.0 * RETRIES + RUN_TIMEOUT_S
 
 
 def test_a_result_that_is_not_a_gym_result_stops_the_run(tmp_path):

@@ -7,6 +7,7 @@ import httpx
 from fastapi import FastAPI
 
 from nemo_gym_ext.http_server import serve_in_thread
+from nemo_gym_ext.retry import RETRY_AFTER_S
 
 
 def test_serves_on_a_free_loopback_port_and_stops():
@@ -95,6 +96,8 @@ def test_requests_beyond_the_concurrency_limit_get_503_at_once():
                     *(client.post(f"{server.url}/echo", json={"i": i}) for i in range(12))
                 )
                 again = await client.post(f"{server.url}/echo", json={"i": 0})
+            waits = {answer.headers.get("retry-after") for answer in answers if answer.is_error}
+            assert waits == {str(RETRY_AFTER_S)}, "every 503 says when to come back"
             return [answer.status_code for answer in answers] + [again.status_code]
 
         codes = asyncio.run(flood())

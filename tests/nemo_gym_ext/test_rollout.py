@@ -22,7 +22,12 @@ from nemo_gym_ext.rollout import (
 )
 
 SETTINGS = RolloutSettings(
-    max_concurrent_rollouts=4, run_timeout_s=60, max_retries=1, max_result_bytes=2**26
+    max_concurrent_rollouts=4,
+    run_timeout_s=60,
+    max_retries=1,
+    max_result_bytes=2**26,
+    retry_backoff_s=0.01,
+    retry_backoff_max_s=0.1,
 )
 AGENT = "guess_number_agent"
 

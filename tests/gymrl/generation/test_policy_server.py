@@ -29,6 +29,7 @@ from gymrl.generation.torch_engine import TorchGenerationEngine
 from gymrl.generation.types import GenerationOutput, GenerationRequest
 from gymrl.model.loading import build_tiny_llama
 from nemo_gym_ext.http_server import serve_in_thread
+from nemo_gym_ext.json_body import OFF_LOOP_BODY_BYTES
 
 MODEL = "smollm2-policy"
 KEY = "test-key"
@@ -109,7 +110,7 @@ def served(engine, chat_format, **overrides) -> Iterator[httpx.Client]:
         httpx.Client(
             base_url=f"{server.url}/v1",
             headers={"Authorization": f"Bearer {KEY}"},
-            timeout=20.0,
+            timeout=settings["request_timeout_s"] + 10.0,
         ) as client,
     ):
         yield client
@@ -315,12 +316,18 @@ def _tiny_torch_engine(tokenizer, **settings):
 def test_concurrent_requests_decode_together_and_each_gets_its_own_answer(tokenizer, chat_format):
     engine = _tiny_torch_engine(tokenizer, max_batch_size=8)
     widths: list[int] = []
-    hook = engine._model.base_model.register_forward_pre_hook(
-        lambda _module, _args, kwargs: widths.append(kwargs["input_ids"].shape[0]),
-        with_kwargs=True,
-    )
+
+    def slow_step(_module, _args, kwargs):
+        # Each step takes 50 ms more, so every request has arrived before the first one ends.
+        widths.append(kwargs["input_ids"].shape[0])
+        time.sleep(0.05)
+
+    hook = engine._model.base_model.register_forward_pre_hook(slow_step, with_kwargs=True)
     try:
-        with served(engine, chat_format) as client, ThreadPoolExecutor(8) as pool:
+        with (
+            served(engine, chat_format, request_timeout_s=120.0) as client,
+            ThreadPoolExecutor(8) as pool,
+        ):
             questions = [[{"role": "user", "content": f"question {i}"}] for i in range(8)]
             responses = list(
                 pool.map(lambda messages: completion(client, messages, max_tokens=40), questions)
@@ -463,7 +470,10 @@ def test_a_short_request_is_not_held_back_by_a_long_torch_generation(tokenizer, 
         lambda *_args, **_kwargs: steps.release(), with_kwargs=True
     )
     try:
-        with served(engine, chat_format) as client, ThreadPoolExecutor(1) as pool:
+        with (
+            served(engine, chat_format, request_timeout_s=120.0) as client,
+            ThreadPoolExecutor(1) as pool,
+        ):
             long = pool.submit(completion, client, USER_ONLY, max_tokens=1500, seed=1)
             for _ in range(3):  # its prefill and two decode steps
                 assert steps.acquire(timeout=30), "the long generation did not start"
@@ -501,3 +511,39 @@ def test_sglang_requests_are_not_held_back_by_a_long_generation(chat_format):
     assert len(short.json()["choices"][0]["message"]["generation_token_ids"]) == 3
     assert short_done < 0.5 * long_done  # the long one takes about 3 s
     assert [len(body["input_ids"]) > 0 for kind, body in state.events] == [True, True]
+
+
+def test_bodies_are_parsed_in_one_pass_and_refusals_name_the_field(tokenizer, chat_format):
+    """Lone surrogates and broken JSON are refused by pydantic-core's parser, naming the field;
+    a body past `OFF_LOOP_BODY_BYTES` (parsed on a worker thread) is answered like any other."""
+    engine = scripted(chat_format, "ok")
+    long_turns = [
+        msg
+        for turn in range(400)
+        for msg in (
+            {"role": "user", "content": f"question {turn}"},
+            assistant_with_ids(list(range(300)), [5, 6]),
+        )
+    ]
+    with served(engine, chat_format, honor_prompt_token_ids=False, max_context_tokens=10**6) as c:
+        surrogate = c.post(
+            "/chat/completions",
+            content=b'{"messages": [{"role": "user", "content": "a\\ud800"}]}',
+            headers={"Content-Type": "application/json"},
+        )
+        not_json = c.post("/chat/completions", content=b'{"messages": [')
+        large_body = json.dumps({"model": MODEL, "messages": [*long_turns, *USER_ONLY]}).encode()
+        large = c.post("/chat/completions", content=large_body)
+    assert surrogate.status_code == 400
+    assert "messages.0.content: holds a lone UTF-16 surrogate" in error_message(surrogate)
+    assert not_json.status_code == 400
+    assert "body: Invalid JSON: EOF while parsing" in error_message(not_json)
+    assert len(large_body) > OFF_LOOP_BODY_BYTES
+    assert large.status_code == 200, large.text[:300]
+    assert len(engine.requests) == 1
+
+
+def test_health_needs_no_key_and_answers_while_serving(tokenizer, chat_format):
+    with served(scripted(chat_format, "ok"), chat_format) as client:
+        response = httpx.get(str(client.base_url.copy_with(path="/health")))  # no API key
+    assert (response.status_code, response.content) == (200, b"")

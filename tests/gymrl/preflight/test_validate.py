@@ -319,3 +319,14 @@ def test_a_config_not_made_by_the_validator_says_where_its_shards_come_from():
     bare = type(config).model_validate(config.model_dump())
     with pytest.raises(RuntimeError, match=r"built by gymrl\.preflight\.validate\.validate_config"):
         _ = bare.gym_shards
+
+
+def test_a_first_retry_backoff_above_its_maximum_is_refused_naming_both():
+    with pytest.raises(ConfigError) as raised:
+        validate_config(
+            compose_raw(["env.rollout.retry_backoff_s=60", "env.rollout.retry_backoff_max_s=30"])
+        )
+    text = str(raised.value)
+    assert (
+        "env.rollout.retry_backoff_s=60.0 is more than env.rollout.retry_backoff_max_s=30.0" in text
+    )

@@ -1,5 +1,9 @@
 """StopSignals with real signals delivered to this process (pytest runs tests in the main
-thread, where Python runs signal handlers)."""
+thread, where Python runs signal handlers).
+
+Signals race with whatever the main thread is doing, so CI runs this module 20 times in a row
+(`SIGNAL_TEST_ROUNDS=20`, `.ci/run`): every test repeats once per round.
+"""
 
 import os
 import signal
@@ -8,7 +12,15 @@ import time
 
 import pytest
 
-from gymrl.run.stop import STOP_SIGNALS, StopRequested, StopSignals, stop_request_behind
+from gymrl.cluster.ray_calls import wait_for
+from gymrl.run.stop import STOP_SIGNALS, StopRequested, StopSignals, stop_request_behind, stops_held
+
+ROUNDS = int(os.environ.get("SIGNAL_TEST_ROUNDS", "1"))
+
+
+@pytest.fixture(autouse=True, params=range(ROUNDS), ids=lambda n: f"round{n}")
+def _round(request):
+    return request.param
 
 
 @pytest.fixture
@@ -94,9 +106,10 @@ def test_once_stopping_further_signals_do_not_interrupt_cleanup(stops_factory, c
     assert capsys.readouterr().out.count("already stopping") == 2
 
 
-def test_a_signal_during_a_ray_wait_is_still_the_stop_request(stops_factory, local_ray):
-    """Inside Ray's compiled `ray.wait` the handler's exception comes out as a SystemError; the
-    recipe finds the StopRequested behind it and stops as for any other signal."""
+def test_a_signal_during_a_wait_on_ray_stops_within_a_slice(stops_factory, local_ray):
+    """Ray's compiled wait passes on only KeyboardInterrupt from a signal handler: a
+    StopRequested raised there was lost ("DID NOT RAISE") or held until the wait ended. Held
+    and raised as the slice returns, it comes out within about a second, every time."""
     import ray
 
     @ray.remote
@@ -106,11 +119,26 @@ def test_a_signal_during_a_ray_wait_is_still_the_stop_request(stops_factory, loc
     stops_factory()
     pending = never_done.remote()
     threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
-    with pytest.raises(BaseException) as raised:
-        ray.wait([pending], timeout=30)
-    stop = stop_request_behind(raised.value)
-    assert stop is not None and stop.exit_code == 128 + signal.SIGINT
-    ray.cancel(pending, force=True)
+    started = time.monotonic()
+    try:
+        with pytest.raises(StopRequested) as stopped:
+            wait_for(pending, timeout_s=30, what="a task that never ends")
+    finally:
+        ray.cancel(pending, force=True)
+    assert stopped.value.exit_code == 128 + signal.SIGINT
+    assert time.monotonic() - started < 5, "the stop waited for the wait to end"
+
+
+def test_a_stop_held_during_a_block_is_raised_once_as_it_ends(stops_factory, capsys):
+    stops_factory()
+    with pytest.raises(StopRequested) as stopped, stops_held():
+        _deliver(signal.SIGTERM)
+        reached_the_end_of_the_block = True
+    assert reached_the_end_of_the_block and stopped.value.exit_code == 143
+    with stops_held():  # nothing left over to raise again
+        pass
+    _deliver(signal.SIGINT)
+    assert "already stopping" in capsys.readouterr().out
 
 
 def test_other_errors_have_no_stop_request_behind_them():

@@ -46,6 +46,7 @@ class ScriptedPolicy:
     tokenizer: Any
     script: Script
     delay_s: float = 0.0
+    busy_retry_after: str | None = None  # set: every request gets 503 with this Retry-After
     requests: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
     responses: list[dict[str, Any]] = field(default_factory=list)
@@ -57,6 +58,9 @@ class ScriptedPolicy:
         self.headers.append(dict(request.headers))
         if request.headers.get("authorization") != f"Bearer {API_KEY}":
             return JSONResponse(status_code=401, content={"error": "bad key"})
+        if self.busy_retry_after is not None:
+            headers = {"Retry-After": self.busy_retry_after}
+            return JSONResponse(status_code=503, content={"error": "busy"}, headers=headers)
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         completion = self._completion(body, self.script(body), next(self._numbers))

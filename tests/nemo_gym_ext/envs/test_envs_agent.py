@@ -1,5 +1,6 @@
 """The shared agent loop against a scripted policy server, over real HTTP on loopback."""
 
+import pytest
 from scripted_policy_server import API_KEY, LOGPROB, Reply, call, run_row, scripted, text
 
 from nemo_gym_ext.config import NemoGymPostprocessConfig
@@ -187,6 +188,18 @@ def test_a_rejected_policy_call_fails_the_run_naming_the_server(start_env):
     detail = response.json()["detail"]
     assert "policy server at http://127.0.0.1:" in detail
     assert "answered HTTP 401" in detail
+
+
+@pytest.mark.parametrize(("upstream", "passed_on"), [("7", "7"), ("2.5", "3"), ("soon", "1")])
+def test_a_busy_policy_server_is_a_503_passing_on_its_retry_after(start_env, upstream, passed_on):
+    """The collector then waits as long as the policy server asked (an unreadable value: the
+    project's own `RETRY_AFTER_S`)."""
+    environment, policy = start_env("calculator", scripted())
+    policy.busy_retry_after = upstream
+    response = run_row(environment, calculator_row())
+    assert response.status_code == 503
+    assert response.headers["retry-after"] == passed_on
+    assert "policy server at http://127.0.0.1:" in response.json()["detail"]
 
 
 def test_an_invalid_row_is_refused_with_the_field_named(start_env):
