@@ -365,7 +365,9 @@ class WeightSender:
                 return
             if time.monotonic() > deadline:
                 silent = sorted(pending) or ["(every server answered)"]
-                stage = "the broadcast" if route.startswith("/update") else "the rendezvous"
+                stage = (
+                    "the rendezvous" if route == "/init_weights_update_group" else "the broadcast"
+                )
                 raise WeightSyncError(
                     f"POST {route} ({what}) did not finish within generation.refit.timeout_s="
                     f"{self._timeout_s} s: servers not answering: {', '.join(silent)}; "
