@@ -536,7 +536,7 @@ def make_standin(
         """The model's `load_weights`: known names copied in, unknown ones skipped."""
         for name, tensor in received:
             if state.known_names is None:
-                state.weights[name] = tensor.clone()
+                state.weights[name] = tensor  # a view of this call's own receive buffer
                 continue
             if name not in state.known_names:
                 state.skipped.append(name)
