@@ -5,11 +5,14 @@ loopback stand-ins (`tests/gymrl/generation/sglang_standin.py`) either way:
 
 * disk: `SGLangEngine.update_weights` writes one safetensors file, every stand-in reads it back
   (`/update_weights_from_disk`), the previous version is deleted;
-* broadcast: `SGLangEngine.begin_refit`, `WeightSender.send` (buckets of `--bucket-mib`, one
-  gloo broadcast per tensor, each stand-in receiving in place), `SGLangEngine.end_refit`.
+* broadcast: `SGLangEngine.begin_refit`, `WeightSender.send` (the 0.5.23 protocol: session,
+  buckets of `--bucket-mib` each sent as one flattened gloo broadcast, session end),
+  `SGLangEngine.end_refit`; then one refit with the read-back check (`WeightCheck`, 8 rows of the
+  first and last tensor of each kind from every stand-in), whose extra seconds are its cost.
 
 Each refit includes the pause, flush and continue calls. The first broadcast refit forms the
-group and is reported apart. Servers and trainer share this process and its CPUs.
+group and is reported apart; broadcast calls, update calls and bytes are counted by the sender.
+Servers and trainer share this process and its CPUs.
 
     PYTHONPATH=.:tests/gymrl/generation python benchmarks/bench_refit.py --repeats 3
 """
@@ -26,6 +29,7 @@ import torch
 from sglang_standin import make_standin
 
 from gymrl.generation.sglang_engine import SGLangEngine
+from gymrl.generation.weight_check import WeightCheck
 from gymrl.generation.weight_sync import WeightSender
 from gymrl.model.loading import ensure_smollm2_checkpoint, load_pretrained
 from nemo_gym_ext.http_server import serve_in_thread
@@ -73,7 +77,24 @@ def main() -> None:
                 sender.send(weights.items(), version)
                 engine.end_refit(version)
                 broadcast.append(time.perf_counter() - start)
+            refits = len(broadcast)
+            calls, updates = sender.broadcasts / refits, sender.update_calls / refits
             sender.close()
+            checked = WeightSender(
+                urls,
+                [1] * len(urls),
+                master_address="127.0.0.1",
+                backend="gloo",
+                bucket_bytes=args.bucket_mib << 20,
+                timeout_s=600.0,
+                check=WeightCheck(every=0, rows=8, served_dtype=None, timeout_s=60.0),
+            )
+            version = 2 * args.repeats + 2
+            engine.begin_refit()
+            checked.send(weights.items(), version)  # forms its group, then reads back
+            engine.end_refit(version)
+            check_s = checked.check_seconds
+            checked.close()
             engine.close()
     finally:
         for server in servers:
@@ -86,8 +107,10 @@ def main() -> None:
     print(
         f"broadcast: {statistics.median(broadcast[1:]):.2f} s/refit (median of "
         f"{len(broadcast) - 1}; the first, forming the group: {broadcast[0]:.2f} s); bytes "
-        f"{args.servers} x {size / 2**20:.0f} MiB over loopback TCP, nothing on disk"
+        f"{args.servers} x {size / 2**20:.0f} MiB over loopback TCP, nothing on disk; "
+        f"{calls:.0f} broadcast calls and {updates:.0f} update calls per refit"
     )
+    print(f"read-back check after a refit: {check_s:.3f} s")
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from gymrl.config.compose import compose_raw
 from gymrl.experience.rows import RowStream, load_rows
 from gymrl.generation.api_key import resolve_api_key
 from gymrl.generation.torch_engine import EngineStep
-from gymrl.model.policy import tokenizer_folder
+from gymrl.model.policy import model_folder
 from gymrl.preflight.validate import validate_config
 from gymrl.roles.generation_server import start_generation_server
 from gymrl.roles.gym_shard import RayGroupRunner, start_gym_shards
@@ -80,7 +80,7 @@ def main() -> None:
             policy=PolicyEndpoint(
                 generation.base_url, api_key.get_secret_value(), config.policy.name
             ),
-            tokenizer_folder=tokenizer_folder(config.policy),
+            model_folder=model_folder(config.policy),
             placement=placement,
             group=group,
             on_cleanup=on_cleanup,

@@ -5,9 +5,10 @@ dependencies the recipe's own environment does not share, so this module never i
 `nemo_gym`. It writes the deployment's config to a YAML file, runs Gym's own launcher (`ng_run`,
 which starts the head server and every server of the config as its children) in a new session,
 and talks to the head server over HTTP: `/readyz` for readiness, `/server_instances` for the
-agents' URLs. Stopping signals the whole process group (the launcher, its servers and the Ray
-instance it starts), never processes by name, so nothing outlives the shard, also when start-up
-fails.
+agents' URLs. It runs under the same supervisor as the SGLang servers
+(`nemo_gym_ext.processes.ChildProcess`): stopping signals the whole process group (the launcher,
+its servers and the Ray instance it starts), never processes by name, so nothing outlives the
+shard, also when start-up fails.
 
 What Gym receives is the shard's `env.nemo_gym` (recipe-only keys already taken out) plus what
 only the recipe knows (:func:`deployment_config`): the policy server's URL, key and model name,
@@ -21,9 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-import signal
 import socket
-import subprocess
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ import httpx
 import yaml
 
 from nemo_gym_ext.config import SERVER_KINDS
+from nemo_gym_ext.processes import ChildProcess
 
 GYM_VENV_TARGET = "make gym-venv"
 # Where every server Gym ships is linked to Gym's own environment (Gym's `uv_venv_dir` layout:
@@ -42,8 +42,7 @@ SERVER_VENVS_DIR = "server-venvs"
 POLICY_MODEL_SERVER = "policy_model"
 AGENT_KIND = "responses_api_agents"
 _POLL_S = 1.0
-_STOP_GRACE_S = 8.0  # three waits of it fit the recipe's deadline for closing a shard
-_LOG_TAIL_CHARS = 3000
+_STOP_GRACE_S = 8.0  # the four waits of a stop fit the recipe's deadline for closing a shard
 
 
 class GymVenvMissingError(FileNotFoundError):
@@ -169,21 +168,17 @@ class GymDeployment:
         self.log_path = work_dir / "gym.log"
         head = config["head_server"]
         self.head_url = f"http://{head['host']}:{head['port']}"
-        self._process: subprocess.Popen | None = None
+        self._process = ChildProcess(
+            [str(self._launcher), f"+config_paths=[{self.config_path}]"],
+            log_path=self.log_path,
+            env=_gym_environment(),
+            cwd=self.work_dir,
+        )
 
     def start(self, timeout_s: float) -> None:
         """Start Gym and wait until its head server says every server is ready; on failure
         everything started is stopped before the error leaves."""
-        with self.log_path.open("ab") as log:
-            self._process = subprocess.Popen(
-                [str(self._launcher), f"+config_paths=[{self.config_path}]"],
-                cwd=self.work_dir,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=_gym_environment(),
-                start_new_session=True,  # its own process group: stopped as one
-            )
+        self._process.start()
         try:
             self._wait_ready(timeout_s)
         except BaseException:
@@ -191,11 +186,10 @@ class GymDeployment:
             raise
 
     def _wait_ready(self, timeout_s: float) -> None:
-        assert self._process is not None
         deadline = time.monotonic() + timeout_s
         with httpx.Client(timeout=5.0) as client:
             while True:
-                code = self._process.poll()
+                code = self._process.exit_code()
                 if code is not None:
                     raise GymStartError(
                         f"the Gym deployment exited with code {code} before it was ready; "
@@ -213,29 +207,15 @@ class GymDeployment:
                 time.sleep(_POLL_S)
 
     def log_tail(self) -> str:
-        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        return text[-_LOG_TAIL_CHARS:]
+        return self._process.log_tail()
 
     @property
     def pid(self) -> int | None:
-        return None if self._process is None else self._process.pid
+        return self._process.pid
 
     def stop(self) -> None:
-        """Signal the process group, give it `_STOP_GRACE_S` to exit, then kill what is left.
-        The group outlives its leader when a server ignores the first signal, so it is killed
-        even after the launcher exited."""
-        if self._process is None:
-            return
-        group = self._process.pid  # the session leader's pid is the group's id
-        _signal_group(group, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self._process.wait(timeout=_STOP_GRACE_S)
-        _wait_group_gone(group, _STOP_GRACE_S)
-        _signal_group(group, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self._process.wait(timeout=_STOP_GRACE_S)
-        _wait_group_gone(group, _STOP_GRACE_S)
-        self._process = None
+        """Stop the launcher's whole process group (`ChildProcess.stop`)."""
+        self._process.stop(_STOP_GRACE_S)
 
 
 def start_deployment(
@@ -286,31 +266,3 @@ def _gym_environment() -> dict[str, str]:
         for key, value in os.environ.items()
         if not key.startswith("RAY_") and key not in ("PYTHONPATH", "VIRTUAL_ENV")
     }
-
-
-def _signal_group(group: int, signum: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(group, signum)
-
-
-def _wait_group_gone(group: int, timeout_s: float) -> None:
-    """Until no process of `group` is left (zombies awaiting their reaper count as gone)."""
-    deadline = time.monotonic() + timeout_s
-    while _group_members(group) and time.monotonic() < deadline:
-        time.sleep(_POLL_S / 5)
-
-
-def _group_members(group: int) -> list[int]:
-    """Live (non-zombie) processes of process group `group`, from /proc."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        # After the command: state, ppid, pgrp.
-        if fields[0] != "Z" and int(fields[2]) == group:
-            members.append(int(entry.name))
-    return members

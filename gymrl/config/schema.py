@@ -231,6 +231,12 @@ class TorchGenerationConfig(Strict):
         description="Rows decoded together; a request arriving while they decode takes the next "
         "free slot at the next step.",
     )
+    prefill_token_budget: int = Field(
+        default=512,
+        gt=0,
+        description="Most prompt tokens packed into one prefill pass of the torch engine; longer "
+        "prompts are prefilled in chunks, so one long prompt does not stall a batch's memory.",
+    )
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     server: TorchModelServerConfig = Field(default_factory=TorchModelServerConfig)
 
@@ -248,13 +254,34 @@ class RefitConfig(Strict):
     bucket_bytes: int = Field(
         default=1 << 30,
         gt=0,
-        description="Largest bucket of tensors (one dtype) sent in one update call; a larger "
-        "tensor travels alone. Each server holds one bucket besides its model.",
+        description="Largest bucket of tensors (one dtype) sent in one update call as one flat "
+        "broadcast (SGLang's flattened_bucket format); a larger tensor travels alone. Each "
+        "server holds one bucket besides its model, the trainer's rank 0 one flattened copy.",
     )
     timeout_s: float = Field(
         default=600.0,
         gt=0,
-        description="Deadline of each weight-sync call: forming the group, each bucket.",
+        description="Deadline of each weight-sync call: opening and closing the update session, "
+        "forming the group, each bucket. A server that refuses fails the refit at once.",
+    )
+    verify_weights: bool = Field(
+        default=True,
+        description="Read samples of the sent weights back from every server "
+        "(/get_weights_by_name: first and last tensor of each kind) and stop the run on a "
+        "mismatch. SGLang 0.5.23 can show weights of Llama-family models only, not Qwen2/Qwen3 "
+        "(dense or MoE): set false for those.",
+    )
+    verify_every: int = Field(
+        default=0,
+        ge=0,
+        description="With verify_weights: check the first refit and then every n-th; 0 = the "
+        "first refit only.",
+    )
+    verify_rows: int = Field(
+        default=8,
+        gt=0,
+        description="Leading rows of each sampled tensor read back (truncate_size); within the "
+        "rows of one tensor-parallel shard, which is what a server shows.",
     )
 
 

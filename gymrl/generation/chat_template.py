@@ -75,7 +75,10 @@ class ChatFormat:
         parser: GenerationParser,
         chat_template: str | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        model_end_ids: Sequence[int] = (),
     ):
+        """`model_end_ids`: the end ids the model's config declares
+        (:func:`gymrl.model.tokens.model_end_token_ids`), stop ids of every turn."""
         self.tokenizer = tokenizer
         self.parser = parser
         self.template_kwargs = dict(template_kwargs or {})
@@ -97,16 +100,26 @@ class ChatFormat:
         self.end_of_turn_text = decode_text(
             tokenizer, [self.end_of_turn_id], skip_special_tokens=False
         )
-        # The model may also end its answer with its end-of-sequence token (a base model does).
-        self.stop_token_ids = tuple(dict.fromkeys([self.end_of_turn_id, eos_token_id(tokenizer)]))
+        # The model may also end its answer with its end-of-sequence token (a base model does),
+        # or with an end id its own config declares, where SGLang stops it anyway.
+        self.stop_token_ids = tuple(
+            dict.fromkeys([self.end_of_turn_id, eos_token_id(tokenizer), *model_end_ids])
+        )
 
     @classmethod
-    def from_policy(cls, policy: PolicyConfig, tokenizer: PreTrainedTokenizerBase) -> ChatFormat:
+    def from_policy(
+        cls,
+        policy: PolicyConfig,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        model_end_ids: Sequence[int] = (),
+    ) -> ChatFormat:
         return cls(
             tokenizer,
             parser=GenerationParser(policy.tool_call_parser, policy.reasoning_parser),
             chat_template=policy.chat_template,
             template_kwargs=policy.chat_template_kwargs,
+            model_end_ids=model_end_ids,
         )
 
     def _end_of_turn_id(self) -> int:

@@ -1,8 +1,9 @@
-"""SGLang generation on GPUs: server processes, and a token-in/token-out client of them.
+"""The SGLang engine: a token-in/token-out client of SGLang servers over their native HTTP API.
 
-SGLang needs CUDA, so nothing here imports it: a server is a subprocess
-(`python -m sglang.launch_server`) and the engine speaks its native HTTP API, which is what makes
-the client testable on a CPU against a stand-in server with the same field names.
+The servers are `gymrl.generation.sglang_servers`; SGLang needs CUDA, so nothing here imports
+it, which is what makes the client testable on a CPU against a stand-in server
+(`tests/gymrl/generation/sglang_standin.py`) whose routes and request fields the contract test
+checks against the pinned wheel's own source (`test_sglang_contract.py`).
 
 The HTTP API used (SGLang 0.5.23, pinned exactly: `sglang/srt/entrypoints/http_server.py` and
 `managers/io_struct.py`; docs/cluster.md says which of its behaviours the engine relies on):
@@ -12,9 +13,12 @@ The HTTP API used (SGLang 0.5.23, pinned exactly: `sglang/srt/entrypoints/http_s
   output tokens only; no prompt log-probs are computed). The answer carries
   `meta_info.output_token_logprobs` as `[logprob, token_id, text|null]` triples, one per sampled
   token (the stop token included), `meta_info.completion_tokens` and `meta_info.finish_reason`
-  (`{"type": "stop"|"length"|"abort", ...}`).
+  (`{"type": "stop"|"length"|"abort", ...}`). Besides the request's stop ids the server stops at
+  the model's own end ids (`config.json` and `generation_config.json` `eos_token_id`), which the
+  engine is given as `end_token_ids` for the abort cut.
 * `POST /pause_generation {"mode": "abort"}`, `POST /update_weights_from_disk {"model_path",
-  "weight_version"}`, `POST /flush_cache`, `POST /continue_generation {}`: the refit sequence.
+  "weight_version", "flush_cache": false}`, `POST /flush_cache`, `POST /continue_generation {}`:
+  the refit sequence (the broadcast's own calls are `gymrl.generation.weight_sync`'s).
 * `GET /health_generate`: 200 once the server generates.
 
 **Log-probability semantics.** The project defines generation log-probabilities as those of the
@@ -48,41 +52,30 @@ refused until the scheduler is idle and is retried until `FLUSH_DEADLINE_S`.
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import json
 import math
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import torch
 from safetensors.torch import save_file
 
-from gymrl.cluster.placement import RolePlacement, actor_options
-from gymrl.cluster.ports import free_port
-from gymrl.config.context import sglang_model_overrides
-from gymrl.config.schema import PolicyConfig, SGLangGenerationConfig
+from gymrl.config.schema import SGLangGenerationConfig
 from gymrl.generation.routing import PrefixRouter, Routing
 from gymrl.generation.types import FinishReason, GenerationOutput, GenerationRequest
 from gymrl.run.atomic import atomic_folder
 
-ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
-HEALTH_POLL_INTERVAL_S = 2.0  # the longest pause between health checks (they start at 50 ms)
-STOP_GRACE_S = 30.0
 MAX_RESUMES = 8
 # Refusals of /flush_cache after a pause last while aborted requests leave the scheduler.
 FLUSH_DEADLINE_S = 60.0
-_LOG_TAIL_CHARS = 3000
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_JSON_HEADERS = {"content-type": "application/json"}
 _WEIGHTS_FILE = "model.safetensors"
 
 
@@ -92,275 +85,6 @@ class SGLangError(RuntimeError):
 
 class SGLangTimeoutError(SGLangError, TimeoutError):
     """A server did not answer within its deadline."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Server processes
-# ---------------------------------------------------------------------------------------------
-
-
-def server_command(
-    generation: SGLangGenerationConfig,
-    policy: PolicyConfig,
-    *,
-    model_path: str,
-    port: int,
-    seed: int,
-    host: str = "0.0.0.0",
-    python: str = sys.executable,
-) -> list[str]:
-    """The `sglang.launch_server` command line of one engine.
-
-    `--skip-tokenizer-init`: the engine is token-in/token-out (the model server renders chat),
-    so SGLang never loads a tokenizer and answers with token ids only. The context length is the
-    episode's context limit, so a prompt the trainer can take is one SGLang accepts.
-    """
-    command = [
-        python,
-        "-m",
-        "sglang.launch_server",
-        "--model-path",
-        model_path,
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--tp-size",
-        str(generation.tensor_parallel_size),
-        "--mem-fraction-static",
-        str(generation.mem_fraction_static),
-        "--max-running-requests",
-        str(generation.max_running_requests),
-        "--dtype",
-        policy.dtype,
-        "--context-length",
-        str(policy.max_total_sequence_length),
-        "--random-seed",
-        str(seed),
-        "--skip-tokenizer-init",
-    ]
-    if generation.expert_parallel_size > 1:
-        command += ["--ep-size", str(generation.expert_parallel_size)]
-    overrides = sglang_model_overrides(policy)
-    if overrides is not None:  # YaRN: the same RoPE scaling Megatron trains with
-        command += ["--json-model-override-args", json.dumps(overrides)]
-    return command
-
-
-def die_with_parent() -> Callable[[], None] | None:
-    """A `preexec_fn` that has the kernel SIGKILL the child when its parent dies (Linux), or None.
-
-    A server outlives its Ray actor otherwise: `ray.kill`, a crashed worker or a lost node leave
-    it holding its GPUs until the Slurm job ends, since nobody calls `stop()`. Only the direct
-    child is armed (forked children do not inherit the setting); SGLang arms its own scheduler
-    and detokenizer processes the same way (`kill_itself_when_parent_died`), so the whole server
-    follows. "Parent" is the thread that started the child: start servers from a thread that
-    lives as long as they do (a Ray actor's method thread does).
-    """
-    if sys.platform != "linux":
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork, not in the child
-    parent = os.getpid()
-
-    def arm() -> None:
-        if prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL)) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-        if os.getppid() != parent:  # the parent died before the signal was armed
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return arm
-
-
-class SGLangServerProcess:
-    """One SGLang server subprocess: started on given GPUs, awaited until healthy, stopped.
-
-    The server runs in its own process group (SGLang forks scheduler and detokenizer processes),
-    so :meth:`stop` can end all of them, and dies with the process that started it
-    (:func:`die_with_parent`) when that one ends without stopping it. Output goes to
-    `log_path`; its tail is part of every start-up error.
-    """
-
-    def __init__(
-        self,
-        command: Sequence[str],
-        *,
-        base_url: str,
-        log_path: str | os.PathLike[str],
-        gpu_ids: Sequence[int] | None = None,
-    ) -> None:
-        self.command = list(command)
-        self.base_url = base_url.rstrip("/")
-        self.log_path = Path(log_path)
-        self._gpu_ids = None if gpu_ids is None else list(gpu_ids)
-        self._process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def pid(self) -> int | None:
-        return None if self._process is None else self._process.pid
-
-    def start(self) -> None:
-        if self._process is not None:
-            raise RuntimeError(f"server {self.base_url} was already started")
-        env = dict(os.environ)
-        env.pop(ORIGINAL_LOGPROB_ENV, None)
-        if self._gpu_ids is not None:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu) for gpu in self._gpu_ids)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("ab") as log:
-            self._process = subprocess.Popen(
-                self.command,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-                preexec_fn=die_with_parent(),
-            )
-
-    def wait_healthy(self, timeout_s: float) -> None:
-        """Poll `GET /health_generate` until it answers 200; fail fast if the process exits."""
-        if self._process is None:
-            raise RuntimeError(f"server {self.base_url} was not started")
-        deadline = time.monotonic() + timeout_s
-        pause = 0.05
-        with httpx.Client(timeout=HEALTH_POLL_INTERVAL_S * 5) as client:
-            while True:
-                code = self._process.poll()
-                if code is not None:
-                    raise SGLangError(
-                        f"SGLang server {self.base_url} exited with code {code} during start-up; "
-                        f"last lines of {self.log_path}:\n{self.log_tail()}"
-                    )
-                try:
-                    if client.get(f"{self.base_url}/health_generate").status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass  # not listening yet
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise SGLangTimeoutError(
-                        f"SGLang server {self.base_url} was not healthy within "
-                        f"generation.server_start_timeout_s={timeout_s} s (loading a large model "
-                        f"or compiling CUDA graphs can take minutes: raise it, or read the log); "
-                        f"last lines of {self.log_path}:\n{self.log_tail()}"
-                    )
-                time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
-                pause = min(2 * pause, HEALTH_POLL_INTERVAL_S)
-
-    def stop(self, timeout_s: float = STOP_GRACE_S) -> None:
-        """SIGTERM the server's process group, then SIGKILL it after `timeout_s`."""
-        if self._process is None or self._process.poll() is not None:
-            return
-        group = os.getpgid(self._process.pid)
-        os.killpg(group, signal.SIGTERM)
-        try:
-            self._process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(group, signal.SIGKILL)
-            self._process.wait(timeout_s)
-
-    def log_tail(self) -> str:
-        if not self.log_path.is_file():
-            return "(no log written)"
-        with self.log_path.open("rb") as log:
-            log.seek(0, os.SEEK_END)
-            log.seek(max(0, log.tell() - _LOG_TAIL_CHARS))
-            return log.read().decode("utf-8", errors="replace")
-
-    def __enter__(self) -> SGLangServerProcess:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
-
-class SGLangServerActor:
-    """Body of a Ray actor that owns one SGLang server on the GPUs Ray gave it.
-
-    Started by :class:`SGLangServerGroup` with `tensor_parallel_size` GPUs of one placement
-    bundle, so the whole TP group is on one node; Ray sets `CUDA_VISIBLE_DEVICES`, which the
-    server inherits.
-    """
-
-    def __init__(
-        self,
-        generation: SGLangGenerationConfig,
-        policy: PolicyConfig,
-        *,
-        model_path: str,
-        seed: int,
-        log_path: str,
-    ) -> None:
-        import ray  # a Ray worker process always has it
-
-        port = free_port()
-        host = ray.util.get_node_ip_address()
-        command = server_command(generation, policy, model_path=model_path, port=port, seed=seed)
-        self._server = SGLangServerProcess(
-            command, base_url=f"http://{host}:{port}", log_path=log_path
-        )
-        self._server.start()
-        self._server.wait_healthy(generation.server_start_timeout_s)
-
-    def url(self) -> str:
-        return self._server.base_url
-
-    def stop(self) -> None:
-        self._server.stop()
-
-
-class SGLangServerGroup:
-    """`generation.num_engines` SGLang servers as Ray actors, where `gymrl.cluster.placement`
-    puts them.
-
-    The run's placement group holds one `tensor_parallel_size`-GPU bundle per engine, so Ray
-    places each TP group on one node. Needs a running Ray cluster with the GPUs. Each engine gets
-    its own seed (`seed + index`), so engines do not sample identical continuations of identical
-    prompts.
-    """
-
-    def __init__(
-        self,
-        generation: SGLangGenerationConfig,
-        policy: PolicyConfig,
-        *,
-        model_path: str,
-        seed: int,
-        log_dir: str | os.PathLike[str],
-        placement_group: Any,
-        engines: RolePlacement,
-    ) -> None:
-        import ray
-
-        self._ray = ray
-        actor_class = ray.remote(SGLangServerActor)
-        self._actors = [
-            actor_class.options(**actor_options(engines, index, placement_group)).remote(
-                generation,
-                policy,
-                model_path=model_path,
-                seed=seed + index,
-                log_path=str(Path(log_dir) / f"sglang_engine_{index}.log"),
-            )
-            for index in range(generation.num_engines)
-        ]
-        # Start-up (model load, CUDA graphs) runs in parallel; each actor enforces the deadline.
-        self.urls: list[str] = ray.get(
-            [actor.url.remote() for actor in self._actors],
-            timeout=generation.server_start_timeout_s + 60.0,
-        )
-
-    def shutdown(self, timeout_s: float = STOP_GRACE_S * 2) -> None:
-        """Stop the servers and end their actors; the placement group is the run's."""
-        self._ray.get([actor.stop.remote() for actor in self._actors], timeout=timeout_s)
-        for actor in self._actors:
-            # Ray types a created actor as `ActorHandle | type[cls]` (so its methods type-check);
-            # kill takes the handle, which is what it is at run time.
-            self._ray.kill(actor)  # pyright: ignore[reportArgumentType]
-
-
-# ---------------------------------------------------------------------------------------------
-# The engine (HTTP client)
-# ---------------------------------------------------------------------------------------------
 
 
 def generate_payload(prompt_token_ids: Sequence[int], request: GenerationRequest, budget: int):
@@ -451,7 +175,10 @@ class SGLangEngine:
         refit_dir: str | os.PathLike[str] | None = None,
         weight_version: int = 0,
         routing: Routing = "cache_aware",
+        end_token_ids: Iterable[int] = (),
     ) -> None:
+        """`end_token_ids`: the model's own end ids, where the servers stop every request
+        whatever its stop ids (:func:`gymrl.model.tokens.model_end_token_ids`)."""
         if not server_urls:
             raise ValueError("SGLangEngine needs at least one server URL")
         if request_timeout_s <= 0 or refit_timeout_s <= 0:
@@ -463,6 +190,7 @@ class SGLangEngine:
         self._request_timeout_s = request_timeout_s
         self._refit_timeout_s = refit_timeout_s
         self._refit_dir = None if refit_dir is None else Path(refit_dir)
+        self._end_ids = frozenset(int(token) for token in end_token_ids)
         self._version = weight_version
         # Refits begun and completed; an abort while they differ, or after a later one began,
         # is a refit's.
@@ -488,6 +216,7 @@ class SGLangEngine:
         server_urls: Sequence[str],
         *,
         refit_dir: str | os.PathLike[str] | None = None,
+        end_token_ids: Iterable[int] = (),
     ) -> SGLangEngine:
         """A client of `server_urls` with the config's deadlines.
 
@@ -505,6 +234,7 @@ class SGLangEngine:
             refit_timeout_s=generation.server_start_timeout_s,
             refit_dir=refit_dir,
             routing=generation.routing,
+            end_token_ids=end_token_ids,
         )
 
     @property
@@ -547,7 +277,7 @@ class SGLangEngine:
         is aborted by that pause too, and is resumed like the others, not failed.
         """
         prompt = list(request.prompt_token_ids)
-        stops = frozenset(request.params.stop_token_ids)
+        stops = frozenset(request.params.stop_token_ids) | self._end_ids
         tokens: list[int] = []
         logprobs: list[float] = []
         version: int | None = None
@@ -646,7 +376,9 @@ class SGLangEngine:
             self._refit_lock.release()
 
     async def _load_from_disk(self, model_path: str, version: int) -> None:
-        update = {"model_path": model_path, "weight_version": str(version)}
+        # No flush here: a flush the scheduler refuses would fail the update although the
+        # weights loaded; end_refit flushes once, with retries.
+        update = {"model_path": model_path, "weight_version": str(version), "flush_cache": False}
         answers = await self._on_all("/update_weights_from_disk", update, self._refit_timeout_s)
         failed = {
             url: answer
@@ -730,7 +462,7 @@ class SGLangEngine:
                 f"{response.text[:500]}"
             )
         if response.headers.get("content-type", "").startswith("application/json"):
-            return response.json()
+            return orjson.loads(response.content)
         return response.text
 
     async def _send(
@@ -742,7 +474,10 @@ class SGLangEngine:
     ) -> httpx.Response:
         timeout = self._request_timeout_s if timeout_s is None else timeout_s
         try:
-            return await self._client.post(f"{url}{route}", json=payload, timeout=timeout)
+            content = None if payload is None else orjson.dumps(payload)
+            return await self._client.post(
+                f"{url}{route}", content=content, headers=_JSON_HEADERS, timeout=timeout
+            )
         except httpx.TimeoutException as error:
             raise SGLangTimeoutError(
                 f"SGLang server {url}: POST {route} did not answer within {timeout} s (the "

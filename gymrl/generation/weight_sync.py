@@ -2,47 +2,76 @@
 
 A disk refit writes the whole checkpoint once and every server reads it back (about 61 GB per
 step for a 30B model). With generation and training on separate GPUs, SGLang can instead join a
-process group with the trainer and receive each tensor by broadcast
-(`sglang/srt/entrypoints/http_server.py` of 0.5.23):
+process group with the trainer and receive the weights by broadcast. The protocol of the pinned
+SGLang 0.5.23 (`sglang/srt/entrypoints/http_server.py`, the scheduler's
+`scheduler_components/weight_updater.py`, `model_runner_components/weight_updater.py`), one
+refit, generation already paused by the engine (`SGLangEngine.begin_refit`):
 
-* `POST /init_weights_update_group {master_address, master_port, rank_offset, world_size,
-  group_name, backend}`: the server's TP ranks join the group as `rank_offset + tp_rank`;
-  the trainer is rank 0. Every member blocks until all have joined, so the trainer creates its
-  end while the requests are in flight.
-* `POST /update_weights_from_distributed {names, dtypes, shapes, group_name, flush_cache,
-  weight_version}`: the server allocates each named tensor and receives it by broadcast from
-  rank 0, in the order of `names`, then loads the batch into the model; it answers
-  `{success, message}` once every tensor arrived.
-* `POST /destroy_weights_update_group {group_name}`.
+1. `POST /begin_weight_update {}` on every server: opens the weight-update session. Outside a
+   session `/update_weights_from_distributed` answers `success: false` and never joins the
+   broadcast.
+2. Once per connection, `POST /init_weights_update_group {master_address, master_port,
+   rank_offset, world_size, group_name, backend}`: the server's TP ranks join as
+   `rank_offset + tp_rank`; the trainer is rank 0. Each connection has a fresh `group_name`, so a
+   group a failed refit left on a server can never block the next one (torch refuses a name in
+   use).
+3. Per bucket, `POST /update_weights_from_distributed {names, dtypes, shapes, group_name,
+   load_format: "flattened_bucket", flush_cache: false, weight_version}`: the server allocates
+   one flat byte buffer for the bucket, receives it in one broadcast from rank 0, cuts it back
+   into tensors (`FlattenedTensorBucket`) and loads them; it answers `{success, message}`. The
+   cache is not flushed here: a flush the scheduler refuses (requests not yet gone after the
+   pause) fails the whole call although the weights loaded, so the engine flushes once, with
+   retries, in `end_refit`.
+4. `POST /end_weight_update {}` on every server, also after a failure (a session left open makes
+   the next `/begin_weight_update` fail).
 
-:class:`WeightSender` is the trainer's end: it sends a state dict (Hugging Face names) in
-buckets, each one call to every server plus one broadcast per tensor, so no server holds more
-than a bucket of new weights besides its model. Pausing and resuming generation around it is the
-engine's job (`SGLangEngine.refit_with`), as for a disk refit.
+Every answer is read while the broadcast runs, so a server that refuses (or dies) fails the
+refit with its own message at once instead of leaving rank 0 in a broadcast nobody joins; a
+server that does not answer fails it at `timeout_s`. After any failure the group is destroyed on
+every server (`/destroy_weights_update_group`) and the trainer's end is aborted, so the next refit
+connects afresh. Buckets go one at a time: SGLang serialises update calls behind one lock in
+arrival order, and two calls in flight to one server could be served in the other order than
+their broadcasts, so a bucket's call is posted only once the previous one was answered; the next
+bucket is cut while the current one is on the wire.
 
 The trainer's end (:func:`join_weight_update_group`) is a TCP store at its address and a backend
 process group made directly on it, so it is separate from any default process group the trainer
 already has; its store keys carry the prefixes SGLang's end uses. The stand-in server of the
-tests joins through the same function.
+tests joins through the same function. After a refit that :class:`~gymrl.generation.weight_check.
+WeightCheck` says is due, samples of what was sent are read back from every server.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-from collections.abc import Iterable, Iterator, Sequence
+import itertools
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import httpx
+import orjson
 import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
 from gymrl.cluster.ports import free_port
+from gymrl.generation.weight_check import WeightCheck, WeightSamples
 
-GROUP_NAME = "weight_update_group"
 Backend = Literal["nccl", "gloo"]
+FLATTENED_BUCKET = "flattened_bucket"
+# SGLang sets these two in its own processes unless the environment already has them
+# (`_set_envs_and_config` in sglang/srt/entrypoints/engine.py of 0.5.23). The trainer's
+# weight-sync rank joins the same communicator, so both sides get them from here: the servers'
+# environment (`SGLangServerProcess`) and every trainer rank's (`gymrl.roles.trainer`).
+WEIGHT_SYNC_NCCL_ENV: Mapping[str, str] = {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}
+_POLL_S = 0.002
+_CLEANUP_TIMEOUT_S = 10.0  # destroying a failed group is best effort, never another long wait
+_connection_numbers = itertools.count()
 
 
 class WeightSyncError(RuntimeError):
@@ -60,16 +89,25 @@ class Bucket:
     def nbytes(self) -> int:
         return sum(tensor.numel() * tensor.element_size() for tensor in self.tensors)
 
-    def payload(self, *, last: bool, version: int) -> dict[str, Any]:
+    def payload(self, *, group_name: str, version: int) -> dict[str, Any]:
         return {
             "names": list(self.names),
             "dtypes": [dtype_name(tensor.dtype) for tensor in self.tensors],
             "shapes": [list(tensor.shape) for tensor in self.tensors],
-            "group_name": GROUP_NAME,
-            # The prefix cache was computed by the old weights; emptying it once is enough.
-            "flush_cache": last,
+            "group_name": group_name,
+            "load_format": FLATTENED_BUCKET,
+            "flush_cache": False,  # the engine flushes once, with retries, in end_refit
             "weight_version": str(version),
         }
+
+    def flattened(self, device: str) -> torch.Tensor:
+        """The bucket as one byte tensor, tensors back to back in order: SGLang's
+        `FlattenedTensorBucket` layout, which the server cuts back by names, dtypes and shapes.
+        One dtype per bucket keeps every tensor's offset aligned to its element size."""
+        parts = [
+            t.detach().to(device).contiguous().view(-1).view(torch.uint8) for t in self.tensors
+        ]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -83,10 +121,9 @@ def buckets(
     """`named_tensors` in their order, cut into buckets of at most `bucket_bytes` of one dtype.
 
     A tensor is never split (SGLang receives whole parameters); one larger than `bucket_bytes`
-    travels alone. A dtype change starts a new bucket, so a server can allocate a bucket's
-    tensors in one dtype. Order is the caller's (a state dict's), which both ends see the same.
+    travels alone. A dtype change starts a new bucket. Order is the caller's (a state dict's).
     Lazy: a bucket is cut as soon as it is full, so a trainer that exports its weights one at a
-    time (Megatron) holds at most two buckets of them (the sender looks one ahead).
+    time (Megatron) holds at most two buckets of them (the one sent and the one being cut).
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
@@ -117,7 +154,7 @@ def join_weight_update_group(
     world_size: int,
     backend: Backend,
     timeout_s: float,
-    group_name: str = GROUP_NAME,
+    group_name: str,
 ) -> Any:
     """This process's member of the weight-update group (rank 0 hosts the store).
 
@@ -147,24 +184,32 @@ def join_weight_update_group(
     return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
 
 
+def start_broadcast(group: Any, tensor: torch.Tensor) -> Any:
+    """Start broadcasting `tensor` from rank 0 (receivers pass a buffer); returns its work."""
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    return group.broadcast([tensor], options)
+
+
 def broadcast(group: Any, tensors: Sequence[torch.Tensor]) -> None:
-    """Broadcast each tensor from rank 0 in order (receivers pass buffers), then wait for all."""
-    works = []
-    for tensor in tensors:
-        options = dist.BroadcastOptions()
-        options.rootRank = 0
-        works.append(group.broadcast([tensor], options))
+    """Broadcast each tensor from rank 0 in order, then wait for all."""
+    works = [start_broadcast(group, tensor) for tensor in tensors]
     for work in works:
         work.wait()
+
+
+def fresh_group_name() -> str:
+    """A group name no earlier connection of this process (or another trainer) used."""
+    return f"gymrl_refit_{os.getpid()}_{next(_connection_numbers)}_{time.time_ns()}"
 
 
 class WeightSender:
     """Rank 0 of the weight-update group: sends state dicts to SGLang servers by broadcast.
 
     `tp_sizes[i]` is server i's tensor-parallel size: its ranks are `1 + sum(tp_sizes[:i])` on.
-    The group is created on the first :meth:`send`; a failed send destroys it, so the next send
-    builds a new one (a restarted server has lost its end of the old group). Every HTTP call
-    and the group's rendezvous and broadcasts end by `timeout_s`.
+    The group is created on the first :meth:`send` and kept while refits succeed; a failed one
+    destroys it everywhere, so the next send connects afresh. Every HTTP call and the group's
+    rendezvous and broadcasts end by `timeout_s`.
     """
 
     def __init__(
@@ -176,6 +221,7 @@ class WeightSender:
         backend: Backend,
         bucket_bytes: int,
         timeout_s: float,
+        check: WeightCheck | None = None,
     ) -> None:
         if len(server_urls) != len(tp_sizes) or not server_urls:
             raise ValueError(
@@ -192,12 +238,21 @@ class WeightSender:
         self._world_size = 1 + sum(tp_sizes)
         self._master_address = master_address
         self._backend: Backend = backend
+        self._device = "cuda" if backend == "nccl" else "cpu"
         self._bucket_bytes = bucket_bytes
         self._timeout_s = timeout_s
+        self._check = check
         self._group: Any = None
-        self._pool = ThreadPoolExecutor(max_workers=len(self._urls), thread_name_prefix="refit")
+        self._group_name = ""
+        # One thread per server for its HTTP call, plus one for the rendezvous.
+        self._pool = ThreadPoolExecutor(max_workers=len(self._urls) + 1, thread_name_prefix="refit")
         self._client = httpx.Client(timeout=timeout_s)
-        self.bytes_sent = 0  # tensor bytes broadcast so far, for the benchmark and metrics
+        self._refits = 0
+        # For the benchmark and metrics: tensor bytes, broadcast calls, update calls so far.
+        self.bytes_sent = 0
+        self.broadcasts = 0
+        self.update_calls = 0
+        self.check_seconds = 0.0  # time spent reading weights back
 
     @property
     def rank_offsets(self) -> list[int]:
@@ -207,30 +262,61 @@ class WeightSender:
     def connected(self) -> bool:
         return self._group is not None
 
-    def send(
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    def send(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Send `named` (a state dict's items, or `(name, tensor)` pairs produced one at a
+        time) to every server as weight version `version`, while generation is paused; then
+        read samples back when this refit's check is due."""
+        samples = self._check.samples(self._refits) if self._check is not None else None
+        self._call_all("/begin_weight_update", lambda _: {})
+        try:
+            self._send_in_session(named, version, samples)
+        except BaseException:
+            self._disconnect()
+            self._end_session(quiet=True)
+            raise
+        self._end_session(quiet=False)
+        self._refits += 1
+        if samples is not None and self._check is not None:
+            start = time.perf_counter()
+            self._check.verify(self._client, self._urls, samples)
+            self.check_seconds += time.perf_counter() - start
+
+    def _send_in_session(
         self,
         named: Iterable[tuple[str, torch.Tensor]],
         version: int,
+        samples: WeightSamples | None,
     ) -> None:
-        """Send `named` (a state dict's items, or `(name, tensor)` pairs produced one at a
-        time) to every server as weight version `version`, while generation is paused."""
-        try:
-            if self._group is None:
-                self._group = self._connect()
-            plan = buckets(named, self._bucket_bytes)
-            bucket = next(plan, None)
-            while bucket is not None:
-                following = next(plan, None)  # one bucket ahead: the last one flushes the cache
-                payload = bucket.payload(last=following is None, version=version)
-                self._on_all("/update_weights_from_distributed", payload, bucket)
-                self.bytes_sent += bucket.nbytes
-                bucket = following
-        except BaseException:
-            self._drop_group()
-            raise
+        if self._group is None:
+            self._connect()
+        for bucket in buckets(named, self._bucket_bytes):
+            if samples is not None:
+                samples.offer(bucket.names, bucket.tensors)
+            self._send_bucket(bucket, version)
 
-    def _connect(self) -> Any:
+    def _send_bucket(self, bucket: Bucket, version: int) -> None:
+        flat = bucket.flattened(self._device)
+        payload = bucket.payload(group_name=self._group_name, version=version)
+        calls = self._start_all("/update_weights_from_distributed", lambda _: payload)
+        try:
+            work = start_broadcast(self._group, flat)
+        except Exception as error:
+            raise WeightSyncError(
+                f"broadcasting a bucket of {len(bucket.names)} tensors ({bucket.names[0]}...) "
+                f"failed to start: {error}"
+            ) from error
+        self._await("/update_weights_from_distributed", calls, work, what=bucket.names[0])
+        self.broadcasts += 1
+        self.update_calls += len(self._urls)
+        self.bytes_sent += bucket.nbytes
+
+    def _connect(self) -> None:
         port = free_port()
+        name = fresh_group_name()
 
         def payload(index: int) -> dict[str, Any]:
             return {
@@ -238,86 +324,148 @@ class WeightSender:
                 "master_port": port,
                 "rank_offset": self._rank_offsets[index],
                 "world_size": self._world_size,
-                "group_name": GROUP_NAME,
+                "group_name": name,
                 "backend": self._backend,
             }
 
+        self._group_name = name  # so a failure from here on destroys it on the servers
         calls = self._start_all("/init_weights_update_group", payload)
-        try:
-            group = join_weight_update_group(
-                master_address=self._master_address,
-                master_port=port,
-                rank=0,
-                world_size=self._world_size,
-                backend=self._backend,
-                timeout_s=self._timeout_s,
-            )
-        except Exception as error:
-            self._finish_all("/init_weights_update_group", calls, quiet=True)
-            raise WeightSyncError(
-                f"the weight-update group at {self._master_address}:{port} did not form within "
-                f"{self._timeout_s} s (generation.refit.timeout_s): {error}; can every SGLang "
-                "server reach the trainer's address?"
-            ) from error
-        self._finish_all("/init_weights_update_group", calls)
-        return group
+        joining = self._pool.submit(
+            join_weight_update_group,
+            master_address=self._master_address,
+            master_port=port,
+            rank=0,
+            world_size=self._world_size,
+            backend=self._backend,
+            timeout_s=self._timeout_s,
+            group_name=name,
+        )
+        self._await("/init_weights_update_group", calls, joining, what=name)
+        self._group = joining.result()
 
-    def _on_all(self, route: str, payload: dict[str, Any], bucket: Bucket) -> None:
-        """Post `route` to every server and broadcast the bucket while they receive it."""
-        calls = self._start_all(route, lambda _: payload)
-        assert self._group is not None
-        device = "cuda" if self._backend == "nccl" else "cpu"
-        try:
-            broadcast(
-                self._group, [tensor.detach().to(device).contiguous() for tensor in bucket.tensors]
-            )
-        except Exception as error:
-            self._finish_all(route, calls, quiet=True)
-            raise WeightSyncError(
-                f"broadcasting {len(bucket.names)} tensors ({bucket.names[0]}...) failed: {error}"
-            ) from error
-        self._finish_all(route, calls)
+    def _await(self, route: str, calls: list[Future[httpx.Response]], work: Any, *, what: str):
+        """Until every server answered `route` successfully and `work` (a broadcast, or the
+        rendezvous) finished; the first refusal, or the deadline, is a WeightSyncError."""
+        deadline = time.monotonic() + self._timeout_s
+        pending = dict(zip(self._urls, calls, strict=True))
+        work_done = False
+        while True:
+            for url, call in list(pending.items()):
+                if call.done():
+                    del pending[url]
+                    failure = _failure(call)
+                    if failure is not None:
+                        raise WeightSyncError(
+                            f"SGLang server {url} refused POST {route} ({what}): {failure}; "
+                            "the refit failed and generation stays paused"
+                        )
+            if not work_done:
+                work_done = _finished(work, route, what)
+            if work_done and not pending:
+                return
+            if time.monotonic() > deadline:
+                silent = sorted(pending) or ["(every server answered)"]
+                stage = (
+                    "the rendezvous" if route == "/init_weights_update_group" else "the broadcast"
+                )
+                raise WeightSyncError(
+                    f"POST {route} ({what}) did not finish within generation.refit.timeout_s="
+                    f"{self._timeout_s} s: servers not answering: {', '.join(silent)}; "
+                    f"{stage} {'finished' if work_done else 'did not finish'} (can every "
+                    "SGLang server reach the trainer's address?)"
+                )
+            time.sleep(_POLL_S)
 
-    def _start_all(self, route: str, payload) -> list[Future[httpx.Response]]:
+    def _start_all(
+        self, route: str, payload: Callable[[int], dict[str, Any]]
+    ) -> list[Future[httpx.Response]]:
         return [
-            self._pool.submit(self._client.post, f"{url}{route}", json=payload(index))
+            self._pool.submit(self._post, f"{url}{route}", payload(index))
             for index, url in enumerate(self._urls)
         ]
 
-    def _finish_all(
-        self, route: str, calls: list[Future[httpx.Response]], *, quiet: bool = False
-    ) -> None:
-        failures: list[str] = []
-        for url, call in zip(self._urls, calls, strict=True):
-            try:
-                response = call.result(self._timeout_s)
-            except Exception as error:  # a timeout, a refused connection
-                failures.append(f"{url}: {type(error).__name__}: {error}")
-                continue
-            body = (
-                response.json()
-                if response.headers.get("content-type", "").startswith("application/json")
-                else {}
-            )
-            if response.status_code != 200 or not body.get("success"):
-                failures.append(f"{url}: {response.status_code} {response.text[:300]}")
-        if failures and not quiet:
-            raise WeightSyncError(
-                f"POST {route} failed on {len(failures)} of {len(self._urls)} servers: "
-                f"{failures[0]}; generation stays paused (a restarted server rejoins the group "
-                "at the next refit)"
-            )
+    def _post(self, url: str, payload: dict[str, Any], timeout_s: float | None = None):
+        return self._client.post(
+            url,
+            content=orjson.dumps(payload),
+            headers={"content-type": "application/json"},
+            timeout=self._timeout_s if timeout_s is None else timeout_s,
+        )
 
-    def _drop_group(self) -> None:
-        self._group = None  # gloo and NCCL members close when the last reference goes
+    def _call_all(self, route: str, payload: Callable[[int], dict[str, Any]]) -> None:
+        self._await(route, self._start_all(route, payload), None, what="session")
+
+    def _end_session(self, *, quiet: bool) -> None:
+        try:
+            self._call_all("/end_weight_update", lambda _: {})
+        except WeightSyncError:
+            if not quiet:
+                raise
+
+    def _disconnect(self) -> None:
+        """Destroy the group on every server that may hold it and abort the trainer's end."""
+        if not self._group_name:
+            return
+        body = {"group_name": self._group_name}
+        calls = [
+            self._pool.submit(
+                self._post, f"{url}/destroy_weights_update_group", body, _CLEANUP_TIMEOUT_S
+            )
+            for url in self._urls
+        ]
+        for call in calls:
+            with contextlib.suppress(Exception):  # best effort: a dead server has no group left
+                call.result(_CLEANUP_TIMEOUT_S + 1.0)
+        if self._group is not None:
+            # A broadcast still pending on it ends at the group's own timeout; nothing here
+            # waits for it. Best effort: the group is dropped either way.
+            with contextlib.suppress(Exception):
+                self._group.abort()
+        self._group = None
+        self._group_name = ""
 
     def close(self) -> None:
         """Tell every server to leave the group (best effort: a dead server has left it)."""
         if self._group is not None:
-            calls = self._start_all(
-                "/destroy_weights_update_group", lambda _: {"group_name": GROUP_NAME}
-            )
-            self._finish_all("/destroy_weights_update_group", calls, quiet=True)
-            self._drop_group()
+            self._disconnect()
         self._client.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _finished(work: Any, route: str, what: str) -> bool:
+    """Whether `work` (None, a torch Work, or a Future) finished; its failure is raised."""
+    if work is None:
+        return True
+    if isinstance(work, Future):
+        if not work.done():
+            return False
+        error = work.exception()
+        if error is not None:
+            raise WeightSyncError(
+                f"the weight-update group {what} did not form: {error}; can every SGLang "
+                "server reach the trainer's address?"
+            ) from error
+        return True
+    if not work.is_completed():
+        return False
+    try:
+        work.wait()  # finished: returns at once, or raises what failed it
+    except Exception as error:
+        raise WeightSyncError(f"the broadcast for POST {route} ({what}) failed: {error}") from error
+    return True
+
+
+def _failure(call: Future[httpx.Response]) -> str | None:
+    """Why a finished HTTP call failed (a transport error, a status, `success: false`), or None."""
+    error = call.exception()
+    if error is not None:
+        return f"{type(error).__name__}: {error}"
+    response = call.result()
+    try:
+        body = orjson.loads(response.content)
+    except orjson.JSONDecodeError:
+        body = None
+    if response.status_code == 200 and isinstance(body, dict) and body.get("success"):
+        return None
+    message = body.get("message") if isinstance(body, dict) else None
+    return f"{response.status_code} {message or response.text[:300]!r}"

@@ -22,8 +22,10 @@ from gymrl.model.loading import (
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def tokenizer_folder(policy: PolicyConfig) -> str:
-    """The folder (or hub id) holding the tokenizer; converts the embedded model on first use."""
+def model_folder(policy: PolicyConfig) -> str:
+    """The folder (or hub id) of the policy's model: its config, weights and tokenizer, what
+    SGLang serves (`--model-path`) and the tokenizer is read from. Converts the embedded model
+    on first use."""
     if policy.source == "pretrained":
         assert policy.path is not None  # enforced by validation
         return policy.path
@@ -33,7 +35,7 @@ def tokenizer_folder(policy: PolicyConfig) -> str:
 def build_policy(
     policy: PolicyConfig, seed: int
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    folder = tokenizer_folder(policy)
+    folder = model_folder(policy)
     tokenizer = load_tokenizer(folder)
     dtype = DTYPES[policy.dtype]
     if policy.source == "tiny_random":

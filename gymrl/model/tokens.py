@@ -1,4 +1,5 @@
-"""Typed views of a Hugging Face tokenizer: its special token ids, and the text of a sequence.
+"""Typed views of a Hugging Face tokenizer: its special token ids, and the text of a sequence;
+and the end ids the model's own files declare.
 
 transformers serves `eos_token_id` and the like through `__getattr__` and types `decode` for a
 batch as well, so a type checker sees neither an int nor a str; these helpers give both, and a
@@ -8,7 +9,10 @@ that uses them.
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import cast
 
 from transformers import PreTrainedTokenizerBase
@@ -43,3 +47,23 @@ def decode_text(
     """The text of one sequence of ids."""
     # `decode` is typed for a batch too (`str | list[str]`); one flat sequence gives one string.
     return cast(str, tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+
+def model_end_token_ids(model_folder: str | os.PathLike[str]) -> tuple[int, ...]:
+    """The end ids the model's own files declare: `eos_token_id` of `config.json` and of
+    `generation_config.json` (an int or a list), in that order, without repeats.
+
+    SGLang stops every request at these whatever its stop ids (0.5.23,
+    `ModelConfig._get_hf_eos_token_id`), so the engines and the abort cut stop there too; Qwen3's
+    generation config adds `<|endoftext|>` (151643) to its `<|im_end|>`. A hub id or a folder
+    without the files declares none.
+    """
+    found: list[int] = []
+    for file_name in ("config.json", "generation_config.json"):
+        path = Path(model_folder) / file_name
+        if not path.is_file():
+            continue
+        declared = json.loads(path.read_text()).get("eos_token_id")
+        values = declared if isinstance(declared, list) else [declared]
+        found += [value for value in values if isinstance(value, int)]
+    return tuple(dict.fromkeys(found))

@@ -41,7 +41,7 @@ from gymrl.experience.validation import Validator
 from gymrl.generation.announce import announce_policy_server
 from gymrl.generation.api_key import ApiKeyError, resolve_api_key
 from gymrl.generation.torch_engine import EngineCounters
-from gymrl.model.policy import tokenizer_folder
+from gymrl.model.policy import model_folder
 from gymrl.roles.generation_server import start_generation_server
 from gymrl.roles.gym_shard import RayGroupRunner, start_gym_shards
 from gymrl.roles.replay_buffer import start_replay_buffer
@@ -131,7 +131,7 @@ class GRPORecipe:
             self.stops.install()  # ray.init replaced the driver's SIGTERM handler
         # Async on a CPU: generation and training overlap, one core each; sync: they alternate.
         threads = 1 if config.grpo.async_enabled else 2
-        folder = tokenizer_folder(config.policy)  # converts the embedded model once, here
+        folder = model_folder(config.policy)  # converts the embedded model once, here
         placement = plan_placement(config)
         group = reserve(placement, config.cluster.ray_start_timeout_s)
         if group is not None:
@@ -169,7 +169,7 @@ class GRPORecipe:
             policy=PolicyEndpoint(
                 base_url, self.policy_api_key.get_secret_value(), config.policy.name
             ),
-            tokenizer_folder=folder,
+            model_folder=folder,
             placement=placement,
             group=group,
             on_cleanup=self._on_cleanup,

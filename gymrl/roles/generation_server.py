@@ -15,18 +15,20 @@ from typing import Any
 import ray
 import torch
 from pydantic import SecretStr
+from transformers import PreTrainedTokenizerBase
 
 from gymrl.cluster.placement import Placement, actor_options
 from gymrl.cluster.ray_calls import close_actor, wait_for
-from gymrl.config.schema import RecipeConfig, SGLangGenerationConfig
+from gymrl.config.schema import RecipeConfig, SGLangGenerationConfig, TorchGenerationConfig
 from gymrl.generation.announce import policy_server_host
 from gymrl.generation.chat_template import ChatFormat
 from gymrl.generation.policy_server import create_policy_server_app
-from gymrl.generation.sglang_engine import SGLangEngine, SGLangServerGroup
+from gymrl.generation.sglang_engine import SGLangEngine
+from gymrl.generation.sglang_servers import SGLangServerGroup
 from gymrl.generation.torch_engine import EngineCounters, EngineStep, TorchGenerationEngine
 from gymrl.model.loading import load_tokenizer
-from gymrl.model.policy import build_policy, tokenizer_folder
-from gymrl.model.tokens import eos_token_id
+from gymrl.model.policy import build_policy, model_folder
+from gymrl.model.tokens import eos_token_id, model_end_token_ids
 from gymrl.roles import OnCleanup
 from nemo_gym_ext.http_server import serve_in_thread
 
@@ -55,39 +57,29 @@ class GenerationServer:
         # What this actor starts, closed in reverse by close(); if the constructor fails
         # half-way, the SGLang servers it started are shut down before the error leaves.
         with ExitStack() as started:
+            folder = model_folder(policy)
+            end_ids = model_end_token_ids(folder)
             if isinstance(generation, SGLangGenerationConfig):
-                tokenizer = load_tokenizer(tokenizer_folder(policy))
-                sglang_servers = SGLangServerGroup(
-                    generation,
-                    policy,
-                    model_path=tokenizer_folder(policy),
-                    seed=config.run.seed,
-                    log_dir=Path(output_dir) / "logs",
+                backend = build_sglang_backend(
+                    config,
+                    folder=folder,
+                    end_ids=end_ids,
+                    output_dir=Path(output_dir),
+                    placement=placement,
                     placement_group=placement_group,
-                    engines=placement.generation,
+                    started=started,
                 )
-                started.callback(sglang_servers.shutdown)
-                self._engine = SGLangEngine.from_config(
-                    generation, sglang_servers.urls, refit_dir=Path(output_dir) / "refit"
-                )
-                started.callback(self._engine.close)
                 self._tp_size = generation.tensor_parallel_size
             else:
-                model, tokenizer = build_policy(policy, config.run.seed)
-                # transformers' `to` is typed as unbound (see gymrl.model.loading.build_tiny_llama).
-                model.to(placement.generation.device)  # pyright: ignore[reportArgumentType]
-                self._engine = TorchGenerationEngine(
-                    model,
-                    max_batch_size=generation.max_batch_size,
-                    eos_token_ids=[eos_token_id(tokenizer)],
-                    seed=config.run.seed,
-                    compute_dtype=policy.compute_dtype,
+                backend = build_torch_backend(
+                    config, end_ids=end_ids, placement=placement, started=started
                 )
-                started.callback(self._engine.close)
+            self._engine = backend.engine
+            tokenizer = backend.tokenizer
             server = generation.server
             app = create_policy_server_app(
                 self._engine,
-                ChatFormat.from_policy(policy, tokenizer),
+                ChatFormat.from_policy(policy, tokenizer, model_end_ids=end_ids),
                 model_name=policy.name,
                 api_key=api_key,
                 honor_prompt_token_ids=server.honor_prompt_token_ids,
@@ -160,6 +152,67 @@ class GenerationServer:
     def close(self) -> None:
         """Stop the HTTP server, then the SGLang engines behind it (each even if one fails)."""
         self._started.close()
+
+
+@dataclass(frozen=True)
+class EngineBackend:
+    """What a backend builder hands the generation server: the engine (it schedules each
+    request itself) and the tokenizer the chat format renders with."""
+
+    engine: Any
+    tokenizer: PreTrainedTokenizerBase
+
+
+def build_torch_backend(
+    config: RecipeConfig, *, end_ids: tuple[int, ...], placement: Placement, started: ExitStack
+) -> EngineBackend:
+    """The torch engine on this actor's device; closed by `started`."""
+    generation = config.generation
+    assert isinstance(generation, TorchGenerationConfig)
+    model, tokenizer = build_policy(config.policy, config.run.seed)
+    # transformers' `to` is typed as unbound (see gymrl.model.loading.build_tiny_llama).
+    model.to(placement.generation.device)  # pyright: ignore[reportArgumentType]
+    engine = TorchGenerationEngine(
+        model,
+        max_batch_size=generation.max_batch_size,
+        eos_token_ids=[eos_token_id(tokenizer), *end_ids],
+        seed=config.run.seed,
+        compute_dtype=config.policy.compute_dtype,
+        prefill_token_budget=generation.prefill_token_budget,
+    )
+    started.callback(engine.close)
+    return EngineBackend(engine, tokenizer)
+
+
+def build_sglang_backend(
+    config: RecipeConfig,
+    *,
+    folder: str,
+    end_ids: tuple[int, ...],
+    output_dir: Path,
+    placement: Placement,
+    placement_group: Any,
+    started: ExitStack,
+) -> EngineBackend:
+    """`generation.num_engines` SGLang servers in `placement_group` and the client of them;
+    both are closed by `started`."""
+    generation = config.generation
+    assert isinstance(generation, SGLangGenerationConfig)
+    servers = SGLangServerGroup(
+        generation,
+        config.policy,
+        model_path=folder,
+        seed=config.run.seed,
+        log_dir=output_dir / "logs",
+        placement_group=placement_group,
+        engines=placement.generation,
+    )
+    started.callback(servers.shutdown)
+    engine = SGLangEngine.from_config(
+        generation, servers.urls, refit_dir=output_dir / "refit", end_token_ids=end_ids
+    )
+    started.callback(engine.close)
+    return EngineBackend(engine, load_tokenizer(folder))
 
 
 @dataclass(frozen=True)

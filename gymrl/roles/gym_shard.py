@@ -57,10 +57,10 @@ class GymShard:
         rollout: RolloutConfig,
         *,
         policy: PolicyEndpoint,
-        tokenizer_folder: str,
+        model_folder: str,
         launch: GymShardLaunch,
     ):
-        tokenizer = load_tokenizer(tokenizer_folder)
+        tokenizer = load_tokenizer(model_folder)
         # What this actor starts; if the constructor fails half-way, it is stopped before the
         # error leaves (the actor cannot be closed then, only killed).
         with ExitStack() as started:
@@ -149,7 +149,7 @@ def start_gym_shards(
     *,
     output_dir: Path,
     policy: PolicyEndpoint,
-    tokenizer_folder: str,
+    model_folder: str,
     placement: Placement,
     group: Any,
     on_cleanup: OnCleanup,
@@ -164,7 +164,7 @@ def start_gym_shards(
             actor,
             config.env.rollout,
             policy=policy,
-            tokenizer_folder=tokenizer_folder,
+            model_folder=model_folder,
             launch=shard_launch(config, output_dir, index, len(actor_configs), actor.shard),
         )
         on_cleanup(

@@ -3,16 +3,15 @@
 
 The loop does not care whether the trainer is one torch actor or a group of Megatron ranks: it
 trains a step, refits the generation server to a weight version, saves and loads checkpoints.
-How weights reach the engines differs: the torch trainer hands its state dict to the torch engine
-through Ray's object store. SGLang servers get them by broadcast from the trainer's rank 0
-(`generation.refit.transport: nccl`, :func:`broadcast_refit`, `gymrl.generation.weight_sync`)
-or, with `transport: disk`, as a Hugging Face checkpoint on shared disk (the torch trainer's goes
-through the generation server), each version deleted once the next one is loaded everywhere.
+How weights reach the engines is `gymrl.generation.refit`'s (object store, broadcast, disk);
+each role picks the transport its backend and `generation.refit.transport` call for. Every
+trainer rank runs with the weight-sync NCCL settings of the SGLang servers
+(`gymrl.generation.weight_sync.WEIGHT_SYNC_NCCL_ENV`), since rank 0 joins their communicator.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -31,8 +30,13 @@ from gymrl.config.schema import (
     SGLangGenerationConfig,
     TorchTrainerConfig,
 )
-from gymrl.generation.sglang_engine import remove_loaded_refits
-from gymrl.generation.weight_sync import WeightSender
+from gymrl.generation.refit import (
+    refit_by_broadcast,
+    refit_from_disk,
+    refit_through_object_store,
+    weight_sender,
+)
+from gymrl.generation.weight_sync import WEIGHT_SYNC_NCCL_ENV, WeightSender
 from gymrl.model.policy import build_policy
 from gymrl.model.tokens import pad_token_id
 from gymrl.roles import OnCleanup
@@ -55,6 +59,7 @@ class PolicyTrainerActor:
         torch_threads: int,
         device: str,
     ):
+        self._served_dtype = policy.dtype
         """`device`: `cuda` when the placement gave this actor a GPU (Ray makes it the only
         visible one), else `cpu`."""
         torch.set_num_threads(torch_threads)
@@ -86,13 +91,13 @@ class PolicyTrainerActor:
         """Broadcast the weights to the SGLang servers (paused by the generation server); the
         weight-update group is formed on the first call and kept."""
         if self._sender is None:
-            self._sender = WeightSender(
+            self._sender = weight_sender(
                 urls,
                 tp_sizes,
+                refit,
                 master_address=ray.util.get_node_ip_address(),
                 backend="nccl" if self._device.startswith("cuda") else "gloo",
-                bucket_bytes=refit.bucket_bytes,
-                timeout_s=refit.timeout_s,
+                served_dtype=self._served_dtype,
             )
         self._sender.send(self._trainer.export_weights().items(), version)
         return self._sender.bytes_sent
@@ -131,7 +136,8 @@ class TorchTrainerRole:
         generation = config.generation
         self._refit = generation.refit if isinstance(generation, SGLangGenerationConfig) else None
         role = placement.trainer
-        self._actor = PolicyTrainerActor.options(**actor_options(role, 0, group)).remote(
+        options = actor_options(role, 0, group, env_vars=dict(WEIGHT_SYNC_NCCL_ENV))
+        self._actor = PolicyTrainerActor.options(**options).remote(
             config.policy,
             config.trainer,
             config.loss,
@@ -162,10 +168,10 @@ class TorchTrainerRole:
                 ref = self._actor.send_weights.remote(urls, tp_sizes, refit, version)
                 self._wait(ref, "the weight broadcast")
 
-            broadcast_refit(generation, version, send, self._wait)
+            refit_by_broadcast(generation, version, send, self._wait)
             return
         weights = self._actor.export_weights.remote()  # stays in the object store
-        self._wait(generation.update_weights.remote(weights, version), "the engine refit")
+        refit_through_object_store(generation, version, weights, self._wait)
 
     def save_checkpoint(self, directory: Path, step: int, data_state: dict) -> None:
         self._wait(
@@ -205,20 +211,16 @@ class MegatronTrainerRole:
     def refit(self, generation: Any, version: int) -> None:
         if self._refit.transport == "nccl":
             refit = self._refit
-            broadcast_refit(
+            refit_by_broadcast(
                 generation,
                 version,
                 lambda urls, tp_sizes: self._group.send_weights(urls, tp_sizes, refit, version),
                 self._wait,
             )
             return
-        path = self._group.export_hf_checkpoint(self._refit_dir / f"v{version}")
-        wait_for(
-            generation.refit_from_disk.remote(str(path), version),
-            timeout_s=self._timeout_s,
-            what="the SGLang refit",
+        refit_from_disk(
+            generation, version, self._group.export_hf_checkpoint, self._refit_dir, self._wait
         )
-        remove_loaded_refits(self._refit_dir, keep=path)  # every server has loaded `path`
 
     def _wait(self, ref: Any, what: str) -> Any:
         return wait_for(ref, timeout_s=self._timeout_s, what=what)
@@ -231,21 +233,6 @@ class MegatronTrainerRole:
 
     def close(self) -> None:
         self._group.shutdown()
-
-
-def broadcast_refit(
-    generation: Any,
-    version: int,
-    send: Callable[[list[str], list[int]], Any],
-    wait: Callable[[Any, str], Any],
-) -> None:
-    """Refit SGLang by broadcast: the generation server pauses its engines, the trainer's rank 0
-    `send`s the weights to the servers' URLs (`generation.refit.transport: nccl`), the engines
-    continue under `version`. A failure leaves them paused and raises, as a disk refit does."""
-    wait(generation.begin_refit.remote(), "pausing the SGLang servers")
-    urls, tp_sizes = wait(generation.weight_sync_targets.remote(), "the SGLang server URLs")
-    send(urls, tp_sizes)
-    wait(generation.end_refit.remote(version), "resuming the SGLang servers")
 
 
 def start_trainer(

@@ -15,6 +15,7 @@ from gymrl.cluster.placement import RolePlacement, actor_options
 from gymrl.cluster.ports import free_port
 from gymrl.cluster.ray_calls import wait_for
 from gymrl.config.schema import RecipeConfig, RefitConfig
+from gymrl.generation.weight_sync import WEIGHT_SYNC_NCCL_ENV
 from gymrl.trainer.grpo_step import reduce_loss_metrics
 from gymrl.trainer.megatron.arguments import (
     data_parallel_size,
@@ -75,7 +76,10 @@ class MegatronTrainerGroup:
                     ranks,
                     rank,
                     placement_group,
-                    env_vars=distributed_env(rank, world_size, master_addr, master_port),
+                    # Rank 0 joins the SGLang servers' weight-sync communicator; every rank
+                    # shares its NCCL settings (one communicator holds all trainer ranks).
+                    env_vars=distributed_env(rank, world_size, master_addr, master_port)
+                    | dict(WEIGHT_SYNC_NCCL_ENV),
                 )
             ).remote(config, temperature=temperature)
             for rank in range(world_size)

@@ -12,6 +12,7 @@ import torch
 
 from gymrl.algo.trajectory import Trajectory
 from gymrl.config.schema import RecipeConfig, RefitConfig
+from gymrl.generation.refit import weight_sender
 from gymrl.generation.weight_sync import WeightSender
 from gymrl.run.checkpoint import TrainerState, capture_rng_state, restore_rng_state
 from gymrl.trainer.grpo_step import loss_normalizer, micro_batch_loss, reduce_loss_metrics
@@ -245,8 +246,6 @@ class MegatronPolicyTrainer:
         return logprobs.new_zeros(()), logprobs.cpu().tolist()
 
     # ------------------------------------------------------------------------------- weights
-
-    # ------------------------------------------------------------------------------- weights
     def export_weights(self) -> dict[str, torch.Tensor]:
         """Full weights with Hugging Face names, on the CPU of every rank (collective). For
         models that fit in host memory; large ones refit through :meth:`export_hf_checkpoint`."""
@@ -275,13 +274,13 @@ class MegatronPolicyTrainer:
         if self._sender is None:
             import ray
 
-            self._sender = WeightSender(
+            self._sender = weight_sender(
                 urls,
                 tp_sizes,
+                refit,
                 master_address=ray.util.get_node_ip_address(),
                 backend="nccl",
-                bucket_bytes=refit.bucket_bytes,
-                timeout_s=refit.timeout_s,
+                served_dtype=self._config.policy.dtype,
             )
         self._sender.send(weights, version)
         return self._sender.bytes_sent

@@ -23,40 +23,66 @@ It reproduces the behaviours of the pinned server the engine must cope with (rea
 * **`/flush_cache` refuses** (400, "Flush cache failed.") while the scheduler is not idle; with
   `flush_refusals` the first refusals happen even when it looks idle, as when aborted requests are
   still being released by the scheduler.
+* **Weight-update sessions** (`scheduler_components/weight_updater.py`):
+  `/update_weights_from_distributed` outside `/begin_weight_update` ... `/end_weight_update`
+  answers `success: false` and never joins the broadcast; a second begin, or an end without a
+  begin, is refused.
 * **Weight sync by broadcast**: `/init_weights_update_group` joins a gloo group as `rank_offset`
-  (the stand-in is one TP rank; `backend: nccl` is refused, there is no GPU),
-  `/update_weights_from_distributed` receives each named tensor from rank 0 in the order given,
-  in place into the stand-in's copy of the weights, and records what came (`received`),
-  `/destroy_weights_update_group` leaves the group. Like the disk update, it waits until no request
-  runs.
+  (the stand-in is one TP rank; `backend: nccl` is refused, there is no GPU; a name in use is
+  refused), `/update_weights_from_distributed` receives the bucket from rank 0, one tensor per
+  name in the order given or, with `load_format: "flattened_bucket"`, one byte buffer cut back
+  into tensors (`FlattenedTensorBucket`), and records what came (`received`),
+  `/destroy_weights_update_group` leaves the group. Update calls run one at a time behind one
+  lock (SGLang's writer lock), each once no request runs.
+* **`load_weights` skips names the model does not know** and still reports success: with
+  `model_weights` the stand-in's model has exactly those tensors (received values are copied in,
+  cast to the model's dtype); without it the model takes whatever arrives.
+* **`flush_cache: true` on an update fails the call** when the flush is refused (requests
+  still running, or `flush_refusals` left), although the weights loaded, with SGLang's message;
+  `/update_weights_from_disk` flushes by default.
+* **`/get_weights_by_name {name, truncate_size}`** answers the tensor's first `truncate_size`
+  rows as float32 lists, or 400 `{"error": {"message": "Get parameter by name failed"}}`.
+* **Context length** (`TokenizerManager._validate_one_request`): a prompt of `context_length`
+  tokens or more, or a prompt plus `max_new_tokens` beyond it, is refused with SGLang's messages
+  in its error shape `{"error": {"message"}}`.
 * **Radix (prefix) cache**: each finished request's prompt and output are cached in blocks of
   `CACHE_BLOCK` tokens; a prompt's leading cached blocks count as `cached_tokens` and cost no
   prefill time (`prefill_s_per_token` applies to the rest). `/flush_cache` and a weight update
   empty it.
 
-Its "model" is a deterministic rule (token = prompt length + offset, offset = 1000 x loaded
-weight version), so a test can tell which weights produced which token.
+Every request's route and JSON body is kept in `requests`, for the contract test against the
+pinned wheel (`test_sglang_contract.py`). Its "model" is a deterministic rule (token = prompt
+length + offset, offset = 1000 x loaded weight version), so a test can tell which weights
+produced which token.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 from safetensors.torch import load_file
 
 from gymrl.generation.routing import block_keys
-from gymrl.generation.weight_sync import broadcast, join_weight_update_group
+from gymrl.generation.weight_sync import FLATTENED_BUCKET, broadcast, join_weight_update_group
 
 WEIGHT_OFFSET = 1000
 CACHE_BLOCK = 16
+NO_SESSION = (
+    "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
+)
+FLUSH_REFUSED_ON_UPDATE = (
+    "Weights were updated, but the cache was not flushed because requests are still running or "
+    "queued. Retract or finish them, then call /flush_cache."
+)
 
 
 class StandInSamplingParams(BaseModel):
@@ -96,11 +122,14 @@ class StandInGenerateReq(BaseModel):
 
 
 class StandInUpdateReq(BaseModel):
+    """`UpdateWeightFromDiskReqInput` (the fields the stand-in acts on)."""
+
     model_config = ConfigDict(extra="forbid")
     model_path: str
     load_format: str | None = None
     abort_all_requests: bool = False
     weight_version: str | None = None
+    flush_cache: bool = True
 
 
 class StandInInitGroupReq(BaseModel):
@@ -115,6 +144,27 @@ class StandInInitGroupReq(BaseModel):
     backend: str = "nccl"
 
 
+class StandInBeginReq(BaseModel):
+    """`BeginWeightUpdateReqInput`."""
+
+    model_config = ConfigDict(extra="forbid")
+    selector: Literal["target", "draft", "all"] = "all"
+
+
+class StandInEndReq(BaseModel):
+    """`EndWeightUpdateReqInput` (no fields of its own)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class StandInGetWeightsReq(BaseModel):
+    """`GetWeightsByNameReqInput`."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    truncate_size: int = 100
+
+
 class StandInDistributedUpdateReq(BaseModel):
     """`UpdateWeightsFromDistributedReqInput`."""
 
@@ -127,6 +177,7 @@ class StandInDistributedUpdateReq(BaseModel):
     abort_all_requests: bool = False
     weight_version: str | None = None
     load_format: str | None = None
+    selector: Literal["target", "draft", "all"] = "all"
     torch_empty_cache: bool = False
 
 
@@ -138,6 +189,13 @@ class StandInDestroyGroupReq(BaseModel):
 class StandInPauseReq(BaseModel):
     model_config = ConfigDict(extra="forbid")
     mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class StandInContinueReq(BaseModel):
+    """`ContinueGenerationReqInput`."""
+
+    model_config = ConfigDict(extra="forbid")
+    torch_empty_cache: bool = True
 
 
 class PrefixCache:
@@ -177,6 +235,7 @@ class StandInState:
         pause_delay_s: float,
         flush_refusals: int,
         cache_tokens: int,
+        model_weights: Mapping[str, torch.Tensor] | None,
     ) -> None:
         self.context_length = context_length
         self.token_delay_s = token_delay_s
@@ -193,9 +252,17 @@ class StandInState:
         self.weight_version = "default"
         self.offset = 0
         self.loaded_tensors: list[str] = []
-        self.weights: dict[str, torch.Tensor] = {}  # received by broadcast
+        # The model's tensors; received values are copied in. None: it takes whatever arrives.
+        self.known_names = None if model_weights is None else frozenset(model_weights)
+        self.weights: dict[str, torch.Tensor] = {
+            name: tensor.detach().clone() for name, tensor in (model_weights or {}).items()
+        }
         self.received: list[list[tuple[str, str, list[int]]]] = []  # per update call
+        self.skipped: list[str] = []  # names load_weights did not know
         self.groups: dict[str, Any] = {}
+        self.session_open = False
+        self.update_lock = asyncio.Lock()  # SGLang's writer lock: one update at a time
+        self.requests: list[tuple[str, Any]] = []  # (route, JSON body) of every request
         self.resume = asyncio.Event()  # set while generation runs, cleared while paused
         self.resume.set()
         self.cache = PrefixCache(cache_tokens)
@@ -213,7 +280,8 @@ def _abort_reason(message: str) -> dict[str, Any]:
 
 
 def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"object": "error", "message": message, "code": status}, status)
+    """`_create_error_response` of http_server.py."""
+    return JSONResponse({"error": {"message": message}}, status)
 
 
 def make_standin(
@@ -224,7 +292,11 @@ def make_standin(
     pause_delay_s: float = 0.0,
     flush_refusals: int = 0,
     cache_tokens: int = 1 << 20,
+    model_weights: Mapping[str, torch.Tensor] | None = None,
+    end_token_ids: Sequence[int] = (),
 ) -> tuple[FastAPI, StandInState]:
+    """`end_token_ids`: the model's own end ids (its config's `eos_token_id`), where every
+    request stops whatever its stop ids, as SGLang stops at `hf_eos_token_id`."""
     state = StandInState(
         context_length,
         token_delay_s,
@@ -232,8 +304,23 @@ def make_standin(
         pause_delay_s,
         flush_refusals,
         cache_tokens,
+        model_weights,
     )
     app = FastAPI()
+
+    @app.middleware("http")
+    async def record(request: Request, call_next):
+        raw = await request.body()
+        state.requests.append((request.url.path, json.loads(raw) if raw else None))
+        return await call_next(request)
+
+    def flush_refused() -> bool:
+        """The scheduler refuses a flush while requests run (or refusals are still due)."""
+        if state.running or state.flush_refusals > 0:
+            state.flush_refusals = max(0, state.flush_refusals - 1)
+            return True
+        state.cache.clear()
+        return False
 
     @app.get("/health_generate")
     async def health() -> PlainTextResponse:
@@ -255,6 +342,16 @@ def make_standin(
                 400,
                 f"The input ({len(prompt)} tokens) is longer than the model's context "
                 f"length ({state.context_length} tokens).",
+            )
+        if len(prompt) + params.max_new_tokens > state.context_length:
+            return _error(
+                400,
+                "Requested token count exceeds the model's maximum context length of "
+                f"{state.context_length} tokens. You requested a total of "
+                f"{len(prompt) + params.max_new_tokens} tokens: {len(prompt)} tokens from the "
+                f"input messages and {params.max_new_tokens} tokens for the completion. Please "
+                "reduce the number of tokens in the input messages or the completion to fit "
+                "within the limit.",
             )
         await state.resume.wait()  # SGLang holds new requests while generation is paused
         state.running += 1
@@ -280,7 +377,7 @@ def make_standin(
                 if aborted:  # to_finish wins over the stop-token check
                     finish = _abort_reason("Aborted")
                     break
-                if token in (params.stop_token_ids or []):
+                if token in (params.stop_token_ids or []) or token in end_token_ids:
                     finish = {"type": "stop", "matched": token}
                     break
         finally:
@@ -313,7 +410,7 @@ def make_standin(
         return {"message": "Generation paused successfully.", "status": "ok"}
 
     @app.post("/continue_generation")
-    async def resume():
+    async def resume(req: StandInContinueReq):
         state.events.append(("continue", None))
         state.paused = False
         state.pause_requested.clear()
@@ -337,7 +434,11 @@ def make_standin(
         state.loaded_tensors = sorted(name for file in files for name in load_file(str(file)))
         state.weight_version = req.weight_version or state.weight_version
         state.offset = WEIGHT_OFFSET * int(state.weight_version)
-        state.cache.clear()  # flush_cache=True is the default of UpdateWeightFromDiskReqInput
+        if req.flush_cache and flush_refused():
+            return JSONResponse(
+                {"success": False, "message": FLUSH_REFUSED_ON_UPDATE, "num_paused_requests": 0},
+                400,
+            )
         return {
             "success": True,
             "message": "Succeeded to update model weights.",
@@ -372,31 +473,91 @@ def make_standin(
             return _failure(f"Failed to init group: {error}")
         return _success("Succeeded to initialize custom process group.")
 
+    @app.post("/begin_weight_update")
+    async def begin_update(req: StandInBeginReq):
+        state.events.append(("begin_update", None))
+        if state.session_open:
+            return _failure(
+                "a weight-update session is already open; call end_weight_update() first"
+            )
+        state.session_open = True
+        return _success("Success")
+
+    @app.post("/end_weight_update")
+    async def end_update(req: StandInEndReq):
+        state.events.append(("end_update", None))
+        if not state.session_open:
+            return _failure("no weight-update session is open; call begin_weight_update() first")
+        state.session_open = False
+        return _success("Success")
+
     @app.post("/update_weights_from_distributed")
     async def update_distributed(req: StandInDistributedUpdateReq):
         state.events.append(("update_distributed", req.model_dump()))
+        if not state.session_open:
+            return _failure(NO_SESSION)  # and never joins the broadcast
         group = state.groups.get(req.group_name)
         if group is None:
-            return _failure(f"Group {req.group_name} not in model_update_group.")
+            return _failure(
+                f"Failed to receive weights: Group {req.group_name} not in "
+                f"{list(state.groups)}. Please call `init_weights_update_group` first."
+            )
         if not len(req.names) == len(req.dtypes) == len(req.shapes):
             return _failure("names, dtypes and shapes differ in length")
-        while state.running:  # SGLang's writer lock
-            await asyncio.sleep(0.005)
-        buffers = []
-        for name, dtype, shape in zip(req.names, req.dtypes, req.shapes, strict=True):
-            current = state.weights.get(name)
-            wanted = getattr(torch, dtype)
-            if current is None or list(current.shape) != shape or current.dtype != wanted:
-                current = state.weights[name] = torch.empty(shape, dtype=wanted)
-            buffers.append(current)  # received in place
-        await asyncio.to_thread(broadcast, group, buffers)
-        state.received.append(list(zip(req.names, req.dtypes, req.shapes, strict=True)))
-        if req.weight_version is not None:
-            state.weight_version = req.weight_version
-            state.offset = WEIGHT_OFFSET * int(req.weight_version)
-        if req.flush_cache:
-            state.cache.clear()
+        async with state.update_lock:
+            while state.running:  # SGLang's writer lock waits for running requests
+                await asyncio.sleep(0.005)
+            dtypes = [getattr(torch, dtype) for dtype in req.dtypes]
+            if req.load_format == FLATTENED_BUCKET:
+                received = await asyncio.to_thread(
+                    _receive_flattened, group, req.names, dtypes, req.shapes
+                )
+            elif req.load_format is None:
+                buffers = [
+                    torch.empty(shape, dtype=dtype)
+                    for dtype, shape in zip(dtypes, req.shapes, strict=True)
+                ]
+                await asyncio.to_thread(broadcast, group, buffers)
+                received = list(zip(req.names, buffers, strict=True))
+            else:
+                return _failure(f"Unknown load_format={req.load_format}")
+            state.received.append(list(zip(req.names, req.dtypes, req.shapes, strict=True)))
+            failure = _load_weights(received)
+            if failure is not None:
+                return _failure(failure)
+            if req.weight_version is not None:
+                state.weight_version = req.weight_version
+                state.offset = WEIGHT_OFFSET * int(req.weight_version)
+            if req.flush_cache and flush_refused():
+                return _failure(FLUSH_REFUSED_ON_UPDATE)
         return _success("Succeeded to update parameter online.")
+
+    def _load_weights(received: list[tuple[str, torch.Tensor]]) -> str | None:
+        """The model's `load_weights`: known names copied in, unknown ones skipped."""
+        for name, tensor in received:
+            if state.known_names is None:
+                state.weights[name] = tensor  # a view of this call's own receive buffer
+                continue
+            if name not in state.known_names:
+                state.skipped.append(name)
+                continue
+            target = state.weights[name]
+            if target.shape != tensor.shape:
+                return (
+                    f"Failed to update parameter online: {name}: shape {list(tensor.shape)} "
+                    f"does not fit {list(target.shape)}. The full weights of the ModelRunner are "
+                    "partially updated. Please discard the whole weights."
+                )
+            target.copy_(tensor)
+        return None
+
+    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    async def get_weights(req: StandInGetWeightsReq):
+        state.events.append(("get_weights", req.name))
+        tensor = state.weights.get(req.name)
+        if tensor is None:
+            return _error(400, "Get parameter by name failed")
+        return tensor.to(torch.float32).tolist()[: req.truncate_size]
 
     @app.post("/destroy_weights_update_group")
     async def destroy_group(req: StandInDestroyGroupReq):
@@ -408,10 +569,27 @@ def make_standin(
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush():
         state.events.append(("flush", None))
-        if state.running or state.flush_refusals > 0:
-            state.flush_refusals = max(0, state.flush_refusals - 1)
+        if flush_refused():
             return PlainTextResponse("Flush cache failed.\n", 400)
-        state.cache.clear()
         return PlainTextResponse("Cache flushed.\n")
 
     return app, state
+
+
+def _receive_flattened(
+    group: Any, names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[list[int]]
+) -> list[tuple[str, torch.Tensor]]:
+    """`FlattenedTensorBucket.empty` + one broadcast + `reconstruct_tensors`."""
+    offsets = [0]
+    for dtype, shape in zip(dtypes, shapes, strict=True):
+        if offsets[-1] % dtype.itemsize:
+            raise ValueError(f"Unaligned received tensor: byte offset {offsets[-1]}, {dtype}")
+        offsets.append(offsets[-1] + torch.Size(shape).numel() * dtype.itemsize)
+    flat = torch.empty(offsets[-1], dtype=torch.uint8)
+    broadcast(group, [flat])
+    return [
+        (name, flat[start:end].view(dtype).reshape(shape))
+        for name, dtype, shape, start, end in zip(
+            names, dtypes, shapes, offsets[:-1], offsets[1:], strict=True
+        )
+    ]

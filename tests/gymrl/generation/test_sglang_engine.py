@@ -22,12 +22,14 @@ from gymrl.cluster.ports import free_port
 from gymrl.config.schema import PolicyConfig, SGLangGenerationConfig
 from gymrl.generation import sglang_engine
 from gymrl.generation.sglang_engine import (
-    ORIGINAL_LOGPROB_ENV,
     SGLangEngine,
     SGLangError,
-    SGLangServerProcess,
     SGLangTimeoutError,
     remove_loaded_refits,
+)
+from gymrl.generation.sglang_servers import (
+    ORIGINAL_LOGPROB_ENV,
+    SGLangServerProcess,
     server_command,
 )
 from gymrl.generation.types import GenerationRequest, SamplingParams
@@ -237,6 +239,43 @@ def test_stop_token_decoded_after_an_abort_ends_the_turn(standin, weights_dir):
     assert [kind for kind, _ in state.events].count("generate") == 1  # not resumed
 
 
+def test_a_model_end_token_decoded_after_an_abort_ends_the_turn_too(standin, weights_dir):
+    """SGLang also stops at the model's own end ids (Qwen3's generation config adds 151643),
+    which the request need not list: the abort cut stops there as well."""
+    url, state = standin(token_delay_s=1.0, end_token_ids=(5,))
+    with _engine([url], end_token_ids=[5]) as engine:
+        worker, result = _generate_in_thread(engine, _request([9, 9], 10, stop_token_ids=(77,)))
+        _wait_until(lambda: state.tokens_sampled == 3, "the stand-in did not start generating")
+        engine.refit_from_disk(weights_dir, 1)
+        _join(worker)
+    out = result["out"]
+    assert state.finishes == [{"type": "abort", "message": "Aborted", **_NO_STATUS}]
+    assert out.token_ids == [2, 3, 4, 5] and out.finish_reason == "stop"
+    assert [kind for kind, _ in state.events].count("generate") == 1  # not resumed past it
+
+
+def test_prompt_plus_max_new_tokens_beyond_the_context_is_refused(standin):
+    url, _ = standin(context_length=16)
+    with _engine([url]) as engine:
+        with pytest.raises(SGLangError, match=r"400.*maximum context length of 16 tokens"):
+            engine.generate([_request([1] * 10, max_new_tokens=7)])
+        [out] = engine.generate([_request([1] * 10, max_new_tokens=6)])
+    assert len(out.token_ids) == 6
+
+
+def test_a_disk_refit_leaves_the_flush_to_end_refit(standin, weights_dir):
+    """An update that asks for a flush fails when the scheduler refuses it (requests not yet
+    gone after the pause), although the weights loaded; the engine asks for none and flushes
+    with retries after."""
+    url, state = standin(flush_refusals=2)
+    with _engine([url]) as engine:
+        engine.refit_from_disk(weights_dir, 1)
+        assert engine.weight_version == 1
+    [update] = [body for kind, body in state.events if kind == "update"]
+    assert update["flush_cache"] is False
+    assert [kind for kind, _ in state.events].count("flush") == 3
+
+
 _NO_STATUS = {"status_code": None, "err_type": None}
 
 
@@ -384,8 +423,8 @@ def test_server_process_waits_for_health_and_stops(tmp_path):
     with server:
         server.start()
         server.wait_healthy(timeout_s=20)
-        assert server._process.poll() is None
-    assert server._process.poll() is not None
+        assert server.exit_code() is None
+    assert server.exit_code() is not None
 
 
 def test_server_process_exit_reports_log_and_clean_env(tmp_path, monkeypatch):
@@ -414,13 +453,13 @@ def test_server_process_health_deadline_kills_it(tmp_path):
     server.start()
     with pytest.raises(SGLangTimeoutError, match=r"server_start_timeout_s=0\.3"):
         server.wait_healthy(timeout_s=0.3)
-    assert server._process.poll() is not None
+    assert server.exit_code() is not None
 
 
 # A stand-in for the Ray actor that owns a server: starts one, prints its pid, waits to be killed.
 _SERVER_OWNER = """
 import sys, time
-from gymrl.generation.sglang_engine import SGLangServerProcess
+from gymrl.generation.sglang_servers import SGLangServerProcess
 server = SGLangServerProcess(
     [sys.executable, "-c", "import time; time.sleep(600)"],
     base_url="http://127.0.0.1:1",
@@ -536,7 +575,7 @@ def test_real_sglang_server_group_on_ray(tmp_path):
     from ray.util.placement_group import placement_group
 
     from gymrl.cluster.placement import RolePlacement
-    from gymrl.generation.sglang_engine import SGLangServerGroup
+    from gymrl.generation.sglang_servers import SGLangServerGroup
 
     generation = SGLangGenerationConfig(num_engines=1, mem_fraction_static=0.3)
     policy = _policy(path=str(checkpoint), dtype="bfloat16", max_total_sequence_length=2048)

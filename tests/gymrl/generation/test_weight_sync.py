@@ -12,6 +12,7 @@ from sglang_standin import WEIGHT_OFFSET, make_standin
 
 from gymrl.generation.sglang_engine import SGLangEngine
 from gymrl.generation.types import GenerationRequest, SamplingParams
+from gymrl.generation.weight_check import WeightCheck, WeightMismatchError, checksum
 from gymrl.generation.weight_sync import WeightSender, WeightSyncError, buckets
 from nemo_gym_ext.http_server import serve_in_thread
 
@@ -51,6 +52,16 @@ def _sender(urls, **kwargs) -> WeightSender:
     return WeightSender(urls, [1] * len(urls), master_address="127.0.0.1", backend="gloo", **kwargs)
 
 
+def _check(**kwargs) -> WeightCheck:
+    return WeightCheck(
+        **({"every": 0, "rows": 4, "served_dtype": None, "timeout_s": 10.0} | kwargs)
+    )
+
+
+def _kinds(state) -> list[str]:
+    return [kind for kind, _ in state.events if kind not in ("generate", "get_weights")]
+
+
 # ------------------------------------------------------------------------------------ bucketing
 def test_buckets_keep_order_never_split_and_hold_one_dtype():
     weights = _state_dict()  # float32 sizes: 1024, 256, (bf16 16), 512, 32 bytes
@@ -75,16 +86,26 @@ def test_buckets_refuse_a_bad_size_and_repeated_names():
         list(buckets([("a", tensor), ("a", tensor)], bucket_bytes=64))
 
 
-def test_bucket_payload_uses_sglang_fields():
+def test_bucket_payload_is_a_flattened_bucket_that_leaves_the_flush_to_the_engine():
     [bucket] = buckets([("w", torch.zeros(2, 3, dtype=torch.bfloat16))], bucket_bytes=64)
-    assert bucket.payload(last=True, version=7) == {
+    assert bucket.payload(group_name="g7", version=7) == {
         "names": ["w"],
         "dtypes": ["bfloat16"],
         "shapes": [[2, 3]],
-        "group_name": "weight_update_group",
-        "flush_cache": True,
+        "group_name": "g7",
+        "load_format": "flattened_bucket",
+        "flush_cache": False,
         "weight_version": "7",
     }
+
+
+def test_a_flattened_bucket_is_the_tensors_bytes_back_to_back():
+    a, b = torch.arange(6.0).reshape(2, 3), torch.tensor([7.0, 8.0])
+    [bucket] = buckets([("a", a), ("b", b)], bucket_bytes=1 << 10)
+    flat = bucket.flattened("cpu")
+    assert flat.dtype == torch.uint8 and flat.numel() == 8 * 4
+    assert torch.equal(flat[:24].view(torch.float32).reshape(2, 3), a)
+    assert torch.equal(flat[24:].view(torch.float32), b)
 
 
 # ------------------------------------------------------------------------------- against servers
@@ -98,29 +119,55 @@ def test_servers_end_with_the_trainers_weights_in_order_and_version(standins):
         for _, state in servers:
             [init] = [body for kind, body in state.events if kind == "init_group"]
             assert init["world_size"] == 3 and init["backend"] == "gloo"
+            assert init["group_name"] == sender.group_name
             assert [name for call in state.received for name, _, _ in call] == list(weights)
             assert state.weights.keys() == weights.keys()
             for name, tensor in weights.items():
                 assert torch.equal(state.weights[name], tensor), name
             updates = [body for kind, body in state.events if kind == "update_distributed"]
-            assert [u["flush_cache"] for u in updates] == [False, False, False, True]
+            assert {u["load_format"] for u in updates} == {"flattened_bucket"}
+            assert not any(u["flush_cache"] for u in updates)
             assert {u["weight_version"] for u in updates} == {"3"}
             assert state.weight_version == "3"
+            assert _kinds(state) == [
+                "begin_update",
+                "init_group",
+                *["update_distributed"] * 4,
+                "end_update",
+            ]
+        assert sender.broadcasts == 4  # one flat broadcast per bucket, not one per tensor
+        assert sender.update_calls == 2 * 4
         assert sender.bytes_sent == sum(t.numel() * t.element_size() for t in weights.values())
-        # A second refit reuses the group and writes into the same tensors, in place.
-        received = servers[0][1].weights["model.norm.weight"]
-        # Pairs produced one at a time, as Megatron exports them.
+        # A second refit reuses the group.
         sender.send(((name, tensor + 1) for name, tensor in weights.items()), version=4)
-        assert servers[0][1].weights["model.norm.weight"] is received
-        assert torch.equal(received, weights["model.norm.weight"] + 1)
+        assert torch.equal(
+            servers[0][1].weights["model.norm.weight"], weights["model.norm.weight"] + 1
+        )
         assert sum(kind == "init_group" for kind, _ in servers[0][1].events) == 1
     finally:
         sender.close()
-    assert all(not state.groups for _, state in servers)
+    assert all(not state.groups and not state.session_open for _, state in servers)
+
+
+def test_every_update_runs_inside_a_weight_update_session(standins):
+    [(url, state)] = standins(1)
+    sender = _sender([url], bucket_bytes=1 << 20)
+    try:
+        sender.send(_state_dict().items(), version=1)
+    finally:
+        sender.close()
+    assert _kinds(state) == [
+        "begin_update",
+        "init_group",
+        *["update_distributed"] * 3,  # one bucket per dtype run: f32 | bf16 | f32
+        "end_update",
+        "destroy_group",
+    ]
+    assert not state.session_open
 
 
 def test_engine_pauses_around_the_broadcast_and_resumes_generation(standins):
-    [(url, state)] = standins(1, token_delay_s=0.02)
+    [(url, state)] = standins(1, token_delay_s=0.02, flush_refusals=2)
     sender = _sender([url])
     request = GenerationRequest([1, 2, 3], SamplingParams(max_new_tokens=20))
     with SGLangEngine([url], request_timeout_s=10.0, refit_timeout_s=10.0) as engine:
@@ -129,34 +176,45 @@ def test_engine_pauses_around_the_broadcast_and_resumes_generation(standins):
         while state.tokens_sampled < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
         engine.begin_refit()
+        # The scheduler refuses flushes for a while after the pause: an update asking for one
+        # would fail although its weights loaded; the engine's flush retries instead.
         sender.send(_state_dict().items(), version=1)
         engine.end_refit(1)
         output = future.result(30)
         sender.close()
         assert engine.weight_version == 1
-    kinds = [kind for kind, _ in state.events if kind != "generate"]
-    assert kinds[:4] == ["pause", "init_group", "update_distributed", "update_distributed"]
-    assert kinds[-3:] == ["flush", "continue", "destroy_group"]
+    assert _kinds(state) == [
+        "pause",
+        "begin_update",
+        "init_group",
+        *["update_distributed"] * 4,  # 1 KiB buckets: embed | q_proj | layernorm (bf16) | rest
+        "end_update",
+        *["flush"] * 3,  # refused twice, then flushed
+        "continue",
+        "destroy_group",
+    ]
     assert len(output.token_ids) == 20  # resumed after the refit, under the new weights
     assert output.token_ids[-1] >= WEIGHT_OFFSET and output.token_ids[0] < WEIGHT_OFFSET
     assert output.weight_version == 0  # the oldest version that contributed tokens
 
 
 def test_a_refused_group_is_a_clear_error_within_the_deadline(standins):
-    [(url, _)] = standins(1)
+    [(url, state)] = standins(1)
     sender = WeightSender(
-        [url], [1], master_address="127.0.0.1", backend="nccl", bucket_bytes=64, timeout_s=3.0
+        [url], [1], master_address="127.0.0.1", backend="nccl", bucket_bytes=64, timeout_s=10.0
     )
     start = time.monotonic()
-    with pytest.raises(WeightSyncError, match=r"did not form|init_weights_update_group"):
+    # The stand-in refuses NCCL (no GPU), and so does this CPU build of torch: whichever end
+    # says so first fails the refit, long before the rendezvous deadline.
+    with pytest.raises(WeightSyncError, match=r"refused POST /init_weights_update_group|did not"):
         sender.send(_state_dict().items(), version=1)
-    assert time.monotonic() - start < 15
-    assert not sender.connected
+    assert time.monotonic() - start < 5
+    assert not sender.connected and not state.session_open  # the session was closed
     sender.close()
 
 
 def test_a_server_that_never_answers_fails_by_the_deadline():
-    # A listening socket that never answers: the init call and the rendezvous both time out.
+    # A listening socket that never answers: the session call times out.
     import socket
 
     with socket.socket() as silent:
@@ -165,26 +223,105 @@ def test_a_server_that_never_answers_fails_by_the_deadline():
         url = f"http://127.0.0.1:{silent.getsockname()[1]}"
         sender = _sender([url], timeout_s=2.0)
         start = time.monotonic()
-        with pytest.raises(WeightSyncError):
+        with pytest.raises(WeightSyncError, match=r"begin_weight_update|timed out"):
             sender.send(_state_dict().items(), version=1)
         assert time.monotonic() - start < 15
         sender.close()
 
 
-def test_a_restarted_server_rejoins_at_the_next_refit(standins):
-    [(url, state)] = standins(1)
-    sender = _sender([url])
+def test_a_server_refusing_a_bucket_fails_the_refit_at_once_and_the_group_is_rebuilt(standins):
+    """A server that lost its end of the group (restarted) refuses the bucket without joining
+    the broadcast: the refit fails with its message instead of rank 0 waiting in a broadcast
+    nobody completes, every server drops the group, and the next refit forms a new one."""
+    (url_a, state_a), (url_b, state_b) = standins(2)
+    sender = _sender([url_a, url_b], timeout_s=20.0)
     try:
         sender.send(_state_dict().items(), version=1)
-        state.groups.clear()  # the server restarted: its end of the group is gone
-        with pytest.raises(WeightSyncError, match="failed"):
+        first_group = sender.group_name
+        state_b.groups.clear()  # server b restarted
+        start = time.monotonic()
+        with pytest.raises(WeightSyncError, match=rf"{url_b} refused .*not in"):
             sender.send(_state_dict().items(), version=2)
+        assert time.monotonic() - start < 10  # not the 20 s broadcast deadline
         assert not sender.connected
-        sender.send(_state_dict().items(), version=2)  # a fresh group
-        assert sum(kind == "init_group" for kind, _ in state.events) == 2
-        assert state.weight_version == "2"
+        assert not state_a.groups, "the surviving server kept the failed group"
+        assert not state_a.session_open and not state_b.session_open
+        sender.send(_state_dict().items(), version=2)  # a fresh group, a fresh name
+        assert sender.group_name != first_group
+        assert state_a.weight_version == state_b.weight_version == "2"
     finally:
         sender.close()
+
+
+def test_weights_are_read_back_after_the_first_refit(standins):
+    weights = _state_dict()
+    [(url, state)] = standins(1, model_weights={n: torch.zeros_like(t) for n, t in weights.items()})
+    sender = _sender([url], check=_check(every=2))
+    try:
+        for version in (1, 2, 3):
+            sender.send(weights.items(), version=version)
+    finally:
+        sender.close()
+    read = [name for kind, name in state.events if kind == "get_weights"]
+    # Refits 0 and 2 are checked: embedding, attention, norm (first and last) each time.
+    per_check = [
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.norm.weight",
+    ]
+    assert read == per_check + per_check
+    assert sender.check_seconds > 0
+
+
+def test_a_tensor_the_server_skipped_stops_the_run_naming_it(standins):
+    weights = _state_dict()
+    model = {n: torch.zeros_like(t) for n, t in weights.items()}
+    model["model.layers.0.self_attn.qkv_proj.weight"] = model.pop(
+        "model.layers.0.self_attn.q_proj.weight"
+    )
+    [(url, state)] = standins(1, model_weights=model)
+    sender = _sender([url], check=_check())
+    try:
+        with pytest.raises(WeightMismatchError, match=r"cannot show 'model\.layers\.0\.self_attn"):
+            sender.send(weights.items(), version=1)
+    finally:
+        sender.close()
+    assert state.skipped == ["model.layers.0.self_attn.q_proj.weight"]  # and it said success
+
+
+def test_values_that_differ_stop_the_run_with_both_checksums(standins):
+    weights = _state_dict()
+    # The server's model holds the embedding in bfloat16: what it holds is rounded.
+    model = {n: torch.zeros_like(t) for n, t in weights.items()}
+    model["model.embed_tokens.weight"] = model["model.embed_tokens.weight"].bfloat16()
+    [(url, _)] = standins(1, model_weights=model)
+    sender = _sender([url], check=_check())
+    sent = checksum(weights["model.embed_tokens.weight"][:4])
+    try:
+        with pytest.raises(
+            WeightMismatchError,
+            match=rf"'model\.embed_tokens\.weight'.*checksum sent {sent} \(shape \[4, 8\]\), held",
+        ):
+            sender.send(weights.items(), version=1)
+    finally:
+        sender.close()
+    # Compared in the dtype the server holds (policy.dtype), the same values pass.
+    del model["model.norm.weight"], model["model.layers.0.mlp.up_proj.weight"]
+    model = {n: t.bfloat16() for n, t in model.items()}
+    [(url, state)] = standins(1, model_weights=model)
+    sender = _sender([url], check=_check(served_dtype=torch.bfloat16))
+    try:
+        with pytest.raises(WeightMismatchError, match=r"cannot show 'model\.norm\.weight'"):
+            sender.send(weights.items(), version=1)  # the embedding, q_proj and layernorm pass
+    finally:
+        sender.close()
+    assert [name for kind, name in state.events if kind == "get_weights"] == [
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.norm.weight",
+    ]
 
 
 def test_the_group_meets_a_member_built_the_way_sglang_builds_its_end():
@@ -220,6 +357,7 @@ def test_the_group_meets_a_member_built_the_way_sglang_builds_its_end():
         world_size=2,
         backend="gloo",
         timeout_s=20.0,
+        group_name="weight_update_group",
     )
     broadcast(group, [torch.arange(4.0)])
     thread.join(30)

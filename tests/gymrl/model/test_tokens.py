@@ -1,10 +1,20 @@
-"""The tokenizer's special ids as ints (or a clear error) and the text of one sequence."""
+"""The tokenizer's special ids as ints (or a clear error), the text of one sequence, and the
+end ids a model's own files declare."""
 
 import copy
+import json
 
 import pytest
 
-from gymrl.model.tokens import decode_text, eos_token_id, pad_token_id, single_token_id
+from gymrl.generation.chat_template import ChatFormat
+from gymrl.generation.parsers import GenerationParser
+from gymrl.model.tokens import (
+    decode_text,
+    eos_token_id,
+    model_end_token_ids,
+    pad_token_id,
+    single_token_id,
+)
 
 
 @pytest.fixture
@@ -44,3 +54,21 @@ def test_one_sequence_decodes_to_one_string(tokenizer):
     )
     assert decode_text(tokenizer, ids, skip_special_tokens=True) == "user\nhi"
     assert decode_text(tokenizer, [], skip_special_tokens=False) == ""
+
+
+def test_model_end_ids_are_those_of_config_and_generation_config(tmp_path):
+    """Qwen3's shape: config.json ends at <|im_end|>, generation_config.json adds
+    <|endoftext|>; both are where SGLang stops a request."""
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 151645}))
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [151645, 151643], "top_k": 20})
+    )
+    assert model_end_token_ids(tmp_path) == (151645, 151643)
+    assert model_end_token_ids(tmp_path / "absent") == ()  # a hub id declares nothing here
+
+
+def test_the_chat_format_stops_at_the_model_end_ids(tokenizer):
+    chat_format = ChatFormat(
+        tokenizer, parser=GenerationParser("hermes"), model_end_ids=[eos_token_id(tokenizer), 7]
+    )
+    assert chat_format.stop_token_ids == (chat_format.end_of_turn_id, 7)

@@ -104,9 +104,7 @@ STAGES = {
     ),
     # The shard actor starts and its constructor fails (there is no tokenizer there).
     "gym shards": (
-        lambda mp: mp.setattr(
-            gymrl.recipes.grpo, "tokenizer_folder", lambda policy: "/nonexistent"
-        ),
+        lambda mp: mp.setattr(gymrl.recipes.grpo, "model_folder", lambda policy: "/nonexistent"),
         ray.exceptions.ActorDiedError,
     ),
     "replay buffer": (

@@ -1,0 +1,258 @@
+"""SGLang server processes on GPUs: the command line, one supervised process, a group of them as
+Ray actors. The client that talks to them is `gymrl.generation.sglang_engine`.
+
+SGLang needs CUDA, so nothing here imports it: a server is a subprocess
+(`python -m sglang.launch_server`) under the project's one child-process supervisor
+(`nemo_gym_ext.processes.ChildProcess`: its own process group, stopped as a group, killed by the
+kernel when its owner dies).
+
+Every server's environment has `SGLANG_RETURN_ORIGINAL_LOGPROB` removed (it would switch the
+reported log-probabilities to the pre-temperature distribution; see `sglang_engine`) and the
+weight-sync NCCL settings the trainer's rank 0 also runs with
+(`gymrl.generation.weight_sync.WEIGHT_SYNC_NCCL_ENV`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from gymrl.cluster.placement import RolePlacement, actor_options
+from gymrl.cluster.ports import free_port
+from gymrl.config.context import sglang_model_overrides
+from gymrl.config.schema import PolicyConfig, SGLangGenerationConfig
+from gymrl.generation.sglang_engine import SGLangError, SGLangTimeoutError
+from gymrl.generation.weight_sync import WEIGHT_SYNC_NCCL_ENV
+from nemo_gym_ext.processes import ChildProcess
+
+ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
+HEALTH_POLL_INTERVAL_S = 2.0  # the longest pause between health checks (they start at 50 ms)
+STOP_GRACE_S = 30.0
+
+
+def server_command(
+    generation: SGLangGenerationConfig,
+    policy: PolicyConfig,
+    *,
+    model_path: str,
+    port: int,
+    seed: int,
+    host: str = "0.0.0.0",
+    python: str = sys.executable,
+) -> list[str]:
+    """The `sglang.launch_server` command line of one engine.
+
+    `--skip-tokenizer-init`: the engine is token-in/token-out (the model server renders chat),
+    so SGLang never loads a tokenizer and answers with token ids only. The context length is the
+    episode's context limit, so a prompt the trainer can take is one SGLang accepts.
+    """
+    command = [
+        python,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        model_path,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--tp-size",
+        str(generation.tensor_parallel_size),
+        "--mem-fraction-static",
+        str(generation.mem_fraction_static),
+        "--max-running-requests",
+        str(generation.max_running_requests),
+        "--dtype",
+        policy.dtype,
+        "--context-length",
+        str(policy.max_total_sequence_length),
+        "--random-seed",
+        str(seed),
+        "--skip-tokenizer-init",
+    ]
+    if generation.expert_parallel_size > 1:
+        command += ["--ep-size", str(generation.expert_parallel_size)]
+    overrides = sglang_model_overrides(policy)
+    if overrides is not None:  # YaRN: the same RoPE scaling Megatron trains with
+        command += ["--json-model-override-args", json.dumps(overrides)]
+    return command
+
+
+def server_environment(gpu_ids: Sequence[int] | None) -> dict[str, str]:
+    """This process's environment as one SGLang server gets it (see the module docstring)."""
+    env = dict(os.environ) | dict(WEIGHT_SYNC_NCCL_ENV)
+    env.pop(ORIGINAL_LOGPROB_ENV, None)
+    if gpu_ids is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu) for gpu in gpu_ids)
+    return env
+
+
+class SGLangServerProcess:
+    """One SGLang server subprocess: started on given GPUs, awaited until healthy, stopped.
+
+    It dies with the thread that started it when that one ends without stopping it. Output goes
+    to `log_path`; its tail is part of every start-up error.
+    """
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        *,
+        base_url: str,
+        log_path: str | os.PathLike[str],
+        gpu_ids: Sequence[int] | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.log_path = Path(log_path)
+        self._process = ChildProcess(
+            command, log_path=log_path, env=server_environment(gpu_ids), die_with_parent=True
+        )
+
+    @property
+    def command(self) -> list[str]:
+        return self._process.command
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    def exit_code(self) -> int | None:
+        return self._process.exit_code()
+
+    def start(self) -> None:
+        self._process.start()
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        """Poll `GET /health_generate` until it answers 200; fail fast if the process exits."""
+        if not self._process.started:
+            raise RuntimeError(f"server {self.base_url} was not started")
+        deadline = time.monotonic() + timeout_s
+        pause = 0.05
+        with httpx.Client(timeout=HEALTH_POLL_INTERVAL_S * 5) as client:
+            while True:
+                code = self._process.exit_code()
+                if code is not None:
+                    raise SGLangError(
+                        f"SGLang server {self.base_url} exited with code {code} during start-up; "
+                        f"last lines of {self.log_path}:\n{self.log_tail()}"
+                    )
+                try:
+                    if client.get(f"{self.base_url}/health_generate").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass  # not listening yet
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise SGLangTimeoutError(
+                        f"SGLang server {self.base_url} was not healthy within "
+                        f"generation.server_start_timeout_s={timeout_s} s (loading a large model "
+                        f"or compiling CUDA graphs can take minutes: raise it, or read the log); "
+                        f"last lines of {self.log_path}:\n{self.log_tail()}"
+                    )
+                time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
+                pause = min(2 * pause, HEALTH_POLL_INTERVAL_S)
+
+    def stop(self, timeout_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM the server's process group, then SIGKILL what is left after `timeout_s`."""
+        self._process.stop(timeout_s)
+
+    def log_tail(self) -> str:
+        return self._process.log_tail()
+
+    def __enter__(self) -> SGLangServerProcess:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+class SGLangServerActor:
+    """Body of a Ray actor that owns one SGLang server on the GPUs Ray gave it.
+
+    Started by :class:`SGLangServerGroup` with `tensor_parallel_size` GPUs of one placement
+    bundle, so the whole TP group is on one node; Ray sets `CUDA_VISIBLE_DEVICES`, which the
+    server inherits.
+    """
+
+    def __init__(
+        self,
+        generation: SGLangGenerationConfig,
+        policy: PolicyConfig,
+        *,
+        model_path: str,
+        seed: int,
+        log_path: str,
+    ) -> None:
+        import ray  # a Ray worker process always has it
+
+        port = free_port()
+        host = ray.util.get_node_ip_address()
+        command = server_command(generation, policy, model_path=model_path, port=port, seed=seed)
+        self._server = SGLangServerProcess(
+            command, base_url=f"http://{host}:{port}", log_path=log_path
+        )
+        self._server.start()
+        self._server.wait_healthy(generation.server_start_timeout_s)
+
+    def url(self) -> str:
+        return self._server.base_url
+
+    def stop(self) -> None:
+        self._server.stop()
+
+
+class SGLangServerGroup:
+    """`generation.num_engines` SGLang servers as Ray actors, where `gymrl.cluster.placement`
+    puts them.
+
+    The run's placement group holds one `tensor_parallel_size`-GPU bundle per engine, so Ray
+    places each TP group on one node. Needs a running Ray cluster with the GPUs. Each engine gets
+    its own seed (`seed + index`), so engines do not sample identical continuations of identical
+    prompts.
+    """
+
+    def __init__(
+        self,
+        generation: SGLangGenerationConfig,
+        policy: PolicyConfig,
+        *,
+        model_path: str,
+        seed: int,
+        log_dir: str | os.PathLike[str],
+        placement_group: Any,
+        engines: RolePlacement,
+    ) -> None:
+        import ray
+
+        self._ray = ray
+        actor_class = ray.remote(SGLangServerActor)
+        self._actors = [
+            actor_class.options(**actor_options(engines, index, placement_group)).remote(
+                generation,
+                policy,
+                model_path=model_path,
+                seed=seed + index,
+                log_path=str(Path(log_dir) / f"sglang_engine_{index}.log"),
+            )
+            for index in range(generation.num_engines)
+        ]
+        # Start-up (model load, CUDA graphs) runs in parallel; each actor enforces the deadline.
+        self.urls: list[str] = ray.get(
+            [actor.url.remote() for actor in self._actors],
+            timeout=generation.server_start_timeout_s + 60.0,
+        )
+
+    def shutdown(self, timeout_s: float = 4 * STOP_GRACE_S + 10.0) -> None:
+        """Stop the servers and end their actors; the placement group is the run's."""
+        self._ray.get([actor.stop.remote() for actor in self._actors], timeout=timeout_s)
+        for actor in self._actors:
+            # Ray types a created actor as `ActorHandle | type[cls]` (so its methods type-check);
+            # kill takes the handle, which is what it is at run time.
+            self._ray.kill(actor)  # pyright: ignore[reportArgumentType]
