@@ -86,6 +86,14 @@ class HeldOutEpisode:
         assert self.summary is not None, "a failed episode has no reward"
         return float(self.summary["reward"])
 
+    @property
+    def truncation_causes(self) -> list[str]:
+        """Why the finished episode is not whole: `noncontiguous` (a tail dropped by
+        `truncate_noncontiguous_episodes`), `max_tokens` (a reply cut at the token limit)."""
+        assert self.summary is not None, "a failed episode has no turns"
+        flags = (("noncontiguous", TRUNCATED_FLAG), ("max_tokens", OVERLONG_FLAG))
+        return [cause for cause, flag in flags if self.summary.get(flag) is True]
+
     def record(self) -> dict[str, Any]:
         """The episode as one JSON object of an eval's episodes.jsonl (docs/evaluation.md)."""
         if self.summary is None:
@@ -95,12 +103,7 @@ class HeldOutEpisode:
                 "sample": self.sample,
                 "failure": self.failure,
             }
-        summary = self.summary
-        causes = [
-            cause
-            for cause, flag in (("noncontiguous", TRUNCATED_FLAG), ("max_tokens", OVERLONG_FLAG))
-            if summary.get(flag) is True
-        ]
+        summary, causes = self.summary, self.truncation_causes
         return {
             "row_id": self.row_id,
             "agent": self.agent,
@@ -125,14 +128,6 @@ class HeldOutPass:
 
     episodes: tuple[HeldOutEpisode, ...]
     complete: bool
-
-    @property
-    def finished(self) -> list[HeldOutEpisode]:
-        return [e for e in self.episodes if e.failure is None]
-
-    @property
-    def failures(self) -> list[HeldOutEpisode]:
-        return [e for e in self.episodes if e.failure is not None]
 
 
 class Validator:
@@ -238,8 +233,8 @@ def ledger_metrics(episodes: Sequence[HeldOutEpisode], *, prefix: str) -> dict[s
         metrics[at + "episodes"] = float(len(done))
         metrics[at + "failures"] = float(len(own) - len(done))
         metrics[at + "failure_rate"] = (len(own) - len(done)) / len(own)
-        truncated = [e.record()["truncated"] for e in done]
-        metrics[at + "truncated/mean"] = sum(truncated) / len(done) if done else math.nan
+        truncated = sum(1 for e in done if e.truncation_causes)
+        metrics[at + "truncated/mean"] = truncated / len(done) if done else math.nan
         metrics[at + "tokens/prompt"] = float(sum(e.prompt_tokens for e in done))
         metrics[at + "tokens/generated"] = float(sum(e.generated_tokens for e in done))
     for kind in ("prompt", "generated"):

@@ -26,7 +26,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -171,7 +171,7 @@ class EvalRecipe:
         chosen = self.config.eval.output_dir
         return Path(chosen).resolve() if chosen else self.run_dir / "eval" / self.label
 
-    def _held_out_rows(self, served: Any) -> list[dict[str, Any]]:
+    def _held_out_rows(self, served: Collection[str]) -> list[dict[str, Any]]:
         config = self.config
         data, sampling = config.env.data, config.generation.sampling
         # Training rows matter only to keep generated held-out tasks out of them.
