@@ -35,6 +35,7 @@ import ray
 from ray.util.placement_group import remove_placement_group
 
 from gymrl.cluster.placement import plan_placement, reserve
+from gymrl.cluster.ray_calls import wait_for
 from gymrl.cluster.ray_session import start_ray
 from gymrl.config.schema import RecipeConfig
 from gymrl.experience.pass_at_k import pass_at_k_metrics
@@ -117,7 +118,11 @@ class EvalRecipe:
         )
         if self.checkpoint is not None:
             weights = checkpoint_weights(self.checkpoint)
-            version = ray.get(generation.actor.update_weights.remote(weights, self.step))
+            version = wait_for(
+                generation.actor.update_weights.remote(weights, self.step),
+                timeout_s=config.grpo.batch_timeout_s,  # a training refit's deadline
+                what="loading the checkpoint's weights into the engines (grpo.batch_timeout_s)",
+            )
             print(f"engines hold the weights of {self.checkpoint.folder} (version {version})")
         shards_by_agent = start_gym_shards(
             config,
