@@ -13,6 +13,7 @@ PLACEHOLDERS = {
     "<agent>": r"[A-Za-z0-9_.-]+",
     "<field>": r"[A-Za-z0-9_.-]+",
     "<red>": r"(mean|min|max)",
+    "<k>": r"[0-9]+",
 }
 
 

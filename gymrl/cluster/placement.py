@@ -117,8 +117,9 @@ def trainer_node_bundles(world_size: int, gpus_per_node: int) -> list[dict[str, 
     return [{"GPU": float(per_node), "CPU": float(per_node)}] * (world_size // per_node)
 
 
-def plan_placement(config: RecipeConfig) -> Placement:
-    """The placement of every role of a validated config."""
+def plan_placement(config: RecipeConfig, *, with_trainer: bool = True) -> Placement:
+    """The placement of every role of a validated config; without the trainer's GPUs when
+    nothing trains (`with_trainer=False`: an eval, whose trainer role is then left unplaced)."""
     bundles: list[dict[str, float]] = []
 
     def add(new: list[dict[str, float]]) -> list[int]:
@@ -138,7 +139,9 @@ def plan_placement(config: RecipeConfig) -> Placement:
         generation_role = server_role = _CPU_ROLE
 
     world_size = trainer_gpus(config)
-    if isinstance(config.trainer, MegatronTrainerConfig):
+    if not with_trainer:
+        trainer_role = _CPU_ROLE
+    elif isinstance(config.trainer, MegatronTrainerConfig):
         nodes = add(trainer_node_bundles(world_size, config.cluster.gpus_per_node))
         per_node = min(world_size, config.cluster.gpus_per_node)
         trainer_role = RolePlacement(

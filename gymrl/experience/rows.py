@@ -54,8 +54,8 @@ def load_rows(
     """The run's rows, checked against `served_agents` (what the started shards serve)."""
     if data.train_jsonl:
         path = Path(data.train_jsonl)
-        numbered = _read_jsonl(path)
-        _check_served(path, numbered, served_agents)
+        numbered = _read_jsonl("env.data.train_jsonl", path)
+        _check_served("env.data.train_jsonl", path, numbered, served_agents)
         rows = [
             {
                 **row,
@@ -82,12 +82,17 @@ def load_validation_rows(
     *,
     temperature: float,
     top_p: float,
+    served_agents: Collection[str],
 ) -> list[dict[str, Any]]:
     """Held-out rows, none with the task of a training row, sampled at `temperature` (0 =
-    greedy, when `top_p` is moot and sent as 1)."""
+    greedy, when `top_p` is moot and sent as 1); a file's rows are checked against
+    `served_agents`."""
     sampling = {"temperature": temperature, "top_p": top_p if temperature > 0 else 1.0}
     if data.val_jsonl:
-        rows = [row for _, row in _read_jsonl(Path(data.val_jsonl))]
+        path = Path(data.val_jsonl)
+        numbered = _read_jsonl("env.data.val_jsonl", path)
+        _check_served("env.data.val_jsonl", path, numbered, served_agents)
+        rows = [row for _, row in numbered]
         if not rows:
             raise ValueError(f"env.data.val_jsonl = {data.val_jsonl!r} holds no rows")
     else:
@@ -117,7 +122,7 @@ def load_validation_rows(
 
 
 def _check_served(
-    path: Path, numbered: Sequence[tuple[int, dict[str, Any]]], served: Collection[str]
+    key: str, path: Path, numbered: Sequence[tuple[int, dict[str, Any]]], served: Collection[str]
 ) -> None:
     unserved: dict[str, list[int]] = {}
     for number, row in numbered:
@@ -131,7 +136,7 @@ def _check_served(
         for agent, lines in sorted(unserved.items())
     )
     raise UnservedAgentError(
-        f"env.data.train_jsonl = {str(path)!r}: rows name agents no Gym shard serves: {listed}. "
+        f"{key} = {str(path)!r}: rows name agents no Gym shard serves: {listed}. "
         f"Served: {sorted(served)}. Fix the rows' agent_ref.name, or serve those agents "
         "(env.nemo_gym)."
     )
@@ -176,10 +181,10 @@ def _task_key(row: Mapping[str, Any]) -> str:
     return json.dumps([params, rest], sort_keys=True)
 
 
-def _read_jsonl(path: Path) -> list[tuple[int, dict[str, Any]]]:
-    """(line number, row) of every non-blank line."""
+def _read_jsonl(key: str, path: Path) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, row) of every non-blank line of the file `key` names."""
     if not path.is_file():
-        raise FileNotFoundError(f"env.data.train_jsonl = {str(path)!r} does not exist")
+        raise FileNotFoundError(f"{key} = {str(path)!r} does not exist")
     rows = []
     with path.open(encoding="utf-8") as lines:
         for number, line in enumerate(lines, start=1):

@@ -259,6 +259,48 @@ def _cross_field_issues(config: RecipeConfig) -> list[ConfigIssue]:
     issues.extend(_generation_issues(config.generation, cluster.total_gpus))
     issues.extend(_trainer_issues(config))
     issues.extend(_role_environment_issues(config))
+    issues.extend(_eval_issues(config))
+    return issues
+
+
+def _eval_issues(config: RecipeConfig) -> list[ConfigIssue]:
+    """pass@k needs k samples of every row; greedy samples of one row are all the same."""
+    evaluation, issues = config.eval, []
+    too_large = sorted({k for k in evaluation.pass_at_k if k > evaluation.num_samples})
+    if too_large:
+        issues.append(
+            ConfigIssue(
+                "eval.num_samples",
+                evaluation.num_samples,
+                f"pass@k needs at least k episodes per row; eval.pass_at_k asks for k={too_large}",
+                f"raise eval.num_samples to {too_large[-1]} or drop those k from eval.pass_at_k",
+            )
+        )
+    not_positive = [k for k in evaluation.pass_at_k if k < 1]
+    if not_positive:
+        issues.append(
+            ConfigIssue(
+                "eval.pass_at_k",
+                evaluation.pass_at_k,
+                f"k must be 1 or more, not {not_positive}",
+                "list positive k, e.g. eval.pass_at_k=[1,4]",
+            )
+        )
+    temperature = (
+        config.generation.sampling.temperature
+        if evaluation.temperature is None
+        else evaluation.temperature
+    )
+    if temperature == 0 and evaluation.num_samples > 1:
+        issues.append(
+            ConfigIssue(
+                "eval.temperature",
+                0,
+                f"greedy decoding makes all eval.num_samples={evaluation.num_samples} episodes "
+                "of a row the same",
+                "sample (eval.temperature above 0), or set eval.num_samples=1 eval.pass_at_k=[1]",
+            )
+        )
     return issues
 
 

@@ -42,6 +42,7 @@ from gymrl.generation.announce import announce_policy_server
 from gymrl.generation.api_key import ApiKeyError, resolve_api_key
 from gymrl.generation.torch_engine import EngineCounters
 from gymrl.model.policy import model_folder
+from gymrl.roles import close_reporting_failure
 from gymrl.roles.generation_server import start_generation_server
 from gymrl.roles.gym_shard import RayGroupRunner, start_gym_shards
 from gymrl.roles.replay_buffer import start_replay_buffer
@@ -205,6 +206,7 @@ class GRPORecipe:
                     rows,
                     temperature=grpo.val_temperature,
                     top_p=config.generation.sampling.top_p,
+                    served_agents=shards_by_agent,
                 ),
                 RayGroupRunner(shards_by_agent),
                 grpo.batch_timeout_s,
@@ -235,7 +237,7 @@ class GRPORecipe:
         self._on_cleanup("the rollout producer", self.producer.stop)
 
     def _on_cleanup(self, what: str, close: Callable[[], object]) -> None:
-        self._closers.callback(_close_reporting_failure, what, close)
+        self._closers.callback(close_reporting_failure, what, close)
 
     def _resume(self) -> tuple[int, int]:
         """The step and row position to start from: 0, 0, or a checkpoint's."""
@@ -448,13 +450,6 @@ class GRPORecipe:
         when called twice. A role that does not close cleanly is reported, not raised: it must
         not mask the error that ended the run, nor keep the roles before it from closing."""
         self._closers.close()
-
-
-def _close_reporting_failure(what: str, close: Callable[[], object]) -> None:
-    try:
-        close()
-    except Exception as error:
-        print(f"warning: {what} did not close cleanly: {type(error).__name__}: {error}", flush=True)
 
 
 def _mean(values: Sequence[float]) -> float:

@@ -10,3 +10,13 @@ leaves nothing running. What each role reserves (GPUs, CPUs, its bundle) comes f
 from collections.abc import Callable
 
 OnCleanup = Callable[[str, Callable[[], object]], None]
+
+
+def close_reporting_failure(what: str, close: Callable[[], object]) -> None:
+    """Run one closer of a stack: a role that does not close cleanly is reported, not raised,
+    so it neither masks the error that ended the run nor keeps the closers before it from
+    running."""
+    try:
+        close()
+    except Exception as error:
+        print(f"warning: {what} did not close cleanly: {type(error).__name__}: {error}", flush=True)

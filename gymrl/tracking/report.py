@@ -2,6 +2,7 @@
 
     python -m gymrl.report outputs/multirun/<run.name>/<time>    # writes <that folder>/report.html
     python -m gymrl.report outputs/run_a outputs/run_b -o compare.html   # or any run folders
+    python -m gymrl.report outputs/run_a/eval/start outputs/run_a/eval/step_6   # eval folders
 
 The page holds, for every agent, reward and truncation rate against the step with one line per
 point, the overall reward and loss, a table of every point (status, the keys that vary between
@@ -14,18 +15,16 @@ from __future__ import annotations
 
 import argparse
 import html
-import io
 import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only: runs on machines without a display
 import matplotlib.pyplot as plt
 from matplotlib.ticker import MaxNLocator
 
+from gymrl.tracking.eval_report import Evaluation, find_evaluations, render_evaluations
+from gymrl.tracking.svg import figure_svg
 from gymrl.tracking.sweep import (
     SUMMARY_METRICS,
     Point,
@@ -76,7 +75,19 @@ def point_labels(points: Sequence[Point]) -> list[str]:
     return labels
 
 
-def render(points: Sequence[Point], title: str) -> str:
+def render(points: Sequence[Point], title: str, evaluations: Sequence[Evaluation] = ()) -> str:
+    """The page: the runs' sections (when there are points), then the evaluations'."""
+    sections = _runs_section(points) if points else ""
+    if evaluations:
+        sections += render_evaluations(evaluations)
+    return (
+        "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
+        f"<title>{html.escape(title)}</title><style>{_STYLE}</style></head><body>\n"
+        f"<h1>{html.escape(title)}</h1>\n{sections}</body></html>\n"
+    )
+
+
+def _runs_section(points: Sequence[Point]) -> str:
     labels = point_labels(points)
     keys = varied_keys(list(points))
     agents = sorted(
@@ -103,13 +114,10 @@ def render(points: Sequence[Point], title: str) -> str:
     charts.append(_chart(points, labels, "train/loss", "loss"))
     varied = ", ".join(f"<code>{html.escape(k)}</code>" for k in keys) or "none"
     return (
-        "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
-        f"<title>{html.escape(title)}</title><style>{_STYLE}</style></head><body>\n"
-        f"<h1>{html.escape(title)}</h1>\n"
         f"<p>{len(points)} point(s); keys that vary: {varied}.</p>\n"
         f"<h2>Final metrics</h2>\n{_table(points, labels, keys, agents)}\n"
         f"<h2>Per agent and overall, against the step</h2>\n"
-        f"<div class='charts'>{''.join(charts)}</div>\n</body></html>\n"
+        f"<div class='charts'>{''.join(charts)}</div>\n"
     )
 
 
@@ -135,12 +143,7 @@ def _chart(
         axis.legend(fontsize="small")
     else:
         axis.text(0.5, 0.5, "not logged", ha="center", transform=axis.transAxes)
-    buffer = io.StringIO()
-    figure.savefig(buffer, format="svg")
-    plt.close(figure)
-    svg = buffer.getvalue()
-    svg = svg[svg.index("<svg") :]  # drop the XML prolog and doctype: inline in HTML
-    return f"<figure class='chart' data-key='{html.escape(key)}'>{svg}</figure>"
+    return f"<figure class='chart' data-key='{html.escape(key)}'>{figure_svg(figure)}</figure>"
 
 
 def _table(
@@ -181,15 +184,21 @@ def _number(value: Any) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Write an offline HTML report of a sweep.")
-    parser.add_argument("paths", type=Path, nargs="+", help="a sweep folder, or run folders")
+    parser.add_argument(
+        "paths", type=Path, nargs="+", help="a sweep folder, run folders, or eval folders"
+    )
     parser.add_argument(
         "-o", "--output", type=Path, help=f"HTML path (default: <first path>/{REPORT_FILENAME})"
     )
     args = parser.parse_args()
-    points = load_points(args.paths)
+    found = {path: find_evaluations(path) for path in args.paths}
+    evaluations = [evaluation for path in args.paths for evaluation in found[path]]
+    runs = [path for path in args.paths if not found[path]]
+    points = load_points(runs) if runs else []
     output = args.output or args.paths[0] / REPORT_FILENAME
-    title = "Sweep report: " + ", ".join(str(p) for p in args.paths)
-    output.write_text(render(points, title), encoding="utf-8")
+    kind = "Sweep report" if points else "Eval report"
+    title = f"{kind}: " + ", ".join(str(p) for p in args.paths)
+    output.write_text(render(points, title, evaluations), encoding="utf-8")
     print(output)
 
 

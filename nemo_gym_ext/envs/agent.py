@@ -19,8 +19,8 @@ output the model can read, never a failed episode. After a call without tool cal
 environment's `/user_turn` decides whether to follow up with a user message or end.
 
 The result is the row's fields, `response.output`, `/verify`'s fields as they are (the reward is
-checked where a result enters the recipe, by the postprocessor, as for any Gym agent's result)
-and the turn counts.
+checked where a result enters the recipe, by the postprocessor, as for any Gym agent's result),
+the turn counts and each model call's `finish_reason` (`finish_reasons`, which an eval records).
 
 Failures that are not the model's (the policy or resources server unreachable, slow, or
 answering garbage) fail the `/run` request with 502/504 and a message naming the server, the URL
@@ -141,10 +141,12 @@ class ToolAgent:
         output: list[dict[str, Any]] = []
         num_turns = num_tool_calls = 0
         overlong = done = False
+        finish_reasons: list[str] = []
         while not done and num_turns < self.options.max_turns:
             completion = await self._complete(client, row, tools, output)
             num_turns += 1
             items, finish_reason = completion_to_items(completion)
+            finish_reasons.append(finish_reason)
             output.extend(items)
             if finish_reason == "length":
                 overlong = True
@@ -176,6 +178,7 @@ class ToolAgent:
             "num_turns": num_turns,
             "num_tool_calls": num_tool_calls,
             "overlong": overlong,
+            "finish_reasons": finish_reasons,
         }
 
     async def _complete(

@@ -1,7 +1,8 @@
 """`benchmarks/bench_start_reward.py` runs end to end on the tiny model: two held-out rows per
-agent through its own policy server, the built-in agents and the postprocessor, and writes every
-agent's validation metrics. Nothing else in the suite runs this benchmark, and it once rotted
-unnoticed when the data loader and rollout settings it calls changed shape."""
+agent through the evaluation path (the generation server and Gym shard roles on a local Ray,
+the built-in agents, the postprocessor), and writes every agent's metrics. Nothing else in the
+suite runs this benchmark, and it once rotted unnoticed when the data loader and rollout
+settings it calls changed shape."""
 
 import json
 import subprocess
@@ -14,7 +15,7 @@ AGENTS = ("calculator_agent", "guess_number_agent")
 
 def test_the_bench_reports_every_agent_on_the_rows_asked_for(tmp_path):
     report = tmp_path / "start_reward.json"
-    options = ["--rows", "2", "--threads", "1", "--json", str(report)]
+    options = ["--rows", "2", "--show", "1", "--json", str(report)]
     overrides = ["policy=tiny_llama", "generation.server.max_tokens_per_turn=8"]
     done = subprocess.run(
         [sys.executable, str(BENCH), *options, *overrides],
@@ -24,9 +25,10 @@ def test_the_bench_reports_every_agent_on_the_rows_asked_for(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = json.loads(report.read_text())["metrics"]
-    assert metrics["validation/episodes"] == 2 * len(AGENTS)
-    assert metrics["validation/failures"] == 0
+    assert metrics["eval/episodes"] == 2 * len(AGENTS)
+    assert metrics["eval/failures"] == 0
     for agent in AGENTS:
-        assert 0.0 <= metrics[f"validation/{agent}/reward/mean"] <= 1.0
-        assert f"validation/{agent}/reward/stderr" in metrics
+        assert 0.0 <= metrics[f"eval/{agent}/reward/mean"] <= 1.0
+        assert f"eval/{agent}/reward/stderr" in metrics
+        assert f"--- {agent} row" in done.stdout  # one transcript each
     assert "4 rows" in done.stdout

@@ -56,6 +56,14 @@ def test_math_1p5b_gives_four_engines_one_gpu_each_and_the_trainer_a_whole_node(
     assert _fits_on_nodes(placement.bundles, 2, 4)
 
 
+def test_an_eval_reserves_the_engines_alone():
+    config = _config("+experiment=math_1p5b")
+    placement = plan_placement(config, with_trainer=False)
+    assert placement.bundles == ({"GPU": 1.0, "CPU": 1.0},) * 4
+    assert placement.generation == plan_placement(config).generation  # same bundles, same GPUs
+    assert placement.trainer.bundle_of_actor == () and placement.trainer.gpus_per_actor == 0.0
+
+
 def test_swe_bench_30b_fills_sixteen_nodes():
     config = _config("+experiment=swe_bench_30b")
     placement = plan_placement(config)

@@ -146,7 +146,9 @@ def test_validation_rows_are_held_out_the_same_for_every_seed_and_greedy_by_defa
     by_seed = []
     for seed in (0, 1):
         train = _load(data, actors, seed=seed)
-        held_out = load_validation_rows(data, actors, train, temperature=0.0, top_p=0.9)
+        held_out = load_validation_rows(
+            data, actors, train, temperature=0.0, top_p=0.9, served_agents=["calc"]
+        )
         assert len(held_out) == 32
         train_tasks = {row["question"] for row in train}
         assert not train_tasks & {row["question"] for row in held_out}
@@ -161,7 +163,9 @@ def test_validation_rows_sample_with_the_configured_temperature_and_top_p():
     actors = _actors({"calc": {"environment": "calculator"}})
     data = DataConfig(num_builtin_rows_per_agent=4, num_builtin_val_rows_per_agent=2)
     train = _load(data, actors)
-    rows = load_validation_rows(data, actors, train, temperature=0.5, top_p=0.9)
+    rows = load_validation_rows(
+        data, actors, train, temperature=0.5, top_p=0.9, served_agents=["calc"]
+    )
     sampling = {
         (r["responses_create_params"]["temperature"], r["responses_create_params"]["top_p"])
         for r in rows
@@ -174,7 +178,9 @@ def test_too_few_distinct_held_out_tasks_is_an_error_naming_the_key():
     data = DataConfig(num_builtin_rows_per_agent=8, num_builtin_val_rows_per_agent=100_000)
     train = _load(data, actors)
     with pytest.raises(ValueError, match=r"num_builtin_val_rows_per_agent=100000.*'calculator'"):
-        load_validation_rows(data, actors, train, temperature=0.0, top_p=1.0)
+        load_validation_rows(
+            data, actors, train, temperature=0.0, top_p=1.0, served_agents=["calc"]
+        )
 
 
 def test_validation_rows_come_from_val_jsonl_when_given(tmp_path):
@@ -183,6 +189,34 @@ def test_validation_rows_come_from_val_jsonl_when_given(tmp_path):
     path.write_text(json.dumps(row) + "\n", encoding="utf-8")
     actors = _actors({"remote": {"url": "http://gym-head:8000/remote"}})
     (loaded,) = load_validation_rows(
-        DataConfig(val_jsonl=str(path)), actors, [], temperature=0.0, top_p=1.0
+        DataConfig(val_jsonl=str(path)),
+        actors,
+        [],
+        temperature=0.0,
+        top_p=1.0,
+        served_agents=["remote"],
     )
     assert loaded["responses_create_params"] == {"input": "hi", "temperature": 0.0, "top_p": 1.0}
+
+
+def test_held_out_rows_naming_unserved_agents_are_refused_with_their_lines(tmp_path):
+    lines = [
+        {"responses_create_params": {"input": "hi"}, "agent_ref": {"name": name}}
+        for name in ["remote", "retired_agent"]
+    ]
+    path = tmp_path / "val.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in lines), encoding="utf-8")
+    actors = _actors({"remote": {"url": "http://gym-head:8000/remote"}})
+    with pytest.raises(UnservedAgentError) as raised:
+        load_validation_rows(
+            DataConfig(val_jsonl=str(path)),
+            actors,
+            [],
+            temperature=0.0,
+            top_p=1.0,
+            served_agents=["remote"],
+        )
+    message = str(raised.value)
+    assert message.startswith(f"env.data.val_jsonl = {str(path)!r}")
+    assert "'retired_agent' on line 2." in message
+    assert "Served: ['remote']" in message

@@ -1,14 +1,22 @@
-"""A validation pass: every held-out row once, summarised per agent under `validation/` with the
-training fields plus the reward's standard error; failures counted, deadlines kept. The runner is
-an in-process stand-in for the Gym shards (the producer's seam); the pass through real shards is
-in tests/recipes/test_smoke_run.py."""
+"""A held-out pass: every held-out row `num_samples` times (once in training's validation),
+summarised per agent with the training fields plus the reward's standard error; failures
+counted, deadlines kept, a stop honoured; one record per episode for an eval. The runner is an
+in-process stand-in for the Gym shards (the producer's seam); the pass through real shards is in
+tests/recipes/test_smoke_run.py and tests/recipes/test_eval_entry.py."""
 
 import math
+import threading
 import time
 
 import pytest
 
-from gymrl.experience.validation import Validator, standard_error, validation_metrics
+from gymrl.experience.validation import (
+    HeldOutEpisode,
+    Validator,
+    held_out_metrics,
+    ledger_metrics,
+    standard_error,
+)
 from nemo_gym_ext.postprocess import NonContiguousEpisodeError
 from nemo_gym_ext.rollout import GroupOutcome
 
@@ -48,10 +56,20 @@ def _scored(row):
         "agent_ref": row["agent_ref"],
         "reward": float(row["reward_if_run"]),
         "noncontiguous_truncated": False,
+        "overlong": row["id"].endswith("-0"),
         "num_turns": 2,
+        "trainable_turns": 1,
         "text": "not a scalar",
+        "finish_reasons": ["length" if row["id"].endswith("-0") else "stop", "stop"],
+        "response": {"output": [{"type": "message", "generation_token_ids": [5, 6]}]},
     }
-    return GroupOutcome(row["id"], row["agent_ref"]["name"], episodes=[{"full_result": result}])
+    # The postprocessor's message log: a prompt delta of 3 tokens, then 2 generated ones.
+    message_log = [
+        {"role": "user", "token_ids": [1, 2, 3]},
+        {"role": "assistant", "token_ids": [5, 6], "generation_logprobs": [-0.1, -0.2]},
+    ]
+    episode = {"full_result": result, "message_log": message_log}
+    return GroupOutcome(row["id"], row["agent_ref"]["name"], episodes=[episode])
 
 
 def test_a_pass_runs_every_row_once_and_logs_the_training_fields_per_agent():
@@ -104,4 +122,81 @@ def test_a_contiguity_error_stops_the_pass_and_cancels_what_is_still_running():
 def test_standard_error_is_the_sample_std_over_root_n_and_undefined_below_two():
     assert standard_error([0.0, 1.0, 0.0, 1.0]) == pytest.approx(math.sqrt(1 / 3 / 4))
     assert math.isnan(standard_error([1.0]))
-    assert math.isnan(validation_metrics([], failures=0)["validation/reward/mean"])
+    assert math.isnan(held_out_metrics([], prefix="validation/")["validation/reward/mean"])
+
+
+def test_k_samples_of_every_row_each_become_one_record_in_the_order_they_end():
+    rows = [_row(0, "calc"), _row(1, "calc")]
+    runner = Runner(_scored)
+    records = []
+    held_out = Validator(rows, runner, timeout_s=10, num_samples=3, prefix="eval/").collect(
+        lambda episode: records.append(episode.record())
+    )
+    assert held_out.complete
+    assert runner.sizes == [1] * 6  # each sample is its own one-episode group
+    assert sorted((r["row_id"], r["sample"]) for r in records) == [
+        (row, sample) for row in ("calc-0", "calc-1") for sample in range(3)
+    ]
+    first = next(r for r in records if r["row_id"] == "calc-0")
+    assert first == {
+        "row_id": "calc-0",
+        "agent": "calc",
+        "sample": first["sample"],
+        "reward": 0.0,
+        "turns": 2,
+        "trainable_turns": 1,
+        "tokens": {"prompt": 3, "generated": 2},
+        "finish_reasons": ["length", "stop"],
+        "truncated": True,
+        "truncation_causes": ["max_tokens"],
+        "failure": None,
+    }
+    metrics = held_out_metrics(held_out.episodes, prefix="eval/")
+    assert metrics["eval/episodes"] == 6.0
+    assert metrics["eval/calc/reward/mean"] == 0.5
+
+
+def test_the_ledger_counts_failures_truncation_and_tokens_per_agent():
+    def outcome(row):
+        if row["id"] == "guess-1":
+            return GroupOutcome(row["id"], "guess", failures=["agent 'guess' failed: 502"])
+        return _scored(row)
+
+    rows = [_row(0, "calc"), _row(1, "calc"), _row(0, "guess"), _row(1, "guess")]
+    held_out = Validator(rows, Runner(outcome), 10, num_samples=2).collect()
+    failed = [e for e in held_out.episodes if e.failure is not None]
+    assert [(e.row_id, e.record()["failure"]) for e in failed] == [
+        ("guess-1", "agent 'guess' failed: 502")
+    ] * 2
+    metrics = ledger_metrics(held_out.episodes, prefix="eval/")
+    assert metrics["eval/guess/failures"] == 2.0
+    assert metrics["eval/guess/failure_rate"] == 0.5
+    assert metrics["eval/calc/failure_rate"] == 0.0
+    assert metrics["eval/calc/truncated/mean"] == 0.5  # row 0 hit the token limit
+    assert metrics["eval/calc/tokens/generated"] == 4 * 2
+    assert metrics["eval/calc/tokens/prompt"] == 4 * 3
+    assert metrics["eval/tokens/generated"] == 6 * 2
+
+
+def test_a_stop_ends_the_pass_with_what_finished_and_cancels_the_rest():
+    stop = threading.Event()
+    runner = Runner(_scored)
+    seen = []
+
+    def on_episode(episode: HeldOutEpisode):
+        seen.append(episode)
+        stop.set()  # as SIGINT does, while groups are still running
+
+    rows = [_row(i, "calc") for i in range(4)]
+    held_out = Validator(rows, runner, 10).collect(on_episode, stop=stop)
+    assert not held_out.complete
+    assert len(held_out.episodes) == len(seen) == 2  # the first poll's two groups
+    assert sorted(runner.cancelled) == [2, 3]
+
+
+def test_transcripts_are_kept_without_token_fields_when_asked():
+    held_out = Validator([_row(0, "calc")], Runner(_scored), 10, keep_transcripts=True).collect()
+    (episode,) = held_out.episodes
+    assert episode.record()["transcript"] == [{"type": "message"}]
+    plain = Validator([_row(0, "calc")], Runner(_scored), 10).collect()
+    assert "transcript" not in plain.episodes[0].record()

@@ -330,3 +330,17 @@ def test_a_first_retry_backoff_above_its_maximum_is_refused_naming_both():
     assert (
         "env.rollout.retry_backoff_s=60.0 is more than env.rollout.retry_backoff_max_s=30.0" in text
     )
+
+
+def test_eval_needs_k_samples_for_pass_at_k_and_a_temperature_for_several():
+    issues = _issues(["eval.num_samples=2", "eval.pass_at_k=[1,4,8]", "eval.temperature=0"])
+    assert issues["eval.num_samples"].value == 2
+    assert "k=[4, 8]" in issues["eval.num_samples"].problem
+    assert "raise eval.num_samples to 8" in issues["eval.num_samples"].fix
+    assert "eval.num_samples=1" in issues["eval.temperature"].fix
+    greedy_once = ["eval.num_samples=1", "eval.pass_at_k=[1]", "eval.temperature=0"]
+    assert validate_config(compose_raw(greedy_once)).eval.num_samples == 1
+
+
+def test_eval_k_must_be_positive():
+    assert "k must be 1 or more" in _issues(["eval.pass_at_k=[0,1]"])["eval.pass_at_k"].problem

@@ -19,7 +19,9 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
+from gymrl.run.eval_folder import write_summary
 from gymrl.run.folder import METRICS_FILENAME
+from gymrl.tracking.eval_report import find_evaluations
 from gymrl.tracking.report import REPORT_FILENAME, load_points, render
 from gymrl.tracking.sweep import record_point
 
@@ -82,6 +84,79 @@ def test_the_command_writes_report_html_into_the_sweep_folder(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(tmp_path / REPORT_FILENAME)
+
+
+def make_eval(folder: Path, label: str, step: int, calc_pass_at_4: float) -> None:
+    """An eval folder as recipes/eval.py leaves it (its summary.json; gymrl.run.eval_folder)."""
+    folder.mkdir(parents=True)
+    metrics = {"eval/reward/mean": 0.4, "eval/episodes": 8.0, "eval/failures": 0.0}
+    for agent, reward in (("calculator_agent", 0.3), ("guess_number_agent", 0.5)):
+        metrics |= {
+            f"eval/{agent}/reward/mean": reward,
+            f"eval/{agent}/reward/stderr": 0.05,
+            f"eval/{agent}/pass@1": reward / 2,
+            f"eval/{agent}/pass@4": calc_pass_at_4 if agent == "calculator_agent" else 0.75,
+            f"eval/{agent}/failure_rate": 0.0,
+        }
+    summary = {
+        "label": label,
+        "step": step,
+        "checkpoint": None if step == 0 else f"/runs/learn/checkpoints/step_{step}",
+        "policy": "SmolLM2-135M-Instruct",
+        "rows": 4,
+        "num_samples": 4,
+        "temperature": 0.7,
+        "success_threshold": 1.0,
+        "pass_at_k": [1, 4],
+        "complete": True,
+        "wall_s": 60.0,
+        "metrics": metrics,
+    }
+    write_summary(folder, summary)
+
+
+def test_eval_folders_are_compared_side_by_side_with_the_runs(tmp_path):
+    make_sweep(tmp_path / "sweep")
+    make_eval(tmp_path / "learn" / "eval" / "start", "start", 0, calc_pass_at_4=0.125)
+    make_eval(tmp_path / "learn" / "eval" / "step_12", "step_12", 12, calc_pass_at_4=0.625)
+    # A folder of eval folders means each of them, in name order.
+    evaluations = find_evaluations(tmp_path / "learn" / "eval")
+    assert [e.title for e in evaluations] == ["start of learn", "step_12 of learn"]
+    page = render(load_points([tmp_path / "sweep"]), "t", evaluations)
+    assert page.count("<tr class='point'>") == 3  # the runs' section is still there
+    table = page[page.index("<table id='evaluations'>") :]
+    assert "<tr><th>eval</th><td>start of learn</td><td>step_12 of learn</td></tr>" in table
+    assert "<td>starting (policy.*)</td><td>/runs/learn/checkpoints/step_12</td>" in table
+    calculator = table[table.index("calculator_agent") : table.index("guess_number_agent")]
+    assert "<tr><th>pass@4</th><td>0.125</td><td>0.625</td></tr>" in calculator
+    assert "<tr><th>reward</th><td>0.3 ± 0.05</td><td>0.3 ± 0.05</td></tr>" in calculator
+    charts = re.findall(r"<figure class='chart' data-key='([^']+)'", page)
+    assert charts[-3:] == ["reward/mean", "pass@1", "pass@4"]
+
+
+def test_the_command_takes_eval_folders_alone(tmp_path):
+    make_eval(tmp_path / "a", "start", 0, calc_pass_at_4=0.1)
+    make_eval(tmp_path / "b", "step_3", 3, calc_pass_at_4=0.2)
+    output = tmp_path / "compare.html"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gymrl.report",
+            str(tmp_path / "a"),
+            str(tmp_path / "b"),
+            "-o",
+            str(output),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    page = output.read_text()
+    assert "<h1>Eval report: " in page and "<h2>Final metrics</h2>" not in page
+    assert "<tr><th>eval</th><td>a</td><td>b</td></tr>" in page
 
 
 def chromium() -> str:
