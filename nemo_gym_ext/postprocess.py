@@ -24,12 +24,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from nemo_gym_ext.config import NemoGymPostprocessConfig
+from nemo_gym_ext.overlong import OVERLONG_FLAG, hit_token_limit
 from nemo_gym_ext.wire import agent_name_of
 
 TRUNCATED_FLAG = "noncontiguous_truncated"
 DROPPED_TURNS_FIELD = "noncontiguous_dropped_turns"
 MALFORMED_FLAG = "malformed_sample"
-OVERLONG_FLAG = "overlong"
 TURNS_FIELD = "trainable_turns"
 GENERATED_TOKENS_FIELD = "generated_tokens"
 _WINDOW = 8
@@ -87,8 +87,10 @@ def postprocess_gym_result(
     shallow copy of `result` with `noncontiguous_truncated`, `noncontiguous_dropped_turns`,
     `malformed_sample`, `trainable_turns` (model calls trained on) and `generated_tokens` (all
     set afresh on every call, so they are rates across a batch, for stock Gym results too).
-    `overlong` is the result's own overlong flag, kept even when the turn that hit the limit
-    was dropped, so overlong filtering still sees the episode.
+    `overlong` (also set on `full_result`, for every agent) says whether the episode hit a
+    token limit (`nemo_gym_ext.overlong.hit_token_limit`: the result's own flag or Gym's
+    `incomplete_details`), kept even when the turn that hit the limit was dropped, so overlong
+    filtering still sees the episode.
 
     This is where a result enters the recipe, so it is the one place that checks what everything
     downstream relies on: a finite reward and the agent (both required even when the tokens are
@@ -109,7 +111,7 @@ def postprocess_gym_result(
     full_result[MALFORMED_FLAG] = False
     full_result[TURNS_FIELD] = 0
     full_result[GENERATED_TOKENS_FIELD] = 0
-    overlong = bool(result.get(OVERLONG_FLAG, False))
+    overlong = full_result[OVERLONG_FLAG] = hit_token_limit(result)
     # A result without a usable reward cannot join a GRPO group even as a masked sample.
     _check_reward(result, agent, row_id)
     try:

@@ -4,17 +4,21 @@ In async GRPO the samples come from a behaviour policy, the sampler's weights, w
 several versions older than the trainer's, and is in any case computed by a different engine
 (other kernels, other precision). The importance ratio `pi_theta / pi_behaviour` (from the
 sampler's own log-probabilities) corrects for that; PPO-style clipping keeps one update from
-moving a token's probability far from the behaviour policy; a cap truncates the ratio (truncated
-importance sampling) so that a few tokens the sampler found very unlikely cannot dominate the
-gradient. Tensors follow the alignment of `gymrl.algo.trajectory`: `[B, T]`, position `t`
-describing token `t`.
+moving a token's probability far from the behaviour policy; the off-policy correction bounds the
+ratio (truncating it, or masking tokens or whole episodes whose ratio leaves a band) so that a
+few tokens the sampler found very unlikely cannot dominate the gradient. Tensors follow the
+alignment of `gymrl.algo.trajectory`: `[B, T]`, position `t` describing token `t`.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
+
+from gymrl.config.schema import OffPolicyCorrectionConfig
 
 _CHUNK_POSITIONS = 2048
 
@@ -92,18 +96,22 @@ def grpo_loss(
     clip_ratio_low: float,
     clip_ratio_high: float,
     kl_coef: float,
-    importance_sampling_correction: bool,
-    importance_ratio_cap: float | None,
+    off_policy: OffPolicyCorrectionConfig,
     token_level_normalization: bool,
     normalizer: float | None = None,
+    agents: Sequence[str] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Per-token loss `-min(r A, clip(r, 1 - low, 1 + high) A) + kl_coef * k3`, reduced over
     the masked tokens; returns `(loss, metrics)`.
 
-    * `r`: with `importance_sampling_correction`, `exp(logprobs - generation_logprobs)`, truncated
-      at `importance_ratio_cap` when given (its value is capped, its gradient scaled down with it,
-      not zeroed); without it, `exp(logprobs - logprobs.detach())`, which is 1 with the gradient
-      of the plain policy gradient (valid only when the samples are on-policy).
+    * `r` is the importance ratio `exp(logprobs - generation_logprobs)` as `off_policy` bounds it
+      (`gymrl.config.schema.OffPolicyCorrectionConfig`): capped in value, its gradient scaled
+      down with it, never zeroed (`*_truncate`); or kept as it is on the tokens it keeps, the
+      others leaving the loss (`*_mask`; they still count in the denominator, so the kept ones
+      are not re-weighted). In the sequence modes the value of `r` is the geometric mean of the
+      episode's token ratios and its gradient each token's own. Mode `none`:
+      `exp(logprobs - logprobs.detach())`, which is 1 with the gradient of the plain policy
+      gradient (valid only when the samples are on-policy).
     * `k3 = exp(ref - logprobs) - (ref - logprobs) - 1`, an unbiased, non-negative estimate of
       KL(pi_theta || pi_ref); `reference_logprobs` is required when `kl_coef > 0`.
     * `token_level_normalization=True`: sum over every masked token / number of masked tokens
@@ -116,9 +124,10 @@ def grpo_loss(
 
     Masked-out positions never reach the result, even when their values are NaN or infinite.
     Metrics are floats: `loss`, `pg_loss`, `kl`, `clip_fraction` (share of tokens whose gradient
-    the clip removed), `importance_ratio/mean` and `importance_ratio/max` (of the uncapped
-    ratio), `approx_entropy` (mean negative log-probability of the sampled tokens; an entropy
-    estimate when the samples are near on-policy) and `num_tokens`.
+    the clip removed), `importance_ratio/mean` and `importance_ratio/max` (of the uncorrected
+    token ratio), `approx_entropy` (mean negative log-probability of the sampled tokens; an
+    entropy estimate when the samples are near on-policy) and `num_tokens`. With `agents` (one
+    name per row), also each agent's trainer-engine statistics (:func:`agent_statistics`).
     """
     _check_shapes(logprobs, generation_logprobs, advantages, loss_mask, reference_logprobs)
     if kl_coef < 0:
@@ -133,37 +142,33 @@ def grpo_loss(
             f"clip ratios must satisfy 0 <= clip_ratio_low < 1 and clip_ratio_high >= 0; got "
             f"clip_ratio_low={clip_ratio_low}, clip_ratio_high={clip_ratio_high}"
         )
-    if importance_ratio_cap is not None and importance_ratio_cap <= 0:
-        raise ValueError(f"importance_ratio_cap must be > 0 or None, got {importance_ratio_cap}")
     if normalizer is not None and normalizer <= 0:
         raise ValueError(f"normalizer must be > 0 (a token or sequence count), got {normalizer}")
+    if agents is not None and len(agents) != logprobs.shape[0]:
+        raise ValueError(
+            f"agents has {len(agents)} names for {logprobs.shape[0]} rows; one per row"
+        )
 
     mask = loss_mask.bool()
     zeros = torch.zeros_like(logprobs)
     # Zero the masked-out positions before any exp so that padding garbage cannot become inf/NaN.
     current = torch.where(mask, logprobs, zeros)
-    behaviour = (
-        torch.where(mask, generation_logprobs.to(logprobs.dtype), zeros)
-        if importance_sampling_correction
-        else current.detach()
-    )
-    log_ratio = current - behaviour
-    if importance_ratio_cap is not None:
-        # Truncation in log space: the value becomes min(r, cap) without overflowing, and the
-        # gradient stays min(r, cap) * grad(logprobs) instead of vanishing above the cap.
-        excess = (log_ratio.detach() - math.log(importance_ratio_cap)).clamp(min=0.0)
-        log_ratio = log_ratio - excess
-    ratio = torch.exp(log_ratio)
+    engine = torch.where(mask, generation_logprobs.to(logprobs.dtype), zeros)
+    correction = correct_off_policy(current, engine, mask, off_policy)
+    ratio = torch.exp(correction.log_ratio)
     advantage = advantages.to(logprobs.dtype).unsqueeze(-1).expand_as(logprobs)
     clipped = ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    pg_per_token = -torch.minimum(ratio * advantage, clipped * advantage)
+    kept = correction.kept
+    pg_per_token = torch.where(kept, -torch.minimum(ratio * advantage, clipped * advantage), 0.0)
     per_token = pg_per_token
     kl_per_token = None
     if reference_logprobs is not None:
         log_ref_over_policy = (
             torch.where(mask, reference_logprobs.to(logprobs.dtype), zeros) - current
         )
-        kl_per_token = torch.exp(log_ref_over_policy) - log_ref_over_policy - 1.0
+        kl_per_token = torch.where(
+            kept, torch.exp(log_ref_over_policy) - log_ref_over_policy - 1.0, 0.0
+        )
         if kl_coef > 0:
             per_token = per_token + kl_coef * kl_per_token
 
@@ -171,9 +176,10 @@ def grpo_loss(
     loss = reduce(per_token)
     with torch.no_grad():
         num_tokens = int(mask.sum())
-        low_clipped = (ratio < 1.0 - clip_ratio_low) & (advantage < 0)
-        high_clipped = (ratio > 1.0 + clip_ratio_high) & (advantage > 0)
+        low_clipped = (ratio < 1.0 - clip_ratio_low) & (advantage < 0) & kept
+        high_clipped = (ratio > 1.0 + clip_ratio_high) & (advantage > 0) & kept
         token_mean = _reducer(mask, token_level_normalization=True, normalizer=None)
+        behaviour = current if off_policy.mode == "none" else engine
         masked_ratio = torch.exp(current - behaviour)[mask]
         metrics = {
             "loss": float(loss),
@@ -185,7 +191,138 @@ def grpo_loss(
             "approx_entropy": float(token_mean(-current)),
             "num_tokens": float(num_tokens),
         }
+        if agents is not None:
+            metrics.update(agent_statistics(current, engine, mask, correction, agents))
     return loss, metrics
+
+
+@dataclass(frozen=True)
+class Correction:
+    """What an off-policy correction made of a batch: the log-ratio the PPO objective uses
+    (`[B, T]`, with the gradient of `logprobs`), the tokens it keeps in the loss, and the tokens
+    whose ratio it capped."""
+
+    log_ratio: torch.Tensor
+    kept: torch.Tensor
+    capped: torch.Tensor
+
+
+def correct_off_policy(
+    current: torch.Tensor,
+    engine: torch.Tensor,
+    mask: torch.Tensor,
+    config: OffPolicyCorrectionConfig,
+) -> Correction:
+    """Bound the importance ratio of every generated token as `config.mode` says (see
+    :func:`grpo_loss`); `current` and `engine` are zero outside `mask`."""
+    if config.mode == "none":
+        return Correction(current - current.detach(), mask, torch.zeros_like(mask))
+    log_ratio = current - engine
+    judged = log_ratio.detach()  # what the decision looks at: the token's or the episode's
+    if config.mode.startswith("sequence_"):
+        count = mask.sum(dim=1, keepdim=True).clamp(min=1)
+        episode = judged.sum(dim=1, keepdim=True) / count
+        judged = torch.where(mask, episode.expand_as(judged), 0.0)
+        log_ratio = log_ratio - log_ratio.detach() + judged
+    log_high = math.log(config.ratio_high)
+    if config.mode.endswith("_truncate"):
+        # Truncation in log space: the value becomes min(r, cap) without overflowing, and the
+        # gradient stays min(r, cap) * grad(logprobs) instead of vanishing above the cap.
+        excess = (judged - log_high).clamp(min=0.0)
+        return Correction(log_ratio - excess, mask, mask & (excess > 0))
+    outside = (judged < math.log(config.ratio_low)) | (judged > log_high)
+    return Correction(log_ratio, mask & ~outside, torch.zeros_like(mask))
+
+
+# Per agent, what `agent_statistics` totals over rows, micro-batches and ranks: the maximum or
+# minimum for these, the sum for the others; `finish_agent_statistics` turns the totals into the
+# documented figures.
+AGENT_STATISTICS_PREFIX = "by_agent/"
+_MAX_STATISTICS = ("abs_diff_max", "ratio_max")
+_MIN_STATISTICS = ("ratio_min",)
+
+
+def agent_statistics(
+    current: torch.Tensor,
+    engine: torch.Tensor,
+    mask: torch.Tensor,
+    correction: Correction,
+    agents: Sequence[str],
+) -> dict[str, float]:
+    """Per agent, totals of trainer-versus-engine figures over its generated tokens, as
+    `by_agent/<agent>/<total>` floats that add up across micro-batches and ranks
+    (:func:`merge_agent_statistics`). The ratio is the uncorrected token ratio; its deviations
+    from 1 are summed rather than the ratio itself, so its spread survives float rounding."""
+    diff = (current - engine).detach().double()
+    ratio = torch.exp(diff)
+    weights = mask.double()
+    per_row = {
+        "tokens": weights.sum(1),
+        "masked": (mask & ~correction.kept).double().sum(1),
+        "capped": correction.capped.double().sum(1),
+        "abs_diff": (diff.abs() * weights).sum(1),
+        "ratio_dev": ((ratio - 1) * weights).sum(1),
+        "ratio_dev_sq": ((ratio - 1).square() * weights).sum(1),
+        "abs_diff_max": torch.where(mask, diff.abs(), 0.0).amax(1),
+        "ratio_max": torch.where(mask, ratio, -math.inf).amax(1),
+        "ratio_min": torch.where(mask, ratio, math.inf).amin(1),
+    }
+    columns = {name: values.tolist() for name, values in per_row.items()}
+    rows = [
+        {
+            f"{AGENT_STATISTICS_PREFIX}{agent}/{name}": column[row]
+            for name, column in columns.items()
+        }
+        for row, agent in enumerate(agents)
+        if columns["tokens"][row] > 0
+    ]
+    return merge_agent_statistics(rows)
+
+
+def merge_agent_statistics(reports: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """The `by_agent/...` totals of several reports (rows, micro-batches or ranks) combined."""
+    merged: dict[str, float] = {}
+    for report in reports:
+        for key, value in report.items():
+            if not key.startswith(AGENT_STATISTICS_PREFIX):
+                continue
+            total = key.rsplit("/", 1)[1]
+            if key not in merged:
+                merged[key] = value
+            elif total in _MAX_STATISTICS:
+                merged[key] = max(merged[key], value)
+            elif total in _MIN_STATISTICS:
+                merged[key] = min(merged[key], value)
+            else:
+                merged[key] += value
+    return merged
+
+
+def finish_agent_statistics(totals: Mapping[str, float]) -> dict[str, dict[str, float]]:
+    """Per agent, the documented figures of its `by_agent/...` totals: `masked_share`,
+    `capped_share`, `logprob_diff/mean|max` (|trainer - engine| per token) and
+    `ratio/mean|std|min|max` (the uncorrected token ratio)."""
+    by_agent: dict[str, dict[str, float]] = {}
+    for key, value in totals.items():
+        if key.startswith(AGENT_STATISTICS_PREFIX):
+            agent, total = key[len(AGENT_STATISTICS_PREFIX) :].rsplit("/", 1)
+            by_agent.setdefault(agent, {})[total] = value
+    figures = {}
+    for agent, total in by_agent.items():
+        tokens = total["tokens"]
+        deviation = total["ratio_dev"] / tokens
+        variance = max(total["ratio_dev_sq"] / tokens - deviation**2, 0.0)
+        figures[agent] = {
+            "masked_share": total["masked"] / tokens,
+            "capped_share": total["capped"] / tokens,
+            "logprob_diff/mean": total["abs_diff"] / tokens,
+            "logprob_diff/max": total["abs_diff_max"],
+            "ratio/mean": 1.0 + deviation,
+            "ratio/std": math.sqrt(variance),
+            "ratio/min": total["ratio_min"],
+            "ratio/max": total["ratio_max"],
+        }
+    return figures
 
 
 def _reducer(mask: torch.Tensor, token_level_normalization: bool, normalizer: float | None):

@@ -32,7 +32,11 @@ class Trajectory:
     A masked sample (the postprocessor's `on_malformed_result="mask"`) has no tokens: it trains on
     nothing but its reward still counts in its group's GRPO baseline. `weight_version` is the
     version of the weights that generated it (the oldest one, if a refit happened mid-episode);
-    the replay buffer bounds staleness with it.
+    the replay buffer bounds staleness with it. `overlong`: some model call of the episode ended
+    at its token limit (also when truncation dropped that call); `turn_lengths`: the generated
+    tokens of each model call trained on (what the soft overlong penalty measures).
+    `length_penalty` is what the episode rules (`gymrl.algo.episodes`) took off its reward for
+    the GRPO advantage: `reward` stays the environment's.
     """
 
     token_ids: list[int]
@@ -43,6 +47,8 @@ class Trajectory:
     group_id: str
     weight_version: int
     overlong: bool = False
+    turn_lengths: tuple[int, ...] = ()
+    length_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         lengths = {len(self.token_ids), len(self.loss_mask), len(self.generation_logprobs)}
@@ -64,6 +70,11 @@ class Trajectory:
         return sum(self.loss_mask)
 
     @property
+    def training_reward(self) -> float:
+        """The reward the GRPO advantage is computed from."""
+        return self.reward - self.length_penalty
+
+    @property
     def is_masked(self) -> bool:
         """True for a sample that contributes to its group's baseline but to no loss token."""
         return not self.token_ids
@@ -83,6 +94,7 @@ class Trajectory:
         token_ids: list[int] = []
         loss_mask: list[int] = []
         logprobs: list[float] = []
+        turn_lengths: list[int] = []
         for index, entry in enumerate(out["message_log"]):
             ids = entry["token_ids"]
             role = entry["role"]
@@ -95,6 +107,7 @@ class Trajectory:
                     )
                 logprobs.extend(generated)
                 loss_mask.extend([1] * len(ids))
+                turn_lengths.append(len(ids))
             elif role == "user":
                 logprobs.extend([0.0] * len(ids))
                 loss_mask.extend([0] * len(ids))
@@ -113,6 +126,7 @@ class Trajectory:
             group_id=group_id,
             weight_version=weight_version,
             overlong=bool(out["overlong"]),
+            turn_lengths=tuple(turn_lengths),
         )
 
 

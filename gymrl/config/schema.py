@@ -406,17 +406,84 @@ TrainerConfig = Annotated[
 
 
 # -------------------------------------------------------------------------------------------- loss
+class OffPolicyCorrectionConfig(Strict):
+    """How the importance ratio `pi_trainer / pi_engine` of each generated token (against the
+    log-probabilities the engine returned) is bounded before the PPO clip (gymrl.algo.loss).
+
+    Token modes look at each token's own ratio; sequence modes at the geometric mean of the
+    episode's token ratios, which then stands for every token of the episode (GSPO's token form:
+    the value is the episode's, the gradient each token's)."""
+
+    mode: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = (
+        Field(
+            default="token_truncate",
+            description="none: no correction, the ratio is 1 (on-policy samples only; refused with "
+            "grpo.async_enabled). token_truncate: each token's ratio is capped at ratio_high "
+            "(truncated importance sampling; its gradient is scaled down with it). token_mask: "
+            "tokens whose ratio is outside [ratio_low, ratio_high] leave the loss (ICE-POP). "
+            "sequence_truncate: the episode's geometric-mean ratio, capped at ratio_high. "
+            "sequence_mask: episodes whose geometric-mean ratio is outside [ratio_low, ratio_high] "
+            "leave the loss. Masked tokens still count in the loss's denominator.",
+        )
+    )
+    ratio_low: float = Field(
+        default=0.5,
+        gt=0,
+        lt=1,
+        description="Bottom of the kept band of the mask modes (unused by the others).",
+    )
+    ratio_high: float = Field(
+        default=2.0,
+        gt=1,
+        description="Cap of the truncate modes and top of the kept band of the mask modes.",
+    )
+
+
+class EpisodeRulesConfig(Strict):
+    """How one agent's episodes enter the loss and their group's baseline (gymrl.algo.episodes)."""
+
+    overlong_mask: bool = Field(
+        default=False,
+        description="Episodes that hit a token limit (the agent's `overlong` flag or Gym's "
+        "incomplete_details: max_output_tokens, kept when truncation dropped that turn) train "
+        "on no token; their reward still joins the baseline as masked_in_baseline says.",
+    )
+    overlong_penalty_buffer_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="DAPO's soft overlong penalty: a model call that generated more than "
+        "limit - buffer tokens costs its episode (tokens - (limit - buffer)) / buffer x "
+        "overlong_penalty_max of reward, up to overlong_penalty_max at the limit (the episode "
+        "pays for its longest call). 0 = off.",
+    )
+    overlong_penalty_limit_tokens: int | None = Field(
+        default=None,
+        gt=0,
+        description="The per-call token limit the soft penalty measures against; null = "
+        "generation.server.max_tokens_per_turn (the policy server's default limit).",
+    )
+    overlong_penalty_max: float = Field(
+        default=1.0, gt=0, description="Reward an episode loses at the limit."
+    )
+    masked_in_baseline: bool = Field(
+        default=True,
+        description="Masked episodes (on_malformed_result=mask, overlong_mask) count in their "
+        "group's mean and standard deviation with their reward; false leaves them out.",
+    )
+    failed_reward: float | None = Field(
+        default=None,
+        description="Episodes that failed after their retries (an infrastructure failure: no "
+        "result): null leaves them out of their group's baseline; a number counts each as a "
+        "masked episode with this reward in the group's mean and standard deviation.",
+    )
+
+
 class LossConfig(Strict):
     clip_ratio_low: float = Field(default=0.2, ge=0, description="PPO clip below 1.")
     clip_ratio_high: float = Field(default=0.28, ge=0, description="PPO clip above 1 (DAPO).")
     kl_coef: float = Field(default=0.0, ge=0, description="Weight of the k3 KL to the reference.")
-    importance_sampling_correction: bool = Field(
-        default=True,
-        description="Ratio against the sampler's log-probabilities (required for async GRPO, "
-        "whose samples come from older weights).",
-    )
-    importance_ratio_cap: float | None = Field(
-        default=2.0, gt=1, description="Truncated importance sampling cap; null = no cap."
+    off_policy_correction: OffPolicyCorrectionConfig = Field(
+        default_factory=OffPolicyCorrectionConfig
     )
     token_level_normalization: bool = Field(
         default=True,
@@ -426,6 +493,38 @@ class LossConfig(Strict):
     normalize_advantages_by_std: bool = Field(
         default=True, description="Divide group-centred rewards by the group's std."
     )
+    episodes: EpisodeRulesConfig = Field(
+        default_factory=EpisodeRulesConfig, description="Episode rules of every agent."
+    )
+    episodes_per_agent: dict[str, EpisodeRulesConfig] = Field(
+        default_factory=dict,
+        description="Per agent name, the fields that differ from loss.episodes for that agent "
+        "(merged over it: loss.episodes_per_agent.calculator_agent.overlong_mask=true keeps "
+        "every other loss.episodes field).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _merge_agent_rules_over_the_shared_ones(cls, data: Any) -> Any:
+        """Each agent's partial rules become whole ones, merged over `episodes`, so that a
+        default has one home (EpisodeRulesConfig) and an agent entry says only what differs."""
+        if not isinstance(data, dict) or not isinstance(data.get("episodes_per_agent"), dict):
+            return data
+        shared = data.get("episodes", {})
+        if isinstance(shared, BaseModel):
+            shared = shared.model_dump()
+        if not isinstance(shared, dict):
+            return data  # the field's own validation reports it
+        merged = {}
+        for agent, rules in data["episodes_per_agent"].items():
+            if isinstance(rules, BaseModel):
+                rules = rules.model_dump(exclude_unset=True)
+            merged[agent] = {**shared, **rules} if isinstance(rules, dict) else rules
+        return {**data, "episodes_per_agent": merged}
+
+    def episode_rules(self, agent: str) -> EpisodeRulesConfig:
+        """The rules `agent`'s episodes follow."""
+        return self.episodes_per_agent.get(agent, self.episodes)
 
 
 # --------------------------------------------------------------------------------------------- env
@@ -638,6 +737,63 @@ class LoggerConfig(Strict):
 
 
 # -------------------------------------------------------------------------------------------- grpo
+class DynamicSamplingConfig(Strict):
+    """DAPO's dynamic sampling: a group whose episodes all got the same reward has zero
+    advantages and teaches nothing, so the producer drops it and runs another row instead."""
+
+    enabled: bool = Field(
+        default=False,
+        description="Drop groups without reward variance (after the episode rules' overlong "
+        "penalty) before they reach a step, and run further rows in their place. Off by "
+        "default: it has not been measured to help on the embedded task.",
+    )
+    max_dropped_groups_per_step: int = Field(
+        default=8,
+        ge=0,
+        description="The over-sampling budget: groups dropped between two trainer steps (two "
+        "refits), over every agent; once it is spent, groups without variance go to the step "
+        "as they are, so a step never waits on rows that keep coming back uniform.",
+    )
+
+
+class ParityToleranceConfig(Strict):
+    """Largest trainer-engine disagreement accepted at the first step, for one compute dtype."""
+
+    logprob_diff_mean: float = Field(
+        gt=0, description="Mean |trainer - engine| log-probability per generated token."
+    )
+    logprob_diff_max: float = Field(
+        gt=0, description="Largest |trainer - engine| log-probability of any generated token."
+    )
+    ratio_std: float = Field(
+        gt=0, description="Standard deviation of the per-token importance ratio."
+    )
+
+
+class ParityGateConfig(Strict):
+    """At the first step of a run, engine and trainer hold the same weights, so their
+    log-probabilities of the sampled tokens differ only by kernels and precision; a larger gap
+    is a bug (a wrong temperature, template, refit or tokenizer) that would bias every step."""
+
+    enabled: bool = Field(default=True, description="Check the first step; false skips it.")
+    on_failure: Literal["stop", "warn"] = Field(
+        default="stop",
+        description="stop: end the run naming the agent and the figures; warn: print that and "
+        "go on (parity/passed logs 0).",
+    )
+    float32: ParityToleranceConfig = Field(
+        default=ParityToleranceConfig(
+            logprob_diff_mean=1e-3, logprob_diff_max=2e-2, ratio_std=5e-3
+        ),
+        description="Tolerance when both sides compute in float32.",
+    )
+    bfloat16: ParityToleranceConfig = Field(
+        default=ParityToleranceConfig(logprob_diff_mean=5e-2, logprob_diff_max=1.0, ratio_std=0.15),
+        description="Tolerance when either side computes in bfloat16 (policy.dtype, or the "
+        "trainer's resolved policy.compute_dtype).",
+    )
+
+
 class GRPOConfig(Strict):
     num_steps: int = Field(gt=0, description="Optimizer steps of the run.")
     num_prompts_per_step: int = Field(gt=0, description="GRPO groups per step.")
@@ -672,6 +828,8 @@ class GRPOConfig(Strict):
         description="Sampling temperature of validation episodes: 0 = greedy (top-p unused); "
         "above 0 samples with generation.sampling.top_p.",
     )
+    dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
+    parity_gate: ParityGateConfig = Field(default_factory=ParityGateConfig)
 
 
 class TokenCaptureConfig(Strict):

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from gymrl.algo.episodes import EpisodeRules
 from gymrl.algo.trajectory import Trajectory
 from gymrl.config.schema import GRPOConfig
 from gymrl.experience.rollout_group import RolloutGroup, scalar_fields
@@ -26,6 +28,9 @@ from nemo_gym_ext.rollout import FailureBudget, GroupOutcome, UnknownAgentError
 from nemo_gym_ext.wire import agent_name_of
 
 _POLL_S = 0.5
+# Fields the producer adds to each episode's summary, so that per-agent metrics report them.
+LENGTH_PENALTY_FIELD = "length_penalty"
+OVERLONG_MASKED_FIELD = "overlong_masked"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -73,11 +78,15 @@ class GroupSink(Protocol):
 @dataclass(frozen=True)
 class ProducerCounts:
     """Totals since the producer started: retried episodes, groups dropped for want of a
-    baseline, and episodes that failed after their retries."""
+    baseline, episodes that failed after their retries; with dynamic sampling, groups dropped
+    for teaching nothing (per agent) and such groups delivered because the step's budget of
+    drops was spent."""
 
     retries: int
     dropped_groups: int
     failures: int
+    uniform_dropped: Mapping[str, int] = field(default_factory=dict)
+    uniform_over_budget: int = 0
 
 
 class RolloutProducer(threading.Thread):
@@ -98,9 +107,11 @@ class RolloutProducer(threading.Thread):
         *,
         first_step: int,
         failure_budget: int,
+        rules: EpisodeRules,
     ):
         super().__init__(name="rollout-producer", daemon=True)
         self._grpo = grpo
+        self._rules = rules
         self._rows = rows
         self._runner = runner
         self._buffer = buffer
@@ -116,12 +127,21 @@ class RolloutProducer(threading.Thread):
         self._counts_lock = threading.Lock()
         self._retries = self._dropped_groups = 0
         self._failures = FailureBudget(failure_budget)
+        self._uniform_dropped: Counter[str] = Counter()
+        self._uniform_over_budget = 0
+        self._uniform_dropped_this_step = 0
         self._serial = 0
 
     def counts(self) -> ProducerCounts:
         """A consistent snapshot of the producer's totals, from any thread."""
         with self._counts_lock:
-            return ProducerCounts(self._retries, self._dropped_groups, self._failures.count)
+            return ProducerCounts(
+                self._retries,
+                self._dropped_groups,
+                self._failures.count,
+                dict(self._uniform_dropped),
+                self._uniform_over_budget,
+            )
 
     def _credit(self, step: int) -> int:
         """Groups the buffer may have received once the trainer has taken `step` steps."""
@@ -135,6 +155,8 @@ class RolloutProducer(threading.Thread):
             self._weight_version = step
             self._allowed = self._credit(step) + evicted_total
             self._condition.notify_all()
+        with self._counts_lock:
+            self._uniform_dropped_this_step = 0  # the over-sampling budget is per step
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop submitting, cancel the groups in flight, and wait for the thread to end."""
@@ -199,16 +221,43 @@ class RolloutProducer(threading.Thread):
             self._failures.record(outcome.failures)  # past the budget: raises, ends the thread
         if not baseline:
             return
-        group = RolloutGroup.of(
-            [
+        trajectories = [
+            self._rules.shape(
                 Trajectory.from_postprocessed(episode, group_id=group_id, weight_version=version)
-                for episode in outcome.episodes
+            )
+            for episode in outcome.episodes
+        ]
+        if self._drops_as_uniform(trajectories, len(outcome.failures)):
+            return
+        group = RolloutGroup.of(
+            trajectories,
+            [
+                {
+                    **scalar_fields(episode["full_result"]),
+                    LENGTH_PENALTY_FIELD: trajectory.length_penalty,
+                    OVERLONG_MASKED_FIELD: trajectory.overlong and trajectory.is_masked,
+                }
+                for episode, trajectory in zip(outcome.episodes, trajectories, strict=True)
             ],
-            [scalar_fields(episode["full_result"]) for episode in outcome.episodes],
             seconds=seconds,
+            failed_episodes=len(outcome.failures),
         )
         # A group the buffer finds already stale counts as delivered: the trainer's eviction
         # count, passed to `advance`, is what gives its credit back.
         self._buffer.put(group, self._grpo.batch_timeout_s)
         with self._condition:
             self._accepted += 1
+
+    def _drops_as_uniform(self, group: Sequence[Trajectory], failed: int) -> bool:
+        """Dynamic sampling: whether to drop this group, which teaches nothing, within the
+        step's budget of drops (counted either way)."""
+        sampling = self._grpo.dynamic_sampling
+        if not sampling.enabled or not self._rules.teaches_nothing(group, failed):
+            return False
+        with self._counts_lock:
+            if self._uniform_dropped_this_step >= sampling.max_dropped_groups_per_step:
+                self._uniform_over_budget += 1
+                return False
+            self._uniform_dropped_this_step += 1
+            self._uniform_dropped[group[0].agent] += 1
+            return True

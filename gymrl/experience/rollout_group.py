@@ -19,12 +19,14 @@ from gymrl.algo.trajectory import Trajectory
 class RolloutGroup:
     """Every episode of one row that came back, with one weight version: the oldest of its
     trajectories'. `summaries[i]` is episode i's agent and numeric result fields
-    (`scalar_fields`); `seconds` runs from submission to the group's outcome."""
+    (`scalar_fields`); `seconds` runs from submission to the group's outcome;
+    `failed_episodes` is how many of the row's episodes failed after their retries."""
 
     group_id: str
     trajectories: tuple[Trajectory, ...]
     summaries: tuple[Mapping[str, Any], ...]
     seconds: float
+    failed_episodes: int = 0
 
     def __post_init__(self):
         if not self.trajectories:
@@ -52,6 +54,7 @@ class RolloutGroup:
         summaries: Sequence[Mapping[str, Any]],
         *,
         seconds: float,
+        failed_episodes: int = 0,
     ) -> RolloutGroup:
         group_id = trajectories[0].group_id if trajectories else "<empty>"
         return cls(
@@ -59,6 +62,7 @@ class RolloutGroup:
             tuple(trajectories),
             tuple(dict(s) for s in summaries),
             seconds,
+            failed_episodes,
         )
 
     @property

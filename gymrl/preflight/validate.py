@@ -217,14 +217,16 @@ def _cross_field_issues(config: RecipeConfig) -> list[ConfigIssue]:
                 "env.nemo_gym.token_id_capture, rebuilds the output items instead)",
             )
         )
-    if config.grpo.async_enabled and not config.loss.importance_sampling_correction:
+    issues.extend(_overlong_penalty_issues(config))
+    if config.grpo.async_enabled and config.loss.off_policy_correction.mode == "none":
         issues.append(
             ConfigIssue(
-                "loss.importance_sampling_correction",
-                False,
-                "async GRPO trains on episodes sampled by older weights, which needs the "
-                "importance-sampling correction",
-                "set loss.importance_sampling_correction=true or grpo.async_enabled=false",
+                "loss.off_policy_correction.mode",
+                "none",
+                "async GRPO trains on episodes sampled by older weights, which needs an "
+                "off-policy correction",
+                "set loss.off_policy_correction.mode=token_truncate (or another mode) or "
+                "grpo.async_enabled=false",
             )
         )
     if policy.source != "pretrained" or policy.path:
@@ -535,4 +537,29 @@ def _role_environment_issues(config: RecipeConfig) -> list[ConfigIssue]:
                 f"nothing else there), or set cluster.roles.policy_server.{server.kind}=null",
             )
         )
+    return issues
+
+
+def _overlong_penalty_issues(config: RecipeConfig) -> list[ConfigIssue]:
+    """The soft overlong penalty counts back from a limit: its buffer must fit below it."""
+    loss = config.loss
+    named = {"loss.episodes": loss.episodes} | {
+        f"loss.episodes_per_agent.{agent}": rules
+        for agent, rules in loss.episodes_per_agent.items()
+    }
+    issues = []
+    for key, rules in named.items():
+        buffer = rules.overlong_penalty_buffer_tokens
+        limit = rules.overlong_penalty_limit_tokens or config.generation.server.max_tokens_per_turn
+        if buffer and buffer >= limit:
+            issues.append(
+                ConfigIssue(
+                    f"{key}.overlong_penalty_buffer_tokens",
+                    buffer,
+                    f"the penalty's buffer must be below the per-call token limit it counts back "
+                    f"from ({limit}: overlong_penalty_limit_tokens, else "
+                    "generation.server.max_tokens_per_turn)",
+                    f"set {key}.overlong_penalty_buffer_tokens below {limit}",
+                )
+            )
     return issues

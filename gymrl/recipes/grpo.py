@@ -24,11 +24,12 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import ray
-import torch
 from ray.exceptions import RayActorError
 from ray.util.placement_group import remove_placement_group
 
-from gymrl.algo.advantages import grpo_advantages, share_of_groups_with_variance
+from gymrl.algo.advantages import share_of_groups_with_variance
+from gymrl.algo.episodes import EpisodeRules
+from gymrl.algo.loss import finish_agent_statistics
 from gymrl.algo.trajectory import Trajectory
 from gymrl.cluster.placement import plan_placement, reserve
 from gymrl.cluster.ray_calls import wait_for
@@ -53,13 +54,12 @@ from gymrl.run.stop import StopSignals
 from gymrl.tracking.metrics_logger import build_logger
 from gymrl.tracking.plot import plot_run
 from gymrl.tracking.records import read_records
+from gymrl.trainer.grpo_step import agent_off_policy_metrics
+from gymrl.trainer.parity import ParityGateError, check_parity
 from nemo_gym_ext.gym_launch import GymStartError, GymVenvMissingError, PolicyEndpoint, gym_launcher
 from nemo_gym_ext.metrics import per_agent_metrics
 from nemo_gym_ext.postprocess import MalformedGymResultError, NonContiguousEpisodeError
 from nemo_gym_ext.rollout import RolloutBudgetExceeded, UnknownAgentError
-
-_ADVANTAGE_EPS = 1e-6
-
 
 # Errors that end a run with a message a user can act on (printed without a traceback).
 RUN_STOPPING_ERRORS = (
@@ -76,6 +76,7 @@ RUN_STOPPING_ERRORS = (
     RayActorError,
     GymVenvMissingError,
     GymStartError,
+    ParityGateError,
 )
 
 
@@ -224,6 +225,7 @@ class GRPORecipe:
             run_id=identity.wandb_run_id,
         )
         self._on_cleanup("the metrics logger", self.logger.close)
+        self.episode_rules = EpisodeRules(config.loss, config.generation.server.max_tokens_per_turn)
         self.producer = RolloutProducer(
             grpo,
             self.rows,
@@ -231,6 +233,7 @@ class GRPORecipe:
             self.buffer,
             first_step=self.first_step,
             failure_budget=config.env.rollout.failure_budget,
+            rules=self.episode_rules,
         )
         self._engine_seen = self._engine_snapshot()  # the first step's window starts here
         self.producer.start()
@@ -332,22 +335,19 @@ class GRPORecipe:
         return time.monotonic() - started
 
     def _step(self, step: int) -> dict[str, float]:
-        loss, producer = self.config.loss, self.producer
+        producer = self.producer
         started = time.monotonic()
         groups = self._wait_for_batch(step)
         waited = time.monotonic() - started
         trajectories = [t for group in groups for t in group.trajectories]
-        rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
-        advantages = grpo_advantages(
-            rewards,
-            [t.group_id for t in trajectories],
-            normalize_by_std=loss.normalize_advantages_by_std,
-            eps=_ADVANTAGE_EPS,
+        advantages = self.episode_rules.advantages(
+            trajectories, {group.group_id: group.failed_episodes for group in groups}
         )
         started = time.monotonic()
         self._trainer_ahead = True
         train_metrics = self.trainer.train_step(trajectories, advantages)
         trained = time.monotonic() - started
+        parity = self._parity_gate(step, trajectories, train_metrics)
         refit_s = self._refit(step + 1)
         buffer_stats = self.buffer.stats()
         # Before `advance` lets the producer take the next step's rows: in sync mode exactly the
@@ -357,6 +357,7 @@ class GRPORecipe:
         producer.advance(step + 1, buffer_stats["evicted_stale"])
         metrics = self._metrics(step, groups, train_metrics, producer.counts())
         metrics.update(self._engine_metrics())
+        metrics.update(parity)
         metrics.update(
             {
                 "timing/wait_for_batch_s": waited,
@@ -395,6 +396,21 @@ class GRPORecipe:
             "perf/generated_tokens_per_s": generated / (now - then),
         }
 
+    def _parity_gate(
+        self, step: int, trajectories: Sequence[Trajectory], train_metrics: Mapping[str, float]
+    ) -> dict[str, float]:
+        """At the run's first step (this process's, also after a resume), check that trainer and
+        engine agreed on the batch (gymrl/trainer/parity.py); `parity/passed` is logged then."""
+        gate = self.config.grpo.parity_gate
+        if not gate.enabled or step != self.first_step:
+            return {}
+        stale = [t.group_id for t in trajectories if t.weight_version != step]
+        if stale:  # the producer starts after the first refit, so this cannot happen
+            raise RuntimeError(f"first-step groups {stale[:3]} come from other weights than {step}")
+        figures = finish_agent_statistics(train_metrics)
+        passed = check_parity(figures, gate, self.trainer.compute_dtype())
+        return {"parity/passed": float(passed)}
+
     def _wait_for_batch(self, step: int) -> list[RolloutGroup]:
         """The step's groups, waiting in short slices so a producer error surfaces at once."""
         producer = self.producer
@@ -423,8 +439,17 @@ class GRPORecipe:
         results = [summary for group in groups for summary in group.summaries]
         ages = [step - t.weight_version for t in trajectories]
         generated = sum(t.num_generated_tokens for t in trajectories)
-        metrics: dict[str, float] = {f"train/{k}": v for k, v in train_metrics.items()}
+        own, off_policy = agent_off_policy_metrics(train_metrics)
+        metrics: dict[str, float] = {f"train/{k}": v for k, v in own.items()}
         metrics.update({f"train/{k}": v for k, v in per_agent_metrics(results).items()})
+        metrics.update({f"train/{k}": v for k, v in off_policy.items()})
+        metrics.update({f"train/{k}": v for k, v in _infra_failure_rates(groups).items()})
+        metrics.update(
+            {
+                f"rollout/{agent}/uniform_dropped_total": float(count)
+                for agent, count in counts.uniform_dropped.items()
+            }
+        )
         metrics.update(
             {
                 "train/reward/mean": float(sum(t.reward for t in trajectories) / len(trajectories)),
@@ -436,6 +461,7 @@ class GRPORecipe:
                 "rollout/failures_total": float(counts.failures),
                 "rollout/retries_total": float(counts.retries),
                 "rollout/dropped_groups_total": float(counts.dropped_groups),
+                "rollout/uniform_over_budget_total": float(counts.uniform_over_budget),
                 "rollout/group_s/mean": _mean([group.seconds for group in groups]),
                 "async/weight_version": float(step + 1),
                 "async/trajectory_age/mean": _mean(ages),
@@ -450,6 +476,18 @@ class GRPORecipe:
         when called twice. A role that does not close cleanly is reported, not raised: it must
         not mask the error that ended the run, nor keep the roles before it from closing."""
         self._closers.close()
+
+
+def _infra_failure_rates(groups: Sequence[RolloutGroup]) -> dict[str, float]:
+    """Per agent, `<agent>/infra_failure_rate`: the share of the step's groups' episodes that
+    failed after their retries (no result), whatever the baseline does with them."""
+    failed: dict[str, int] = {}
+    total: dict[str, int] = {}
+    for group in groups:
+        agent = group.trajectories[0].agent
+        failed[agent] = failed.get(agent, 0) + group.failed_episodes
+        total[agent] = total.get(agent, 0) + group.failed_episodes + len(group.trajectories)
+    return {f"{agent}/infra_failure_rate": failed[agent] / total[agent] for agent in total}
 
 
 def _mean(values: Sequence[float]) -> float:

@@ -105,6 +105,9 @@ class PolicyTrainerActor:
     def weight_version(self) -> int:
         return self._trainer.weight_version
 
+    def compute_dtype(self) -> str:
+        return self._trainer.compute_dtype
+
     def save_checkpoint(self, directory: str, step: int, data_state: dict) -> str:
         return str(self._trainer.save_checkpoint(Path(directory), step, data_state))
 
@@ -123,6 +126,11 @@ class TrainerRole(Protocol):
         """Restore and return at least `step` and `data_state`."""
         ...
 
+    def compute_dtype(self) -> str:
+        """What the trainer computes log-probabilities in, `float32` or `bfloat16` (the parity
+        gate's tolerance depends on it)."""
+        ...
+
     def close(self) -> None:
         """End every process and GPU reservation the role holds."""
         ...
@@ -133,6 +141,7 @@ class TorchTrainerRole:
         self, config: RecipeConfig, *, torch_threads: int, placement: Placement, group: Any
     ):
         self._timeout_s = config.grpo.batch_timeout_s
+        self._policy_dtype = config.policy.dtype
         generation = config.generation
         self._refit = generation.refit if isinstance(generation, SGLangGenerationConfig) else None
         role = placement.trainer
@@ -181,6 +190,12 @@ class TorchTrainerRole:
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
         return self._wait(self._actor.load_checkpoint.remote(str(path)), "loading a checkpoint")
 
+    def compute_dtype(self) -> str:
+        """policy.compute_dtype as the actor resolved it on its device; policy.dtype bfloat16
+        rounds the weights themselves."""
+        resolved = self._wait(self._actor.compute_dtype.remote(), "the trainer's compute dtype")
+        return "bfloat16" if self._policy_dtype == "bfloat16" else resolved
+
     def close(self) -> None:
         close_actor(self._actor)  # nothing to flush: checkpoints are written when asked for
 
@@ -194,6 +209,7 @@ class MegatronTrainerRole:
 
         self._refit_dir = output_dir / "refit"
         self._timeout_s = config.grpo.batch_timeout_s
+        self._policy_dtype = config.policy.dtype
         assert isinstance(config.generation, SGLangGenerationConfig)  # the validator's rule
         self._refit = config.generation.refit
         self._group = MegatronTrainerGroup(
@@ -230,6 +246,10 @@ class MegatronTrainerRole:
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
         return self._group.load_checkpoint(path)
+
+    def compute_dtype(self) -> str:
+        """Megatron (and SGLang) compute in policy.dtype."""
+        return self._policy_dtype
 
     def close(self) -> None:
         self._group.shutdown()

@@ -82,7 +82,8 @@ class TorchPolicyTrainer:
                 advantages=advantages[chunk],
                 pad_token_id=self._pad_token_id,
             )
-            loss, metrics = self._micro_batch_loss(batch, normalizer)
+            agents = [trajectories[i].agent for i in chunk]
+            loss, metrics = self._micro_batch_loss(batch, normalizer, agents)
             loss.backward()
             reports.append(metrics)
         grad_norm = torch.nn.utils.clip_grad_norm_(
@@ -99,7 +100,7 @@ class TorchPolicyTrainer:
         }
 
     def _micro_batch_loss(
-        self, batch: dict[str, torch.Tensor], normalizer: float
+        self, batch: dict[str, torch.Tensor], normalizer: float, agents: list[str]
     ) -> tuple[torch.Tensor, dict[str, float]]:
         batch = {name: tensor.to(self._device, non_blocking=True) for name, tensor in batch.items()}
         logprobs = self._logprobs(self.model, batch)
@@ -108,7 +109,12 @@ class TorchPolicyTrainer:
             with torch.no_grad():
                 reference = self._logprobs(self._reference, batch)
         return micro_batch_loss(
-            logprobs, batch, self._loss, normalizer=normalizer, reference_logprobs=reference
+            logprobs,
+            batch,
+            self._loss,
+            normalizer=normalizer,
+            agents=agents,
+            reference_logprobs=reference,
         )
 
     def _logprobs(self, model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -130,6 +136,12 @@ class TorchPolicyTrainer:
             batch["loss_mask"],
             self._temperature,
         )
+
+    @property
+    def compute_dtype(self) -> str:
+        """What the body multiplies in, resolved for this device: `float32` or `bfloat16`
+        (the parity gate's tolerance depends on it)."""
+        return "bfloat16" if self._compute_dtype == torch.bfloat16 else "float32"
 
     def export_weights(self) -> Mapping[str, torch.Tensor]:
         """The weights on the CPU (what crosses Ray's object store to the engine)."""

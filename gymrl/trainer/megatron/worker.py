@@ -138,7 +138,10 @@ class MegatronPolicyTrainer:
         if self._normalizer == 0:  # every trajectory masked: nothing to learn, no update
             return NOTHING_TRAINED if self.is_reporting_rank() else {}
         plan = self._own_plan(trajectories)
-        batches = [build_micro_batch(trajectories, advantages, mb) for mb in plan]
+        batches = [
+            (build_micro_batch(trajectories, advantages, mb), _row_agents(trajectories, mb))
+            for mb in plan
+        ]
         ps = self._ps
         self._loss_scale = megatron_loss_scale(
             len(batches), ps.get_data_parallel_world_size(), ps.get_context_parallel_world_size()
@@ -173,7 +176,10 @@ class MegatronPolicyTrainer:
         `token_ids`, position 0 is 0.0), keyed by index; only reporting ranks return theirs."""
         advantages = torch.zeros(len(trajectories))
         plan = self._own_plan(trajectories)
-        batches = [build_micro_batch(trajectories, advantages, mb) for mb in plan]
+        batches = [
+            (build_micro_batch(trajectories, advantages, mb), _row_agents(trajectories, mb))
+            for mb in plan
+        ]
         for chunk in self._model:
             chunk.eval()
         with torch.no_grad():
@@ -206,13 +212,15 @@ class MegatronPolicyTrainer:
             data_iterator=iter(batches),
             model=self._model,
             num_microbatches=len(batches),
-            seq_length=batches[0]["input_ids"].shape[1],
-            micro_batch_size=batches[0]["input_ids"].shape[0],
+            seq_length=batches[0][0]["input_ids"].shape[1],
+            micro_batch_size=batches[0][0]["input_ids"].shape[0],
             forward_only=forward_only,
         )
 
     def _forward_step(self, step_fn, data_iterator, model):
-        batch = {k: v.cuda(non_blocking=True) for k, v in next(data_iterator).items()}
+        """`data_iterator` yields (micro-batch tensors, the agent of each row)."""
+        tensors, agents = next(data_iterator)
+        batch = {k: v.cuda(non_blocking=True) for k, v in tensors.items()}
         ps = self._ps
         local = context_parallel_positions(
             batch["input_ids"].shape[1],
@@ -223,7 +231,7 @@ class MegatronPolicyTrainer:
         position_ids = batch["position_ids"].index_select(1, local)
         # Causal attention over right-padded rows needs no mask: no real token sees padding.
         output = model(input_ids, position_ids, None)
-        return output, partial(step_fn, batch, local)
+        return output, partial(step_fn, batch, agents, local)
 
     def _token_logprobs(self, batch, local, logits: torch.Tensor) -> torch.Tensor:
         return token_logprobs(
@@ -234,14 +242,14 @@ class MegatronPolicyTrainer:
             vocab_size=self._vocab_size,
         )
 
-    def _loss_step(self, batch, local, logits):
+    def _loss_step(self, batch, agents, local, logits):
         logprobs = self._token_logprobs(batch, local, logits)
         loss, metrics = micro_batch_loss(
-            logprobs, batch, self._config.loss, normalizer=self._normalizer
+            logprobs, batch, self._config.loss, normalizer=self._normalizer, agents=agents
         )
         return loss * self._loss_scale, metrics
 
-    def _logprob_step(self, batch, local, logits):
+    def _logprob_step(self, batch, agents, local, logits):
         logprobs = self._token_logprobs(batch, local, logits)
         return logprobs.new_zeros(()), logprobs.cpu().tolist()
 
@@ -316,3 +324,8 @@ class MegatronPolicyTrainer:
         self.weight_version = state.weight_version
         restore_rng_state(state.rng[self.rank])
         return state.resume_info()
+
+
+def _row_agents(trajectories: Sequence[Trajectory], micro_batch: MicroBatch) -> list[str]:
+    """The agent of each row of `micro_batch` ("" for a filler row, which has no token)."""
+    return ["" if i is None else trajectories[i].agent for i in micro_batch.indices]

@@ -6,17 +6,25 @@ import pytest
 import torch
 
 import gymrl.algo.loss as loss_module
-from gymrl.algo.loss import grpo_loss, masked_token_logprobs, sequence_logprobs
+from gymrl.algo.loss import (
+    finish_agent_statistics,
+    grpo_loss,
+    masked_token_logprobs,
+    merge_agent_statistics,
+    sequence_logprobs,
+)
 from gymrl.algo.trajectory import Trajectory, collate
+from gymrl.config.schema import OffPolicyCorrectionConfig
 
 DEFAULTS = {
     "clip_ratio_low": 0.2,
     "clip_ratio_high": 0.2,
     "kl_coef": 0.0,
-    "importance_sampling_correction": True,
-    "importance_ratio_cap": None,
+    # Token truncation with a cap no ratio here reaches: the plain importance ratio.
+    "off_policy": OffPolicyCorrectionConfig(mode="token_truncate", ratio_high=1e9),
     "token_level_normalization": True,
 }
+ON_POLICY = OffPolicyCorrectionConfig(mode="none")
 
 
 def _loss(logprobs, generation_logprobs, advantages, loss_mask, **overrides):
@@ -52,7 +60,7 @@ def test_on_policy_ratio_is_one_and_normalisation_matters(token_level, expected)
         torch.full((2, 4), -5.0),  # ignored without importance-sampling correction
         ADVANTAGES,
         MASK,
-        importance_sampling_correction=False,
+        off_policy=ON_POLICY,
         token_level_normalization=token_level,
     )
     assert loss.item() == pytest.approx(expected)
@@ -64,9 +72,7 @@ def test_on_policy_ratio_is_one_and_normalisation_matters(token_level, expected)
 
 def test_gradient_raises_positive_advantage_tokens_and_lowers_negative_ones():
     logprobs = torch.full((2, 4), -0.7, requires_grad=True)
-    loss, _ = _loss(
-        logprobs, torch.zeros(2, 4), ADVANTAGES, MASK, importance_sampling_correction=False
-    )
+    loss, _ = _loss(logprobs, torch.zeros(2, 4), ADVANTAGES, MASK, off_policy=ON_POLICY)
     loss.backward()
     # d loss / d logprob = -A / num_tokens on generated tokens, 0 elsewhere.
     expected = torch.tensor([[0.0, -0.25, -0.25, -0.25], [0.0, 0.125, 0.0, 0.0]])
@@ -101,7 +107,7 @@ def test_importance_sampling_correction_scales_the_ratio_by_exp_new_minus_old():
     corrected, metrics = _loss(logprobs, generation, adv, mask, clip_ratio_high=1.0)
     assert corrected.item() == pytest.approx(-math.exp(0.5))
     assert metrics["importance_ratio/mean"] == pytest.approx(math.exp(0.5))
-    plain, _ = _loss(logprobs, generation, adv, mask, importance_sampling_correction=False)
+    plain, _ = _loss(logprobs, generation, adv, mask, off_policy=ON_POLICY)
     assert plain.item() == pytest.approx(-1.0)
 
 
@@ -110,7 +116,12 @@ def test_ratio_cap_truncates_the_value_but_keeps_a_gradient():
     # loss = -min(1.2 * -1, 1.1 * -1) = 1.2, and d loss / d logprob = 1.2 (not 0, not 1.6487).
     logprobs, generation, adv, mask = _one_token_per_sequence([0.5], [-1.0])
     loss, metrics = _loss(
-        logprobs, generation, adv, mask, clip_ratio_high=0.1, importance_ratio_cap=1.2
+        logprobs,
+        generation,
+        adv,
+        mask,
+        clip_ratio_high=0.1,
+        off_policy=OffPolicyCorrectionConfig(mode="token_truncate", ratio_high=1.2),
     )
     assert loss.item() == pytest.approx(1.2)
     loss.backward()
@@ -219,7 +230,7 @@ def test_one_step_on_a_real_model_moves_probabilities_with_the_advantage():
         batch["generation_logprobs"],
         batch["advantages"],
         batch["loss_mask"],
-        importance_sampling_correction=False,
+        off_policy=ON_POLICY,
     )
     loss.backward()
     torch.optim.SGD(model.parameters(), lr=0.5).step()
@@ -255,3 +266,113 @@ def test_masked_token_logprobs_equal_sequence_logprobs_on_the_mask_with_the_same
     (grad_full,) = torch.autograd.grad((full * loss_mask).sum(), hidden)
     (grad_fast,) = torch.autograd.grad(fast.sum(), hidden)
     torch.testing.assert_close(grad_fast, grad_full)
+
+
+# ------------------------------------------------------------------ off-policy correction modes
+def _mode(mode, low=0.5, high=2.0):
+    return OffPolicyCorrectionConfig(mode=mode, ratio_low=low, ratio_high=high)
+
+
+def test_token_mask_removes_exactly_the_tokens_outside_the_band():
+    # ratios 0.4 (below), 1.0, 1.9 (inside), 3.0 (above), all with A = -1 so no PPO clip hides
+    # a gradient: kept tokens get d loss / d logprob = ratio / 4, masked ones 0.
+    ratios = [0.4, 1.0, 1.9, 3.0]
+    logprobs, generation, adv, mask = _one_token_per_sequence(
+        [math.log(r) for r in ratios], [-1.0] * 4
+    )
+    loss, metrics = _loss(
+        logprobs, generation, adv, mask, clip_ratio_high=10.0, off_policy=_mode("token_mask")
+    )
+    assert loss.item() == pytest.approx((1.0 + 1.9) / 4, rel=1e-5)  # denominator stays 4
+    loss.backward()
+    torch.testing.assert_close(
+        logprobs.grad[:, 1], torch.tensor([0.0, 1.0, 1.9, 0.0]) / 4, rtol=1e-5, atol=1e-7
+    )
+    assert metrics["importance_ratio/max"] == pytest.approx(3.0, rel=1e-5)  # uncorrected
+
+
+_WIDE_CLIP = {"clip_ratio_low": 0.9, "clip_ratio_high": 10.0}
+
+
+def _two_episodes():
+    """Episode 0: token log-ratios 0.2, 1.0 (geometric-mean ratio e^0.6 = 1.82); episode 1:
+    0.0, -2.0 (e^-1 = 0.37). A = -1 for both and the clip set at [0.1, 11] (`_WIDE_CLIP`), so
+    the PPO clip never removes a gradient."""
+    engine = torch.tensor([[0.0, -1.0, -1.0], [0.0, -1.0, -1.0]])
+    logprobs = (engine + torch.tensor([[0.0, 0.2, 1.0], [0.0, 0.0, -2.0]])).requires_grad_()
+    mask = torch.tensor([[0, 1, 1], [0, 1, 1]])
+    return logprobs, engine, torch.tensor([-1.0, -1.0]), mask
+
+
+def test_sequence_truncate_gives_every_token_the_capped_geometric_mean():
+    logprobs, engine, adv, mask = _two_episodes()
+    loss, _ = _loss(
+        logprobs,
+        engine,
+        adv,
+        mask,
+        off_policy=_mode("sequence_truncate", high=1.5),
+        **_WIDE_CLIP,
+    )
+    # Episode 0: e^0.6 capped at 1.5 for both tokens; episode 1: e^-1 (below the cap).
+    per_token = [1.5, 1.5, math.exp(-1), math.exp(-1)]
+    assert loss.item() == pytest.approx(sum(per_token) / 4, rel=1e-5)
+    loss.backward()
+    expected = torch.tensor([[0.0, 1.5, 1.5], [0.0, math.exp(-1), math.exp(-1)]]) / 4
+    torch.testing.assert_close(logprobs.grad, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_sequence_mask_removes_the_episodes_outside_the_band():
+    logprobs, engine, adv, mask = _two_episodes()
+    loss, metrics = _loss(
+        logprobs,
+        engine,
+        adv,
+        mask,
+        off_policy=_mode("sequence_mask", low=0.5, high=2.0),
+        **_WIDE_CLIP,
+        agents=["kept", "dropped"],
+    )
+    assert loss.item() == pytest.approx(2 * math.exp(0.6) / 4, rel=1e-5)
+    loss.backward()
+    expected = torch.tensor([[0.0, math.exp(0.6), math.exp(0.6)], [0.0, 0.0, 0.0]]) / 4
+    torch.testing.assert_close(logprobs.grad, expected, rtol=1e-5, atol=1e-7)
+    figures = finish_agent_statistics(metrics)
+    assert figures["dropped"]["masked_share"] == 1.0 and figures["kept"]["masked_share"] == 0.0
+
+
+def test_agent_statistics_by_hand_and_across_micro_batches():
+    logprobs, engine, adv, mask = _two_episodes()
+    agents = ["a", "b"]
+    settings = {"off_policy": _mode("token_truncate", high=2.0), "agents": agents}
+    _, metrics = _loss(logprobs, engine, adv, mask, **settings)
+    figures = finish_agent_statistics(metrics)
+    ratios_a = [math.exp(0.2), math.exp(1.0)]
+    assert figures["a"]["logprob_diff/mean"] == pytest.approx(0.6)
+    assert figures["a"]["logprob_diff/max"] == pytest.approx(1.0)
+    assert figures["a"]["ratio/mean"] == pytest.approx(sum(ratios_a) / 2)
+    assert figures["a"]["ratio/std"] == pytest.approx(abs(ratios_a[1] - ratios_a[0]) / 2)
+    assert figures["a"]["capped_share"] == 0.5  # e^1 = 2.72 > 2
+    assert figures["b"]["ratio/min"] == pytest.approx(math.exp(-2.0))
+    assert figures["b"]["logprob_diff/mean"] == pytest.approx(1.0)
+    parts = [
+        _loss(
+            logprobs[i : i + 1],
+            engine[i : i + 1],
+            adv[i : i + 1],
+            mask[i : i + 1],
+            off_policy=settings["off_policy"],
+            agents=agents[i : i + 1],
+        )[1]
+        for i in range(2)
+    ]
+    assert finish_agent_statistics(merge_agent_statistics(parts)) == figures
+
+
+def test_mode_none_trains_on_policy_whatever_the_engine_said():
+    logprobs, engine, adv, mask = _two_episodes()
+    loss, metrics = _loss(logprobs, engine, adv, mask, off_policy=ON_POLICY, agents=["a", "b"])
+    assert loss.item() == pytest.approx(1.0)  # ratio 1, A = -1
+    assert metrics["importance_ratio/mean"] == 1.0
+    # The trainer-engine figures still compare with the engine.
+    assert finish_agent_statistics(metrics)["a"]["logprob_diff/max"] == pytest.approx(1.0)

@@ -125,7 +125,7 @@ COMMON_OVERRIDES = {
     "generation.server.api_key_file": "/run/secrets/policy_key",
     "generation.sampling.top_p": 0.9,
     "policy.model_cache_dir": "/tmp/models",
-    "loss.importance_ratio_cap": None,
+    "loss.off_policy_correction.mode": "token_mask",
     "env.rollout.max_retries": 0,
     "env.nemo_gym.truncate_noncontiguous_episodes": True,
     "cluster.ray_start_timeout_s": 5.0,

@@ -11,13 +11,16 @@ import time
 
 import pytest
 
-from gymrl.config.schema import GRPOConfig
+from gymrl.algo.episodes import EpisodeRules
+from gymrl.config.schema import DynamicSamplingConfig, EpisodeRulesConfig, GRPOConfig, LossConfig
 from gymrl.experience.producer import ProducerCounts, RolloutProducer
 from gymrl.experience.replay_buffer import ReplayBuffer
 from gymrl.experience.rows import RowStream
 from nemo_gym_ext.rollout import GroupOutcome, RolloutBudgetExceeded, UnknownAgentError
 
 AGENT = "calc_agent"
+LIMIT = 8  # the per-call token limit of the soft overlong penalty
+RULES = EpisodeRules(LossConfig(), default_limit_tokens=LIMIT)
 
 
 def _episode(reward=1.0, agent=AGENT):
@@ -82,7 +85,7 @@ def _outcome(row, size, *, failures=(), retries=0):
     )
 
 
-def _grpo(*, async_enabled=True, max_age=1, prompts=2):
+def _grpo(*, async_enabled=True, max_age=1, prompts=2, dynamic_sampling=None):
     return GRPOConfig(
         num_steps=10,
         num_prompts_per_step=prompts,
@@ -90,6 +93,7 @@ def _grpo(*, async_enabled=True, max_age=1, prompts=2):
         async_enabled=async_enabled,
         max_trajectory_age_steps=max_age,
         batch_timeout_s=5.0,
+        dynamic_sampling=dynamic_sampling or DynamicSamplingConfig(),
     )
 
 
@@ -112,7 +116,7 @@ def started():
     """Start producers and stop them after the test, whatever happened."""
     producers = []
 
-    def start(grpo, runner, buffer, *, first_step=0, failure_budget=4, rows=None):
+    def start(grpo, runner, buffer, *, first_step=0, failure_budget=4, rows=None, loss=None):
         producer = RolloutProducer(
             grpo,
             RowStream(rows or _rows()),
@@ -120,6 +124,7 @@ def started():
             buffer,
             first_step=first_step,
             failure_budget=failure_budget,
+            rules=EpisodeRules(loss or LossConfig(), default_limit_tokens=LIMIT),
         )
         producers.append(producer)
         producer.start()
@@ -212,7 +217,13 @@ def test_retries_are_summed_and_each_group_carries_its_summaries_and_time(starte
     assert producer.counts().retries == 4
     groups = buffer.get_batch(2, current_step=0, timeout_s=1)
     assert [group.group_id for group in groups] == ["r0#1", "r1#2"]
-    assert groups[0].summaries[0] == {"reward": 0.0, "turns": 1, "agent_ref": {"name": AGENT}}
+    assert groups[0].summaries[0] == {
+        "reward": 0.0,
+        "turns": 1,
+        "agent_ref": {"name": AGENT},
+        "length_penalty": 0.0,
+        "overlong_masked": False,
+    }
     assert [len(group.summaries) for group in groups] == [3, 3]
     assert all(group.seconds >= 0 for group in groups)
 
@@ -266,7 +277,9 @@ def test_the_position_a_checkpoint_records_and_what_a_resume_skips(async_enabled
     them, so those `in_flight` rows are never trained in this pass over the data."""
     grpo, runner = _grpo(async_enabled=async_enabled, max_age=1, prompts=2), FakeRunner()
     buffer, stream = _buffer(grpo), RowStream(_rows())
-    producer = RolloutProducer(grpo, stream, runner, buffer, first_step=0, failure_budget=4)
+    producer = RolloutProducer(
+        grpo, stream, runner, buffer, first_step=0, failure_budget=4, rules=RULES
+    )
     producer.start()
     try:
         _settled(runner, 2 + in_flight)
@@ -299,3 +312,107 @@ def test_producer_and_trainer_threads_hand_over_whole_groups(started):
     producer.stop()
     assert len(set(trained)) == len(trained) == 50
     assert producer.counts().retries == buffer.stats()["put"]
+
+
+# ------------------------------------------------------------------------- dynamic sampling
+def _uniform_every_other(row, size):
+    """Rows r0, r2, r4, ... come back with one reward for every episode (nothing to learn)."""
+    uniform = int(row["id"][1:]) % 2 == 0
+    return GroupOutcome(
+        row_id=row["id"],
+        agent=AGENT,
+        episodes=[_episode(1.0 if uniform else float(i)) for i in range(size)],
+    )
+
+
+@pytest.mark.parametrize("async_enabled", [False, True], ids=["sync", "async"])
+def test_dynamic_sampling_replaces_uniform_groups_with_further_rows(started, async_enabled):
+    sampling = DynamicSamplingConfig(enabled=True, max_dropped_groups_per_step=8)
+    grpo = _grpo(async_enabled=async_enabled, prompts=2, dynamic_sampling=sampling)
+    runner = FakeRunner(_uniform_every_other)
+    buffer = _buffer(grpo)
+    producer = started(grpo, runner, buffer)
+    groups = buffer.get_batch(2, current_step=0, timeout_s=5)
+    assert [g.group_id.split("#")[0] for g in groups] == ["r1", "r3"]
+    _eventually(lambda: producer.counts().uniform_dropped.get(AGENT, 0) >= 2)
+    assert producer.counts().uniform_over_budget == 0
+
+
+def test_dynamic_sampling_stops_dropping_once_the_steps_budget_is_spent(started):
+    sampling = DynamicSamplingConfig(enabled=True, max_dropped_groups_per_step=1)
+    grpo = _grpo(async_enabled=False, prompts=2, dynamic_sampling=sampling)
+    runner = FakeRunner(lambda row, size: _outcome_with_rewards(row, [1.0] * size))
+    buffer = _buffer(grpo)
+    producer = started(grpo, runner, buffer)
+    groups = buffer.get_batch(2, current_step=0, timeout_s=5)  # does not wait forever
+    assert [g.group_id.split("#")[0] for g in groups] == ["r1", "r2"]
+    assert producer.counts().uniform_dropped == {AGENT: 1}
+    assert producer.counts().uniform_over_budget == 2
+    producer.advance(1, 0)  # a new step: a new budget
+    buffer.get_batch(2, current_step=1, timeout_s=5)
+    _eventually(lambda: producer.counts().uniform_dropped == {AGENT: 2})
+
+
+def test_without_dynamic_sampling_uniform_groups_reach_the_step(started):
+    grpo = _grpo(async_enabled=False, prompts=2)
+    buffer = _buffer(grpo)
+    producer = started(grpo, FakeRunner(_uniform_every_other), buffer)
+    groups = buffer.get_batch(2, current_step=0, timeout_s=5)
+    assert [g.group_id.split("#")[0] for g in groups] == ["r0", "r1"]
+    assert producer.counts().uniform_dropped == {}
+
+
+def _outcome_with_rewards(row, rewards, *, overlong=False, generated=1, failures=()):
+    episodes = []
+    for reward in rewards:
+        episode = _episode(reward)
+        episode["overlong"] = overlong
+        episode["message_log"][1] = {
+            "role": "assistant",
+            "token_ids": [3] * generated,
+            "generation_logprobs": [-0.5] * generated,
+        }
+        episodes.append(episode)
+    return GroupOutcome(row["id"], AGENT, episodes=episodes, failures=list(failures))
+
+
+def test_the_soft_overlong_penalty_gives_a_uniform_group_variance(started):
+    """Equal rewards, but one episode's call ran into the penalty's buffer: the group now
+    teaches something (shorter is better), so dynamic sampling keeps it."""
+    sampling = DynamicSamplingConfig(enabled=True)
+    rules = EpisodeRulesConfig(overlong_penalty_buffer_tokens=4)
+    grpo = _grpo(async_enabled=False, prompts=1, dynamic_sampling=sampling)
+
+    def outcome(row, size):
+        short = _outcome_with_rewards(row, [1.0] * (size - 1), generated=2)
+        long = _outcome_with_rewards(row, [1.0], generated=6)  # 6 of LIMIT 8, buffer from 4
+        return GroupOutcome(row["id"], AGENT, episodes=short.episodes + long.episodes)
+
+    buffer = _buffer(grpo)
+    producer = started(grpo, FakeRunner(outcome), buffer, loss=LossConfig(episodes=rules))
+    (group,) = buffer.get_batch(1, current_step=0, timeout_s=5)
+    assert [t.length_penalty for t in group.trajectories] == [0.0, 0.0, 0.5]
+    assert [s["length_penalty"] for s in group.summaries] == [0.0, 0.0, 0.5]
+    assert producer.counts().uniform_dropped == {}
+
+
+def test_overlong_mask_drops_the_tokens_and_the_summary_says_so(started):
+    loss = LossConfig(episodes_per_agent={AGENT: {"overlong_mask": True}})
+    grpo = _grpo(async_enabled=False, prompts=1)
+    runner = FakeRunner(lambda row, size: _outcome_with_rewards(row, [0.0, 1.0], overlong=True))
+    buffer = _buffer(grpo)
+    started(grpo, runner, buffer, loss=loss)
+    (group,) = buffer.get_batch(1, current_step=0, timeout_s=5)
+    assert all(t.is_masked and t.overlong for t in group.trajectories)
+    assert [s["overlong_masked"] for s in group.summaries] == [True, True]
+
+
+def test_groups_carry_their_failed_episodes(started):
+    grpo = _grpo(async_enabled=False, prompts=1)
+    runner = FakeRunner(
+        lambda row, size: _outcome_with_rewards(row, [0.0, 1.0], failures=["timeout"])
+    )
+    buffer = _buffer(grpo)
+    started(grpo, runner, buffer)
+    (group,) = buffer.get_batch(1, current_step=0, timeout_s=5)
+    assert group.failed_episodes == 1

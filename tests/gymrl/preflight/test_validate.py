@@ -120,15 +120,25 @@ def test_ep_must_divide_trainer_gpus():
     )
 
 
-def test_async_needs_importance_sampling():
-    issues = _issues(["loss.importance_sampling_correction=false"])
-    assert issues["loss.importance_sampling_correction"].fix.startswith(
-        "set loss.importance_sampling_correction=true"
+def test_async_needs_an_off_policy_correction():
+    issues = _issues(["loss.off_policy_correction.mode=none"])
+    assert issues["loss.off_policy_correction.mode"].fix.startswith(
+        "set loss.off_policy_correction.mode=token_truncate"
     )
     config = validate_config(
-        compose_raw(["loss.importance_sampling_correction=false", "grpo.async_enabled=false"])
+        compose_raw(["loss.off_policy_correction.mode=none", "grpo.async_enabled=false"])
     )
     assert not config.grpo.async_enabled
+
+
+def test_an_overlong_penalty_buffer_past_the_limit_is_named_per_agent():
+    issues = _issues(
+        ["+loss.episodes_per_agent.calculator_agent.overlong_penalty_buffer_tokens=64"]
+    )
+    issue = issues["loss.episodes_per_agent.calculator_agent.overlong_penalty_buffer_tokens"]
+    assert issue.value == 64 and "(64: overlong_penalty_limit_tokens" in issue.problem
+    assert "loss.episodes.overlong_penalty_buffer_tokens" not in issues
+    validate_config(compose_raw(["loss.episodes.overlong_penalty_buffer_tokens=16"]))
 
 
 def test_agents_need_exactly_one_of_environment_or_url():

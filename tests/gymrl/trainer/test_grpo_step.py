@@ -9,7 +9,7 @@ from fixed_trajectories import fixed_trajectory
 
 from gymrl.algo.loss import grpo_loss
 from gymrl.algo.trajectory import Trajectory, collate
-from gymrl.config.schema import LossConfig
+from gymrl.config.schema import LossConfig, OffPolicyCorrectionConfig
 from gymrl.trainer.grpo_step import loss_normalizer, micro_batch_loss, reduce_loss_metrics
 
 
@@ -26,7 +26,7 @@ def test_micro_batch_loss_passes_every_loss_setting_and_the_step_normalizer(toke
         clip_ratio_low=0.1,
         clip_ratio_high=0.3,
         kl_coef=0.05,
-        importance_ratio_cap=1.5,
+        off_policy_correction=OffPolicyCorrectionConfig(ratio_high=1.5),
         token_level_normalization=token_level,
     )
     batch = collate(
@@ -38,7 +38,7 @@ def test_micro_batch_loss_passes_every_loss_setting_and_the_step_normalizer(toke
     logprobs = -torch.rand(batch["input_ids"].shape, generator=generator)
     reference = -torch.rand(batch["input_ids"].shape, generator=generator)
     got, metrics = micro_batch_loss(
-        logprobs, batch, loss, normalizer=7.0, reference_logprobs=reference
+        logprobs, batch, loss, normalizer=7.0, agents=["a", "b"], reference_logprobs=reference
     )
     expected, expected_metrics = grpo_loss(
         logprobs,
@@ -49,10 +49,10 @@ def test_micro_batch_loss_passes_every_loss_setting_and_the_step_normalizer(toke
         clip_ratio_low=0.1,
         clip_ratio_high=0.3,
         kl_coef=0.05,
-        importance_sampling_correction=True,
-        importance_ratio_cap=1.5,
+        off_policy=OffPolicyCorrectionConfig(ratio_high=1.5),
         token_level_normalization=token_level,
         normalizer=7.0,
+        agents=["a", "b"],
     )
     assert torch.equal(got, expected) and metrics == expected_metrics
     assert metrics["kl"] > 0

@@ -18,7 +18,7 @@ from gymrl.algo.loss import grpo_loss
 from gymrl.algo.trajectory import Trajectory
 from gymrl.cluster.placement import trainer_gpus
 from gymrl.config.compose import compose_raw
-from gymrl.config.schema import RouterReplayConfig
+from gymrl.config.schema import OffPolicyCorrectionConfig, RouterReplayConfig
 from gymrl.preflight.validate import validate_config
 from gymrl.trainer.grpo_step import loss_normalizer
 from gymrl.trainer.megatron.arguments import (
@@ -251,8 +251,7 @@ def test_megatron_reduction_of_scaled_losses_gives_the_full_batch_gradient(
         clip_ratio_low=0.2,
         clip_ratio_high=0.28,
         kl_coef=0.0,
-        importance_sampling_correction=True,
-        importance_ratio_cap=2.0,
+        off_policy=OffPolicyCorrectionConfig(mode="token_truncate", ratio_high=2.0),
         token_level_normalization=token_level,
     )
     normalizer = loss_normalizer(trajectories, token_level)

@@ -1,0 +1,73 @@
+"""The parity gate: at a run's first step, engine and trainer hold the same weights, so their
+log-probabilities of the sampled tokens may differ only by kernels and precision.
+
+A larger gap is a bug that no amount of training fixes and that biases every step after it: a
+temperature the trainer does not divide by, a chat template or tokenizer that differs, a refit
+that did not reach the engine, a weight conversion that lost a layer. slime's CI rule is that the
+first step's KL is exactly 0; with different kernels (a torch engine against a torch trainer in
+bfloat16, SGLang against Megatron) it is not, so the gate compares the first step's figures per
+agent (`gymrl.algo.loss.finish_agent_statistics`, computed in the train step's own forward pass,
+before its update reaches the engine) against a tolerance chosen by compute dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from gymrl.config.schema import ParityGateConfig, ParityToleranceConfig
+
+# Figure (as finish_agent_statistics names it) -> the tolerance field that bounds it.
+_BOUNDS = {
+    "logprob_diff/mean": "logprob_diff_mean",
+    "logprob_diff/max": "logprob_diff_max",
+    "ratio/std": "ratio_std",
+}
+
+
+class ParityGateError(RuntimeError):
+    """The first step's trainer and engine log-probabilities disagree beyond the tolerance."""
+
+
+def parity_problems(
+    figures: Mapping[str, Mapping[str, float]], tolerance: ParityToleranceConfig
+) -> list[str]:
+    """One line per agent and figure beyond `tolerance`, e.g. `calculator_agent:
+    logprob_diff/max = 0.91 > 0.5`; empty when every agent is within it."""
+    problems = []
+    for agent in sorted(figures):
+        for figure, bound_name in _BOUNDS.items():
+            value, bound = figures[agent][figure], getattr(tolerance, bound_name)
+            if not value <= bound:  # also NaN
+                problems.append(f"{agent}: {figure} = {value:.4g} > {bound:g}")
+    return problems
+
+
+def check_parity(
+    figures: Mapping[str, Mapping[str, float]], gate: ParityGateConfig, compute_dtype: str
+) -> bool:
+    """Whether every agent's first-step figures are within the tolerance of `compute_dtype`
+    (`float32` or `bfloat16`); outside it, raise :class:`ParityGateError` (`on_failure=stop`)
+    or print the same message and return False (`warn`)."""
+    if compute_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"compute_dtype must be float32 or bfloat16, got {compute_dtype!r}")
+    if not figures:
+        raise ValueError(
+            "the parity gate got no agent's figures (the first step trained on no token)"
+        )
+    tolerance = gate.float32 if compute_dtype == "float32" else gate.bfloat16
+    problems = parity_problems(figures, tolerance)
+    if not problems:
+        return True
+    message = (
+        f"parity gate: at the first step, trainer and engine log-probabilities of the sampled "
+        f"tokens disagree beyond the {compute_dtype} tolerance (grpo.parity_gate.{compute_dtype}):"
+        "\n  " + "\n  ".join(problems) + "\n  With the same weights on both sides this points "
+        "at a mismatch between them: the sampling temperature, the chat template or tokenizer, "
+        "the refit, or the weight conversion. Fix it, or if the gap is the backends' own "
+        f"precision, raise grpo.parity_gate.{compute_dtype}.* (grpo.parity_gate.on_failure=warn "
+        "logs it and goes on)."
+    )
+    if gate.on_failure == "stop":
+        raise ParityGateError(message)
+    print(f"warning: {message}", flush=True)
+    return False
