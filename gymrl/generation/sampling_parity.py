@@ -66,35 +66,48 @@ class SamplingCounts:
     rejected: int = 0
 
 
-class SamplingParity:
-    """Resolves a request's sampling against the run's (see the module docstring); thread-safe."""
+@dataclass(frozen=True)
+class SamplingRules:
+    """What a run samples at, and what to do with a request that asks otherwise: plain data, so
+    it travels to the generation server's actor (`SamplingParity` holds the live counts)."""
 
-    def __init__(
-        self,
-        trained: Sampling,
-        *,
-        also_allowed: frozenset[Sampling] = frozenset(),
-        on_mismatch: SamplingMismatch,
-    ):
-        self.trained = trained
-        self.allowed = frozenset({trained, *also_allowed})
-        self.on_mismatch = on_mismatch
+    trained: Sampling
+    also_allowed: frozenset[Sampling]
+    on_mismatch: SamplingMismatch
+
+    @property
+    def allowed(self) -> frozenset[Sampling]:
+        return self.also_allowed | {self.rules.trained}
+
+
+class SamplingParity:
+    """Resolves a request's sampling against the run's (see the module docstring) and counts
+    the mismatches; thread-safe."""
+
+    def __init__(self, rules: SamplingRules):
+        self.rules = rules
+        self.rules.trained, self.allowed, self.on_mismatch = (
+            rules.trained,
+            rules.allowed,
+            rules.on_mismatch,
+        )
         self._lock = threading.Lock()
         self._counts = SamplingCounts()
 
     def resolve(self, temperature: float | None, top_p: float | None) -> Sampling:
         """The sampling to run a request at; `None` is a field the request left out."""
+        trained = self.rules.trained
         asked = Sampling.of(
-            self.trained.temperature if temperature is None else temperature,
-            self.trained.top_p if top_p is None else top_p,
+            trained.temperature if temperature is None else temperature,
+            trained.top_p if top_p is None else top_p,
         )
-        if asked in self.allowed:
+        if asked in self.rules.allowed:
             return asked
-        if self.on_mismatch == "reject":
+        if self.rules.on_mismatch == "reject":
             self._count(rejected=1)
-            param = "temperature" if asked.temperature != self.trained.temperature else "top_p"
+            param = "temperature" if asked.temperature != trained.temperature else "top_p"
             raise SamplingMismatchError(
-                f"this run trains on episodes sampled at {self.trained.describe()}, and the "
+                f"this run trains on episodes sampled at {trained.describe()}, and the "
                 f"trainer recomputes log-probabilities at those settings; the request asks for "
                 f"{asked.describe()}. Send the run's settings (or leave temperature and top_p "
                 "out), or let the server apply them with "
@@ -102,7 +115,7 @@ class SamplingParity:
                 param=param,
             )
         self._count(overridden=1)
-        return self.trained
+        return trained
 
     def counts(self) -> SamplingCounts:
         with self._lock:
@@ -115,12 +128,12 @@ class SamplingParity:
             )
 
 
-def training_sampling_parity(config: RecipeConfig) -> SamplingParity:
+def training_sampling_rules(config: RecipeConfig) -> SamplingRules:
     """The GRPO recipe's: its training sampling, and validation's when the run validates."""
     sampling, grpo = config.generation.sampling, config.grpo
     validates = grpo.val_at_start or grpo.val_period > 0 or grpo.val_at_end
     held_out = {Sampling.of(grpo.val_temperature, sampling.top_p)} if validates else set()
-    return SamplingParity(
+    return SamplingRules(
         Sampling.of(sampling.temperature, sampling.top_p),
         also_allowed=frozenset(held_out),
         on_mismatch=config.generation.server.sampling_mismatch,

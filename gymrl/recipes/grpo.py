@@ -42,7 +42,7 @@ from gymrl.experience.rows import RowStream, UnservedAgentError, load_rows, load
 from gymrl.experience.validation import Validator
 from gymrl.generation.announce import announce_policy_server
 from gymrl.generation.api_key import ApiKeyError, resolve_api_key
-from gymrl.generation.sampling_parity import SamplingCounts, training_sampling_parity
+from gymrl.generation.sampling_parity import SamplingCounts, training_sampling_rules
 from gymrl.generation.torch_engine import EngineCounters
 from gymrl.model.policy import model_folder
 from gymrl.roles import close_reporting_failure
@@ -159,7 +159,7 @@ class GRPORecipe:
             group=group,
             api_key=self.policy_api_key,
             on_cleanup=self._on_cleanup,
-            sampling_parity=training_sampling_parity(config),
+            sampling_rules=training_sampling_rules(config),
         )
         self.generation, base_url = generation.actor, generation.base_url
         print(f"policy server up {time.monotonic() - started:.1f} s into setup", flush=True)

@@ -23,7 +23,7 @@ from gymrl.config.schema import RecipeConfig, SGLangGenerationConfig, TorchGener
 from gymrl.generation.announce import policy_server_host
 from gymrl.generation.chat_template import ChatFormat
 from gymrl.generation.policy_server import create_policy_server_app
-from gymrl.generation.sampling_parity import SamplingCounts, SamplingParity
+from gymrl.generation.sampling_parity import SamplingCounts, SamplingParity, SamplingRules
 from gymrl.generation.sglang_engine import SGLangEngine
 from gymrl.generation.sglang_servers import SGLangServerGroup
 from gymrl.generation.torch_engine import EngineCounters, EngineStep, TorchGenerationEngine
@@ -49,11 +49,11 @@ class GenerationServer:
         placement: Placement,
         placement_group: Any,
         api_key: SecretStr,
-        sampling_parity: SamplingParity | None,
+        sampling_rules: SamplingRules | None,
     ):
         """`placement` says where the engines run (the torch engine: on this actor's GPU, if it
         has one); SGLang servers go into bundles of `placement_group`. `api_key` is the run's
-        (`gymrl.generation.api_key`); `sampling_parity` a training run's (else requests are
+        (`gymrl.generation.api_key`); `sampling_rules` a training run's (else requests are
         sampled as they ask)."""
         torch.set_num_threads(torch_threads)
         policy, generation = config.policy, config.generation
@@ -80,6 +80,7 @@ class GenerationServer:
             self._engine = backend.engine
             tokenizer = backend.tokenizer
             server = generation.server
+            self._sampling_parity = sampling_rules and SamplingParity(sampling_rules)
             app = create_policy_server_app(
                 self._engine,
                 ChatFormat.from_policy(policy, tokenizer, model_end_ids=end_ids),
@@ -89,9 +90,8 @@ class GenerationServer:
                 default_max_tokens=server.max_tokens_per_turn,
                 max_context_tokens=policy.max_total_sequence_length,
                 request_timeout_s=server.request_timeout_s,
-                sampling_parity=sampling_parity,
+                sampling_parity=self._sampling_parity,
             )
-            self._sampling_parity = sampling_parity
             http_server = serve_in_thread(
                 app,
                 host=policy_server_host(config),
@@ -248,11 +248,11 @@ def start_generation_server(
     group: Any,
     api_key: SecretStr,
     on_cleanup: OnCleanup,
-    sampling_parity: SamplingParity | None = None,
+    sampling_rules: SamplingRules | None = None,
 ) -> GenerationRole:
     """Start the generation server where `placement` says, in the run's placement `group`, and
     wait (with a deadline) until its policy server answers. A training run passes its
-    `sampling_parity` (`gymrl.generation.sampling_parity`); serving and evaluating sample what
+    `sampling_rules` (`gymrl.generation.sampling_parity`); serving and evaluating sample what
     each request asks."""
     actor = GenerationServer.options(**actor_options(placement.policy_server, 0, group)).remote(
         config,
@@ -261,7 +261,7 @@ def start_generation_server(
         placement=placement,
         placement_group=group,
         api_key=api_key,
-        sampling_parity=sampling_parity,
+        sampling_rules=sampling_rules,
     )
     on_cleanup("the generation server", lambda: close_actor(actor, timeout_s=GENERATION_CLOSE_S))
     base_url = wait_for(

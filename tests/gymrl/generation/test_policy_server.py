@@ -24,7 +24,12 @@ from sglang_standin import make_standin
 
 from gymrl.generation.chat_template import ChatFormat
 from gymrl.generation.policy_server import create_policy_server_app
-from gymrl.generation.sampling_parity import Sampling, SamplingCounts, SamplingParity
+from gymrl.generation.sampling_parity import (
+    Sampling,
+    SamplingCounts,
+    SamplingParity,
+    SamplingRules,
+)
 from gymrl.generation.sglang_engine import SGLangEngine
 from gymrl.generation.torch_engine import TorchGenerationEngine
 from gymrl.generation.types import GenerationOutput, GenerationRequest
@@ -555,7 +560,7 @@ def test_a_training_server_samples_every_request_at_the_runs_settings(chat_forma
     under reject a mismatch is a 400 naming the field and never reaches the engine."""
     trained, greedy = Sampling(0.7, 0.9), Sampling(0.0, 1.0)
     engine = scripted(chat_format, "5.")
-    overriding = SamplingParity(trained, also_allowed=frozenset({greedy}), on_mismatch="override")
+    overriding = SamplingParity(SamplingRules(trained, frozenset({greedy}), "override"))
     with served(engine, chat_format, sampling_parity=overriding) as client:
         left_out = completion(client, USER_ONLY)
         openai_default = completion(client, USER_ONLY, temperature=1.0, top_p=1.0)
@@ -565,7 +570,7 @@ def test_a_training_server_samples_every_request_at_the_runs_settings(chat_forma
     assert sampled == [trained, trained, greedy]
     assert overriding.counts() == SamplingCounts(overridden=1, rejected=0)
 
-    rejecting = SamplingParity(trained, on_mismatch="reject")
+    rejecting = SamplingParity(SamplingRules(trained, frozenset(), "reject"))
     with served(engine, chat_format, sampling_parity=rejecting) as client:
         refused = completion(client, USER_ONLY, temperature=0.7, top_p=1.0)
     assert refused.status_code == 400

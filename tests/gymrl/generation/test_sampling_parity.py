@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 
 from gymrl.config.compose import compose_raw
@@ -10,7 +12,8 @@ from gymrl.generation.sampling_parity import (
     SamplingCounts,
     SamplingMismatchError,
     SamplingParity,
-    training_sampling_parity,
+    SamplingRules,
+    training_sampling_rules,
 )
 from gymrl.preflight.validate import validate_config
 
@@ -19,7 +22,7 @@ GREEDY = Sampling(0.0, 1.0)
 
 
 def parity(on_mismatch="override") -> SamplingParity:
-    return SamplingParity(TRAINED, also_allowed=frozenset({GREEDY}), on_mismatch=on_mismatch)
+    return SamplingParity(SamplingRules(TRAINED, frozenset({GREEDY}), on_mismatch))
 
 
 def test_left_out_fields_are_the_runs_training_values():
@@ -60,11 +63,16 @@ def test_reject_refuses_a_mismatch_naming_the_field_and_both_settings():
     assert checker.counts() == SamplingCounts(overridden=0, rejected=2)
 
 
+def test_the_rules_travel_to_another_process():
+    rules = SamplingRules(TRAINED, frozenset({GREEDY}), "reject")
+    assert pickle.loads(pickle.dumps(rules)) == rules
+
+
 def test_a_training_run_allows_validation_sampling_only_when_it_validates():
     validating = validate_config(
         compose_raw(["generation.sampling.temperature=0.7", "grpo.val_period=2"])
     )
-    checker = training_sampling_parity(validating)
+    checker = training_sampling_rules(validating)
     assert checker.trained == Sampling(0.7, 1.0)
     assert checker.allowed == {Sampling(0.7, 1.0), GREEDY}
     assert checker.on_mismatch == "override"
@@ -79,6 +87,6 @@ def test_a_training_run_allows_validation_sampling_only_when_it_validates():
             ]
         )
     )
-    checker = training_sampling_parity(silent)
+    checker = training_sampling_rules(silent)
     assert checker.allowed == {checker.trained}
     assert checker.on_mismatch == "reject"
