@@ -77,7 +77,7 @@ class SamplingRules:
 
     @property
     def allowed(self) -> frozenset[Sampling]:
-        return self.also_allowed | {self.rules.trained}
+        return self.also_allowed | {self.trained}
 
 
 class SamplingParity:
