@@ -86,11 +86,6 @@ class SamplingParity:
 
     def __init__(self, rules: SamplingRules):
         self.rules = rules
-        self.rules.trained, self.allowed, self.on_mismatch = (
-            rules.trained,
-            rules.allowed,
-            rules.on_mismatch,
-        )
         self._lock = threading.Lock()
         self._counts = SamplingCounts()
 
