@@ -129,6 +129,13 @@ class GenerationServer:
             return self._engine.timeline()
         return None
 
+    def weight_dtypes(self) -> dict[str, torch.dtype] | None:
+        """The torch engine's stored dtype per weight, for `refit_through_object_store`; None for
+        SGLang engines, which load a refit in their own dtype."""
+        if isinstance(self._engine, TorchGenerationEngine):
+            return self._engine.weight_dtypes()
+        return None
+
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> int:
         self._engine.update_weights(state_dict, version)
         return self._engine.weight_version
