@@ -198,6 +198,17 @@ class ModelServerConfig(Strict):
     port: int = Field(
         default=0, ge=0, le=65535, description="Port to listen on; 0 = a free one, chosen at start."
     )
+    sampling_mismatch: Literal["override", "reject"] = Field(
+        default="override",
+        description="While training, what the server does with a request asking for a "
+        "temperature or top-p other than the run's (generation.sampling; validation's too when "
+        "the run validates): override samples it at the training settings, reject answers 400. "
+        "Both are counted (generation/sampling_overridden, generation/sampling_rejected). "
+        "override is the default because the usual mismatch is a client that sends no or its "
+        "own sampling fields (OpenAI's default is 1.0) and could not be fixed from the recipe: "
+        "rejecting would fail every episode of that agent, sampling as asked would train "
+        "off-policy in silence. A left-out field is always the run's value.",
+    )
 
 
 class TorchModelServerConfig(ModelServerConfig):

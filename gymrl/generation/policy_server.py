@@ -42,7 +42,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator
 from starlette.exceptions import HTTPException
 
 from gymrl.generation.chat_template import (
@@ -51,6 +51,7 @@ from gymrl.generation.chat_template import (
     PromptTokens,
     build_prompt_token_ids,
 )
+from gymrl.generation.sampling_parity import Sampling, SamplingMismatchError, SamplingParity
 from gymrl.generation.types import (
     EngineUnavailableError,
     GenerationOutput,
@@ -88,8 +89,13 @@ class PolicyServerRequest(ChatCompletionRequest):
     with the fix; seeds outside [0, 2**64). Text that is not Unicode (lone surrogates, which
     JSON can encode but the tokenizer cannot) is refused by the JSON parser: validate bodies with
     `nemo_gym_ext.json_body`, as the server does. `parallel_tool_calls` is accepted and not
-    enforced: every parsed tool call is returned.
+    enforced: every parsed tool call is returned. `temperature` and `top_p` stay null when left
+    out, so that a training server can tell "not sent" from "sent at OpenAI's default"
+    (`gymrl.generation.sampling_parity`).
     """
+
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
 
     @field_validator("stream")
     @classmethod
@@ -199,10 +205,13 @@ def create_policy_server_app(
     default_max_tokens: int,
     max_context_tokens: int,
     request_timeout_s: float,
+    sampling_parity: SamplingParity | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible policy server over `engine` (see the module docstring). Its render
     worker stops with the app's lifespan, so serve it with lifespan on
-    (`nemo_gym_ext.http_server.serve_in_thread` does)."""
+    (`nemo_gym_ext.http_server.serve_in_thread` does). With `sampling_parity` (a training run's
+    server) each request's sampling is resolved against the run's; without it, a request is
+    sampled as it asks, OpenAI's defaults filling what it leaves out."""
     for name, value, minimum in (
         ("default_max_tokens", default_max_tokens, 1),
         ("max_context_tokens", max_context_tokens, 2),
@@ -281,6 +290,7 @@ def create_policy_server_app(
                 error_type="not_found_error",
                 param="model",
             )
+        sampling = _sampling_of(body, sampling_parity)
         loop = asyncio.get_running_loop()
         try:
             prompt = await loop.run_in_executor(
@@ -302,8 +312,8 @@ def create_policy_server_app(
                 max_new_tokens=_max_new_tokens(
                     body, len(prompt.token_ids), default_max_tokens, max_context_tokens
                 ),
-                temperature=body.temperature,
-                top_p=body.top_p,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
                 stop_token_ids=chat_format.stop_token_ids,
                 seed=body.seed,
             ),
@@ -341,6 +351,20 @@ def _bearer_check(api_key: SecretStr):
             )
 
     return check
+
+
+def _sampling_of(body: PolicyServerRequest, parity: SamplingParity | None) -> Sampling:
+    if parity is None:
+        return Sampling(
+            1.0 if body.temperature is None else body.temperature,
+            1.0 if body.top_p is None else body.top_p,
+        )
+    try:
+        return parity.resolve(body.temperature, body.top_p)
+    except SamplingMismatchError as error:
+        raise _ApiError(
+            400, str(error), error_type="invalid_request_error", param=error.param
+        ) from error
 
 
 def _max_new_tokens(

@@ -411,6 +411,13 @@ class TorchGenerationEngine:
             steps, self._timeline = self._timeline or [], None
             return steps
 
+    def weight_dtypes(self) -> dict[str, torch.dtype]:
+        """The dtype the engine stores each weight in (the body's Linear weights are rounded to
+        the compute dtype): a trainer that sends its weights in these moves fewer bytes to the
+        same result, since loading rounds them the same way."""
+        with self._model_lock:
+            return {name: tensor.dtype for name, tensor in self._model.state_dict().items()}
+
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Load `state_dict` into the model in place (strict) and set the weight version, once
         the rows in flight have finished; queued requests start after it with the new weights."""

@@ -21,6 +21,7 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 import ray
@@ -41,6 +42,7 @@ from gymrl.experience.rows import RowStream, UnservedAgentError, load_rows, load
 from gymrl.experience.validation import Validator
 from gymrl.generation.announce import announce_policy_server
 from gymrl.generation.api_key import ApiKeyError, resolve_api_key
+from gymrl.generation.sampling_parity import SamplingCounts, training_sampling_rules
 from gymrl.generation.torch_engine import EngineCounters
 from gymrl.model.policy import model_folder
 from gymrl.roles import close_reporting_failure
@@ -78,6 +80,16 @@ RUN_STOPPING_ERRORS = (
     GymStartError,
     ParityGateError,
 )
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The generation server's totals at one moment (`time.monotonic()`): the torch engine's
+    counters (None for SGLang engines) and the requests whose sampling was not the run's."""
+
+    seconds: float
+    engine: EngineCounters | None
+    sampling: SamplingCounts
 
 
 class GRPORecipe:
@@ -147,6 +159,7 @@ class GRPORecipe:
             group=group,
             api_key=self.policy_api_key,
             on_cleanup=self._on_cleanup,
+            sampling_rules=training_sampling_rules(config),
         )
         self.generation, base_url = generation.actor, generation.base_url
         print(f"policy server up {time.monotonic() - started:.1f} s into setup", flush=True)
@@ -370,24 +383,38 @@ class GRPORecipe:
         )
         return metrics
 
-    def _engine_snapshot(self) -> tuple[float, EngineCounters | None]:
-        counters = wait_for(
-            self.generation.engine_counters.remote(),
+    def _engine_snapshot(self) -> EngineSnapshot:
+        counters, sampling = wait_for(
+            [
+                self.generation.engine_counters.remote(),
+                self.generation.sampling_counts.remote(),
+            ],
             timeout_s=self.config.grpo.batch_timeout_s,
             what="the engine's counters",
         )
-        return time.monotonic(), counters
+        assert sampling is not None, "a training run's policy server has sampling parity"
+        return EngineSnapshot(time.monotonic(), counters, sampling)
 
     def _engine_metrics(self) -> dict[str, float]:
-        """How the torch engine spent the time since the last step (docs/metrics.md)."""
-        (then, before), (now, after) = self._engine_seen, self._engine_snapshot()
-        self._engine_seen = (now, after)
+        """How the engine spent the time since the last step, and the requests whose sampling
+        was not the run's (docs/metrics.md)."""
+        seen, self._engine_seen = self._engine_seen, self._engine_snapshot()
+        metrics = {
+            "generation/sampling_overridden": float(
+                self._engine_seen.sampling.overridden - seen.sampling.overridden
+            ),
+            "generation/sampling_rejected": float(
+                self._engine_seen.sampling.rejected - seen.sampling.rejected
+            ),
+        }
+        then, before = seen.seconds, seen.engine
+        now, after = self._engine_seen.seconds, self._engine_seen.engine
         if before is None or after is None:
-            return {}
+            return metrics
         steps = after.decode_steps - before.decode_steps
         busy = after.busy_s - before.busy_s
         generated = after.generated_tokens - before.generated_tokens
-        return {
+        return metrics | {
             "perf/engine_busy_share": busy / (now - then),
             "perf/engine_rows_per_decode_step": (
                 (after.decode_rows - before.decode_rows) / steps if steps else math.nan

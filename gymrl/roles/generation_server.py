@@ -23,6 +23,7 @@ from gymrl.config.schema import RecipeConfig, SGLangGenerationConfig, TorchGener
 from gymrl.generation.announce import policy_server_host
 from gymrl.generation.chat_template import ChatFormat
 from gymrl.generation.policy_server import create_policy_server_app
+from gymrl.generation.sampling_parity import SamplingCounts, SamplingParity, SamplingRules
 from gymrl.generation.sglang_engine import SGLangEngine
 from gymrl.generation.sglang_servers import SGLangServerGroup
 from gymrl.generation.torch_engine import EngineCounters, EngineStep, TorchGenerationEngine
@@ -48,10 +49,12 @@ class GenerationServer:
         placement: Placement,
         placement_group: Any,
         api_key: SecretStr,
+        sampling_rules: SamplingRules | None,
     ):
         """`placement` says where the engines run (the torch engine: on this actor's GPU, if it
         has one); SGLang servers go into bundles of `placement_group`. `api_key` is the run's
-        (`gymrl.generation.api_key`)."""
+        (`gymrl.generation.api_key`); `sampling_rules` a training run's (else requests are
+        sampled as they ask)."""
         torch.set_num_threads(torch_threads)
         policy, generation = config.policy, config.generation
         # What this actor starts, closed in reverse by close(); if the constructor fails
@@ -77,6 +80,7 @@ class GenerationServer:
             self._engine = backend.engine
             tokenizer = backend.tokenizer
             server = generation.server
+            self._sampling_parity = sampling_rules and SamplingParity(sampling_rules)
             app = create_policy_server_app(
                 self._engine,
                 ChatFormat.from_policy(policy, tokenizer, model_end_ids=end_ids),
@@ -86,6 +90,7 @@ class GenerationServer:
                 default_max_tokens=server.max_tokens_per_turn,
                 max_context_tokens=policy.max_total_sequence_length,
                 request_timeout_s=server.request_timeout_s,
+                sampling_parity=self._sampling_parity,
             )
             http_server = serve_in_thread(
                 app,
@@ -109,6 +114,10 @@ class GenerationServer:
             return self._engine.counters()
         return None
 
+    def sampling_counts(self) -> SamplingCounts | None:
+        """Requests overridden or refused for their sampling (None: the server has no parity)."""
+        return None if self._sampling_parity is None else self._sampling_parity.counts()
+
     def record_engine_timeline(self) -> None:
         """Start recording the torch engine's loop iterations (SGLang's: none)."""
         if isinstance(self._engine, TorchGenerationEngine):
@@ -118,6 +127,13 @@ class GenerationServer:
         """The iterations recorded since `record_engine_timeline`; None for SGLang engines."""
         if isinstance(self._engine, TorchGenerationEngine):
             return self._engine.timeline()
+        return None
+
+    def weight_dtypes(self) -> dict[str, torch.dtype] | None:
+        """The torch engine's stored dtype per weight, for `refit_through_object_store`; None for
+        SGLang engines, which load a refit in their own dtype."""
+        if isinstance(self._engine, TorchGenerationEngine):
+            return self._engine.weight_dtypes()
         return None
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> int:
@@ -239,9 +255,12 @@ def start_generation_server(
     group: Any,
     api_key: SecretStr,
     on_cleanup: OnCleanup,
+    sampling_rules: SamplingRules | None = None,
 ) -> GenerationRole:
     """Start the generation server where `placement` says, in the run's placement `group`, and
-    wait (with a deadline) until its policy server answers."""
+    wait (with a deadline) until its policy server answers. A training run passes its
+    `sampling_rules` (`gymrl.generation.sampling_parity`); serving and evaluating sample what
+    each request asks."""
     actor = GenerationServer.options(**actor_options(placement.policy_server, 0, group)).remote(
         config,
         output_dir=str(output_dir),
@@ -249,6 +268,7 @@ def start_generation_server(
         placement=placement,
         placement_group=group,
         api_key=api_key,
+        sampling_rules=sampling_rules,
     )
     on_cleanup("the generation server", lambda: close_actor(actor, timeout_s=GENERATION_CLOSE_S))
     base_url = wait_for(

@@ -82,8 +82,10 @@ class PolicyTrainerActor:
     def train_step(self, trajectories: list[Trajectory], advantages: torch.Tensor) -> dict:
         return self._trainer.train_step(trajectories, advantages)
 
-    def export_weights(self) -> Mapping[str, torch.Tensor]:
-        return self._trainer.export_weights()
+    def export_weights(
+        self, dtypes: Mapping[str, torch.dtype] | None = None
+    ) -> Mapping[str, torch.Tensor]:
+        return self._trainer.export_weights(dtypes)
 
     def send_weights(
         self, urls: list[str], tp_sizes: list[int], refit: RefitConfig, version: int
@@ -144,6 +146,9 @@ class TorchTrainerRole:
         self._policy_dtype = config.policy.dtype
         generation = config.generation
         self._refit = generation.refit if isinstance(generation, SGLangGenerationConfig) else None
+        # The engine's weight dtypes (None: SGLang's, which load any), asked at the first refit.
+        self._engine_dtypes: Mapping[str, torch.dtype] | None = None
+        self._engine_dtypes_asked = False
         role = placement.trainer
         options = actor_options(role, 0, group, env_vars=dict(WEIGHT_SYNC_NCCL_ENV))
         self._actor = PolicyTrainerActor.options(**options).remote(
@@ -179,7 +184,14 @@ class TorchTrainerRole:
 
             refit_by_broadcast(generation, version, send, self._wait)
             return
-        weights = self._actor.export_weights.remote()  # stays in the object store
+        if not self._engine_dtypes_asked:
+            self._engine_dtypes = self._wait(
+                generation.weight_dtypes.remote(), "the engine's weight dtypes"
+            )
+            self._engine_dtypes_asked = True
+        # Exported in the engine's dtypes, so a bfloat16 body crosses at half the bytes; stays
+        # in the object store.
+        weights = self._actor.export_weights.remote(self._engine_dtypes)
         refit_through_object_store(generation, version, weights, self._wait)
 
     def save_checkpoint(self, directory: Path, step: int, data_state: dict) -> None:

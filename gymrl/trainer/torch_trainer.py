@@ -143,10 +143,15 @@ class TorchPolicyTrainer:
         (the parity gate's tolerance depends on it)."""
         return "bfloat16" if self._compute_dtype == torch.bfloat16 else "float32"
 
-    def export_weights(self) -> Mapping[str, torch.Tensor]:
-        """The weights on the CPU (what crosses Ray's object store to the engine)."""
+    def export_weights(
+        self, dtypes: Mapping[str, torch.dtype] | None = None
+    ) -> Mapping[str, torch.Tensor]:
+        """The weights on the CPU (what crosses Ray's object store to the engine), each in
+        `dtypes[name]` when given: the engine's own (`TorchGenerationEngine.weight_dtypes`), so a
+        body rounded to bfloat16 crosses at half the bytes."""
+        dtypes = dtypes or {}
         return {
-            name: tensor.detach().to("cpu", copy=True)
+            name: tensor.detach().to("cpu", dtype=dtypes.get(name, tensor.dtype), copy=True)
             for name, tensor in self.model.state_dict().items()
         }
 

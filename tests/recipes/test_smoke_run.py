@@ -55,6 +55,9 @@ def test_smoke_writes_one_record_per_step_with_per_agent_truncation(smoke_run):
         assert record["async/weight_version"] == record["step"]
         assert record["train/num_tokens"] > 0
         assert 0 < record["perf/engine_busy_share"] <= 1
+        # The built-in agents send the rows' own sampling, so nothing is overridden.
+        assert record["generation/sampling_overridden"] == 0
+        assert record["generation/sampling_rejected"] == 0
         assert 1 <= record["perf/engine_rows_per_decode_step"] <= 16  # generation.max_batch_size
         assert record["perf/generated_tokens_per_s"] > 0
         assert record["perf/engine_tokens_per_busy_s"] > record["perf/generated_tokens_per_s"]

@@ -24,6 +24,12 @@ from sglang_standin import make_standin
 
 from gymrl.generation.chat_template import ChatFormat
 from gymrl.generation.policy_server import create_policy_server_app
+from gymrl.generation.sampling_parity import (
+    Sampling,
+    SamplingCounts,
+    SamplingParity,
+    SamplingRules,
+)
 from gymrl.generation.sglang_engine import SGLangEngine
 from gymrl.generation.torch_engine import TorchGenerationEngine
 from gymrl.generation.types import GenerationOutput, GenerationRequest
@@ -547,3 +553,28 @@ def test_health_needs_no_key_and_answers_while_serving(tokenizer, chat_format):
     with served(scripted(chat_format, "ok"), chat_format) as client:
         response = httpx.get(str(client.base_url.copy_with(path="/health")))  # no API key
     assert (response.status_code, response.content) == (200, b"")
+
+
+def test_a_training_server_samples_every_request_at_the_runs_settings(chat_format):
+    """Over HTTP: left-out fields and mismatches get the training settings (override), counted;
+    under reject a mismatch is a 400 naming the field and never reaches the engine."""
+    trained, greedy = Sampling(0.7, 0.9), Sampling(0.0, 1.0)
+    engine = scripted(chat_format, "5.")
+    overriding = SamplingParity(SamplingRules(trained, frozenset({greedy}), "override"))
+    with served(engine, chat_format, sampling_parity=overriding) as client:
+        left_out = completion(client, USER_ONLY)
+        openai_default = completion(client, USER_ONLY, temperature=1.0, top_p=1.0)
+        validation = completion(client, USER_ONLY, temperature=0.0)
+    assert [r.status_code for r in (left_out, openai_default, validation)] == [200] * 3
+    sampled = [Sampling(r.params.temperature, r.params.top_p) for r in engine.requests]
+    assert sampled == [trained, trained, greedy]
+    assert overriding.counts() == SamplingCounts(overridden=1, rejected=0)
+
+    rejecting = SamplingParity(SamplingRules(trained, frozenset(), "reject"))
+    with served(engine, chat_format, sampling_parity=rejecting) as client:
+        refused = completion(client, USER_ONLY, temperature=0.7, top_p=1.0)
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "top_p"
+    assert "temperature=0.7, top_p=0.9" in error_message(refused)
+    assert len(engine.requests) == 3
+    assert rejecting.counts() == SamplingCounts(overridden=0, rejected=1)

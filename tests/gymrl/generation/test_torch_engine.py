@@ -228,6 +228,30 @@ def test_refit_changes_the_outputs_and_the_version(tokenizer, prompts):
     assert engine.weight_version == 2
 
 
+def test_weights_sent_in_the_engines_dtypes_load_to_the_same_engine(tokenizer, prompts):
+    """A bfloat16 engine stores its body's Linear weights rounded; a refit sent in those dtypes
+    (half the bytes) leaves the engine exactly as the float32 refit does."""
+    trained = tiny_llama(tokenizer, seed=1).state_dict()
+    from_float32 = make_engine(tiny_llama(tokenizer, seed=0), compute_dtype="bfloat16")
+    from_engine_dtypes = make_engine(tiny_llama(tokenizer, seed=0), compute_dtype="bfloat16")
+    dtypes = from_engine_dtypes.weight_dtypes()
+    assert dtypes["model.layers.0.self_attn.q_proj.weight"] == torch.bfloat16
+    assert dtypes["model.embed_tokens.weight"] == torch.float32
+    assert dtypes["model.norm.weight"] == torch.float32
+    sent = {name: tensor.to(dtypes[name]) for name, tensor in trained.items()}
+    sent_bytes = sum(t.numel() * t.element_size() for t in sent.values())
+    assert sent_bytes < sum(t.numel() * t.element_size() for t in trained.values())
+    from_float32.update_weights(trained, version=1)
+    from_engine_dtypes.update_weights(sent, version=1)
+    assert from_float32.weight_dtypes() == dtypes
+    sampled = [request(prompt, temperature=1.0, seed=5, max_new_tokens=8) for prompt in prompts]
+    one, other = from_float32.generate(sampled), from_engine_dtypes.generate(sampled)
+    assert [o.token_ids for o in one] == [o.token_ids for o in other]
+    assert [o.logprobs for o in one] == [o.logprobs for o in other]
+    for engine in (from_float32, from_engine_dtypes):
+        engine.close()
+
+
 @pytest.mark.parametrize(
     ("bad", "message"),
     [

@@ -24,12 +24,23 @@ def config():
 pytestmark = pytest.mark.usefixtures("local_ray")
 
 
+ROUNDED = "model.layers.0.self_attn.q_proj.weight"  # stored in bfloat16 by this engine
+
+
 @ray.remote(num_cpus=0)
 class RecordingGeneration:
-    """The generation server's refit verb, recording what the trainer sent."""
+    """The generation server's refit verbs, recording what the trainer sent."""
 
     def __init__(self):
         self.refits = []
+        self.dtype_questions = 0
+
+    def weight_dtypes(self):
+        self.dtype_questions += 1
+        return {ROUNDED: torch.bfloat16}
+
+    def asked(self):
+        return self.dtype_questions
 
     def update_weights(self, state_dict, version):
         self.refits.append((version, {name: t.clone() for name, t in state_dict.items()}))
@@ -80,6 +91,10 @@ def test_torch_role_trains_refits_checkpoints_and_closes(config, tmp_path):
     role.refit(generation, 1)
     (v0, before), (v1, after) = ray.get(generation.received.remote())
     assert (v0, v1) == (0, 1) and before.keys() == after.keys()
+    # Sent in the engine's dtypes, asked once.
+    assert after[ROUNDED].dtype == torch.bfloat16
+    assert all(t.dtype == torch.float32 for name, t in after.items() if name != ROUNDED)
+    assert ray.get(generation.asked.remote()) == 1
     assert any(not torch.equal(before[name], after[name]) for name in before)
 
     role.save_checkpoint(tmp_path / "checkpoints", 1, {"position": 16})

@@ -118,6 +118,15 @@ def test_checkpoint_round_trip_restores_weights_optimizer_and_version(trainer, t
         torch.testing.assert_close(tensor, saved[name])
 
 
+def test_weights_export_in_the_dtypes_asked_for_and_otherwise_their_own(trainer):
+    own = trainer.export_weights()
+    name = next(n for n in own if n.endswith("q_proj.weight"))
+    asked = trainer.export_weights({name: torch.bfloat16})
+    assert asked[name].dtype == torch.bfloat16
+    assert torch.equal(asked[name], own[name].to(torch.bfloat16))
+    assert all(asked[n].dtype == own[n].dtype for n in own if n != name)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_step_on_cuda_trains_where_the_model_is(tokenizer, dtype):

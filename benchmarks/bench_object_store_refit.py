@@ -1,0 +1,98 @@
+"""Seconds per refit of the torch engine through Ray's object store, as a training run does it.
+
+    python benchmarks/bench_object_store_refit.py --refits 5
+    python benchmarks/bench_object_store_refit.py --refits 5 policy.compute_dtype=float32
+
+Starts the run's own roles on a local Ray (`start_generation_server`, `start_trainer`, the
+placement a run gets) for the embedded default (SmolLM2-135M-Instruct; any recipe overrides),
+then times `--refits` calls of `TrainerRole.refit`, the call a training step ends with: the
+trainer exports its weights into the object store, the generation server fetches them and loads
+them once the rows in flight end (none here). Prints the bytes one refit moves, in the engine's
+dtypes, and the seconds of every refit after the first (the first also asks the engine for its
+dtypes and warms the object store).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import ray
+
+from gymrl.cluster.placement import plan_placement, reserve
+from gymrl.cluster.ray_calls import wait_for
+from gymrl.cluster.ray_session import start_ray
+from gymrl.config.compose import compose_raw
+from gymrl.generation.api_key import resolve_api_key
+from gymrl.model.policy import build_policy
+from gymrl.preflight.validate import validate_config
+from gymrl.roles.generation_server import start_generation_server
+from gymrl.roles.trainer import start_trainer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--refits", type=int, default=5, help="refits to time (after a first)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of each role")
+    parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. policy.dtype=...")
+    args = parser.parse_args()
+    config = validate_config(compose_raw(args.overrides))
+    if config.generation.backend != "torch":
+        parser.error("the object-store refit is the torch engine's: run with generation=torch")
+    with ExitStack() as started:
+        start_ray(config.cluster)
+        started.callback(ray.shutdown)
+        placement = plan_placement(config)
+        group = reserve(placement, config.cluster.ray_start_timeout_s)
+
+        def on_cleanup(_what, close):
+            started.callback(close)
+
+        output_dir = Path("outputs/bench_object_store_refit").resolve()
+        output_dir.mkdir(parents=True, exist_ok=True)
+        generation = start_generation_server(
+            config,
+            output_dir=output_dir,
+            torch_threads=args.threads,
+            placement=placement,
+            group=group,
+            api_key=resolve_api_key(None),
+            on_cleanup=on_cleanup,
+        )
+        trainer = start_trainer(
+            config,
+            output_dir,
+            torch_threads=args.threads,
+            placement=placement,
+            group=group,
+            on_cleanup=on_cleanup,
+        )
+        dtypes = wait_for(generation.actor.weight_dtypes.remote(), timeout_s=60, what="dtypes")
+        seconds = []
+        for version in range(args.refits + 1):
+            began = time.monotonic()
+            trainer.refit(generation.actor, version)
+            seconds.append(time.monotonic() - began)
+    moved = _bytes_in(dtypes, config)
+    print(f"engine dtypes: {sorted({str(d) for d in dtypes.values()})}; {moved / 2**20:.0f} MiB")
+    print(f"first refit {seconds[0]:.2f} s (asks the engine's dtypes)")
+    timed = seconds[1:]
+    print(
+        f"refit s: median {statistics.median(timed):.2f}, min {min(timed):.2f}, "
+        f"max {max(timed):.2f} over {len(timed)}"
+    )
+
+
+def _bytes_in(dtypes, config) -> int:
+    """Bytes of one export in the engine's dtypes: the model's state dict, sized per tensor."""
+    model, _ = build_policy(config.policy, config.run.seed)
+    return sum(
+        tensor.numel() * dtypes[name].itemsize for name, tensor in model.state_dict().items()
+    )
+
+
+if __name__ == "__main__":
+    main()
