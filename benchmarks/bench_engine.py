@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from gymrl.config.schema import TorchGenerationConfig
 from gymrl.generation.torch_engine import TorchGenerationEngine
 from gymrl.generation.types import GenerationRequest, SamplingParams
 from gymrl.model.loading import ensure_smollm2_checkpoint, load_pretrained, load_tokenizer
@@ -147,6 +148,7 @@ def main() -> None:
             eos_token_ids=stop_ids,
             seed=args.seed,
             compute_dtype=args.compute_dtype,
+            prefill_token_budget=TorchGenerationConfig().prefill_token_budget,
         )
         contenders: dict[str, Callable[[], int]] = {
             "generate": lambda p=prompts: run_generate(model, p, args.new_tokens, stop_ids),

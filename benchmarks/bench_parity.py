@@ -54,6 +54,7 @@ def figures_for(dtype: str, episodes: int, max_new_tokens: int) -> dict[str, flo
         eos_token_ids=[eos_token_id(tokenizer)],
         seed=0,
         compute_dtype=policy.compute_dtype,
+        prefill_token_budget=config.generation.prefill_token_budget,
     )
     texts = [
         tokenizer.apply_chat_template(

@@ -29,7 +29,7 @@ import psutil
 import torch
 from pydantic import SecretStr
 
-from gymrl.config.schema import PolicyConfig
+from gymrl.config.schema import PolicyConfig, TorchGenerationConfig
 from gymrl.generation.chat_template import ChatFormat
 from gymrl.generation.parsers import GenerationParser
 from gymrl.generation.policy_server import create_policy_server_app
@@ -169,6 +169,7 @@ def serve_policy(model_name: str, threads: int, cache_dir: Path):
         eos_token_ids=[eos_token_id(tokenizer)],
         seed=0,
         compute_dtype="auto",
+        prefill_token_budget=TorchGenerationConfig().prefill_token_budget,
     )
     # SmolLM2's format as conf/policy/smollm2_135m.yaml configures it.
     chat_format = ChatFormat(

@@ -335,7 +335,7 @@ class TorchGenerationEngine:
         max_batch_size: int,
         eos_token_ids: Iterable[int] = (),
         seed: int = 0,
-        prefill_token_budget: int = 512,
+        prefill_token_budget: int,
         weight_version: int = 0,
         compute_dtype: ComputeDtype,
     ) -> None:

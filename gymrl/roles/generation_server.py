@@ -77,12 +77,12 @@ class GenerationServer:
                 backend = build_torch_backend(
                     config, end_ids=end_ids, placement=placement, started=started
                 )
-            self._engine = backend.engine
+            self._backend = backend
             tokenizer = backend.tokenizer
             server = generation.server
             self._sampling_parity = sampling_rules and SamplingParity(sampling_rules)
             app = create_policy_server_app(
-                self._engine,
+                backend.engine,
                 ChatFormat.from_policy(policy, tokenizer, model_end_ids=end_ids),
                 model_name=policy.name,
                 api_key=api_key,
@@ -110,9 +110,8 @@ class GenerationServer:
 
     def engine_counters(self) -> EngineCounters | None:
         """The torch engine's totals (`EngineCounters`); SGLang's live on its servers."""
-        if isinstance(self._engine, TorchGenerationEngine):
-            return self._engine.counters()
-        return None
+        local = self._backend.local
+        return None if local is None else local.counters()
 
     def sampling_counts(self) -> SamplingCounts | None:
         """Requests overridden or refused for their sampling (None: the server has no parity)."""
@@ -120,50 +119,48 @@ class GenerationServer:
 
     def record_engine_timeline(self) -> None:
         """Start recording the torch engine's loop iterations (SGLang's: none)."""
-        if isinstance(self._engine, TorchGenerationEngine):
-            self._engine.record_timeline()
+        if self._backend.local is not None:
+            self._backend.local.record_timeline()
 
     def engine_timeline(self) -> list[EngineStep] | None:
         """The iterations recorded since `record_engine_timeline`; None for SGLang engines."""
-        if isinstance(self._engine, TorchGenerationEngine):
-            return self._engine.timeline()
-        return None
+        local = self._backend.local
+        return None if local is None else local.timeline()
 
     def weight_dtypes(self) -> dict[str, torch.dtype] | None:
         """The torch engine's stored dtype per weight, for `refit_through_object_store`; None for
         SGLang engines, which load a refit in their own dtype."""
-        if isinstance(self._engine, TorchGenerationEngine):
-            return self._engine.weight_dtypes()
-        return None
+        local = self._backend.local
+        return None if local is None else local.weight_dtypes()
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> int:
-        self._engine.update_weights(state_dict, version)
-        return self._engine.weight_version
+        engine = self._backend.engine
+        engine.update_weights(state_dict, version)
+        return engine.weight_version
 
     def weight_sync_targets(self) -> tuple[list[str], list[int]]:
         """The SGLang servers' URLs and TP sizes, for the trainer's `WeightSender`."""
-        engine = self._sglang_engine()
+        engine = self._servers("weight sync by broadcast")
         return engine.server_urls, [self._tp_size] * len(engine.server_urls)
 
     def begin_refit(self) -> None:
         """Pause the SGLang servers while the trainer broadcasts weights to them."""
-        self._sglang_engine().begin_refit()
+        self._servers("weight sync by broadcast").begin_refit()
 
     def end_refit(self, version: int) -> int:
-        self._sglang_engine().end_refit(version)
+        self._servers("weight sync by broadcast").end_refit(version)
         return version
-
-    def _sglang_engine(self) -> SGLangEngine:
-        if not isinstance(self._engine, SGLangEngine):  # the validator refuses such configs
-            raise TypeError("weight sync by broadcast is the SGLang engines' (generation=sglang)")
-        return self._engine
 
     def refit_from_disk(self, path: str, version: int) -> int:
         """SGLang engines load a Hugging Face checkpoint the trainer exported to shared disk."""
-        if not isinstance(self._engine, SGLangEngine):  # the validator refuses such configs
-            raise TypeError("refit_from_disk is the SGLang engines' refit path (generation=sglang)")
-        self._engine.refit_from_disk(path, version)
-        return self._engine.weight_version
+        engine = self._servers("refit from disk")
+        engine.refit_from_disk(path, version)
+        return engine.weight_version
+
+    def _servers(self, verb: str) -> SGLangEngine:
+        if self._backend.servers is None:  # the validator refuses such configs
+            raise TypeError(f"{verb} is the SGLang engines' refit path (generation=sglang)")
+        return self._backend.servers
 
     def close(self) -> None:
         """Stop the HTTP server, then the SGLang engines behind it (each even if one fails)."""
@@ -173,10 +170,14 @@ class GenerationServer:
 @dataclass(frozen=True)
 class EngineBackend:
     """What a backend builder hands the generation server: the engine (it schedules each
-    request itself) and the tokenizer the chat format renders with."""
+    request itself), the tokenizer the chat format renders with, and the verbs only one kind of
+    engine has: `local`, an in-process torch engine (counters, timeline, weight dtypes), or
+    `servers`, the client of SGLang servers (refit by broadcast or from disk)."""
 
-    engine: Any
+    engine: TorchGenerationEngine | SGLangEngine
     tokenizer: PreTrainedTokenizerBase
+    local: TorchGenerationEngine | None = None
+    servers: SGLangEngine | None = None
 
 
 def build_torch_backend(
@@ -197,7 +198,7 @@ def build_torch_backend(
         prefill_token_budget=generation.prefill_token_budget,
     )
     started.callback(engine.close)
-    return EngineBackend(engine, tokenizer)
+    return EngineBackend(engine, tokenizer, local=engine)
 
 
 def build_sglang_backend(
@@ -228,7 +229,7 @@ def build_sglang_backend(
         generation, servers.urls, refit_dir=output_dir / "refit", end_token_ids=end_ids
     )
     started.callback(engine.close)
-    return EngineBackend(engine, load_tokenizer(folder))
+    return EngineBackend(engine, load_tokenizer(folder), servers=engine)
 
 
 @dataclass(frozen=True)

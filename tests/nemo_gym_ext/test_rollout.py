@@ -6,6 +6,7 @@ import asyncio
 import pytest
 from pydantic import SecretStr
 
+from gymrl.config.schema import TorchGenerationConfig
 from gymrl.generation.policy_server import create_policy_server_app
 from gymrl.generation.torch_engine import TorchGenerationEngine
 from gymrl.model.loading import build_tiny_llama
@@ -37,7 +38,13 @@ def policy_url(tokenizer, chat_format):
     model = build_tiny_llama(
         tokenizer, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, seed=0
     )
-    engine = TorchGenerationEngine(model, max_batch_size=8, seed=0, compute_dtype="float32")
+    engine = TorchGenerationEngine(
+        model,
+        max_batch_size=8,
+        seed=0,
+        compute_dtype="float32",
+        prefill_token_budget=TorchGenerationConfig().prefill_token_budget,
+    )
     app = create_policy_server_app(
         engine,
         chat_format,

@@ -22,6 +22,7 @@ import torch
 from pydantic import SecretStr
 from sglang_standin import make_standin
 
+from gymrl.config.schema import TorchGenerationConfig
 from gymrl.generation.chat_template import ChatFormat
 from gymrl.generation.policy_server import create_policy_server_app
 from gymrl.generation.sampling_parity import (
@@ -316,7 +317,13 @@ def _tiny_torch_engine(tokenizer, **settings):
     model = build_tiny_llama(
         tokenizer, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, seed=0
     )
-    return TorchGenerationEngine(model, seed=0, compute_dtype="float32", **settings)
+    return TorchGenerationEngine(
+        model,
+        seed=0,
+        compute_dtype="float32",
+        prefill_token_budget=TorchGenerationConfig().prefill_token_budget,
+        **settings,
+    )
 
 
 def test_concurrent_requests_decode_together_and_each_gets_its_own_answer(tokenizer, chat_format):
@@ -451,7 +458,13 @@ def test_real_torch_engine_two_turns_stay_contiguous(tokenizer, chat_format):
     model = build_tiny_llama(
         tokenizer, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, seed=0
     )
-    engine = TorchGenerationEngine(model, max_batch_size=4, seed=0, compute_dtype="float32")
+    engine = TorchGenerationEngine(
+        model,
+        max_batch_size=4,
+        seed=0,
+        compute_dtype="float32",
+        prefill_token_budget=TorchGenerationConfig().prefill_token_budget,
+    )
     with served(engine, chat_format, default_max_tokens=6) as client:
         first = completion(client, USER_ONLY, seed=1)
         assert first.status_code == 200, first.text

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from pydantic import SecretStr
 
+from gymrl.config.schema import TorchGenerationConfig
 from gymrl.generation.policy_server import create_policy_server_app
 from gymrl.generation.torch_engine import TorchGenerationEngine
 from gymrl.model.loading import build_tiny_llama
@@ -46,7 +47,13 @@ def client(tokenizer, chat_format):
     model = build_tiny_llama(
         tokenizer, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, seed=0
     )
-    engine = TorchGenerationEngine(model, max_batch_size=8, seed=0, compute_dtype="float32")
+    engine = TorchGenerationEngine(
+        model,
+        max_batch_size=8,
+        seed=0,
+        compute_dtype="float32",
+        prefill_token_budget=TorchGenerationConfig().prefill_token_budget,
+    )
     app = create_policy_server_app(
         engine,
         chat_format,

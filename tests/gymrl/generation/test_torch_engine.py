@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gymrl.config.schema import TorchGenerationConfig
 from gymrl.generation.torch_engine import EngineClosedError, TorchGenerationEngine, sample_tokens
 from gymrl.generation.types import GenerationOutput, GenerationRequest, SamplingParams
 from gymrl.model.loading import build_tiny_llama, ensure_smollm2_checkpoint, load_tokenizer
@@ -54,7 +55,12 @@ def prompts(tokenizer) -> list[list[int]]:
 
 
 def make_engine(model, **overrides) -> TorchGenerationEngine:
-    settings = {"max_batch_size": 3, "eos_token_ids": (), "compute_dtype": "float32"} | overrides
+    settings = {
+        "max_batch_size": 3,
+        "eos_token_ids": (),
+        "compute_dtype": "float32",
+        "prefill_token_budget": TorchGenerationConfig().prefill_token_budget,
+    } | overrides
     return TorchGenerationEngine(model, **settings)
 
 
