@@ -26,7 +26,7 @@ LOWER = {
     "generation": {"config", "run", "cluster", "model"},
     "trainer": {"config", "run", "cluster", "model", "algo", "generation"},
     "experience": {"config", "algo"},
-    "preflight": {"config", "cluster", "generation", "trainer"},
+    "preflight": {"config", "cluster", "model", "generation", "trainer"},
 }
 LOWER["roles"] = set(LOWER) - {"roles", "preflight", "tracking"}
 LOWER["recipes"] = set(LOWER) | {"roles"}
