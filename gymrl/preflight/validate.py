@@ -39,7 +39,6 @@ from gymrl.config.schema import (
 from gymrl.generation.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from gymrl.generation.templates import bundled_chat_templates, chat_template_path
 from gymrl.preflight.clients import HONOR_KEY, shard_clients
-from gymrl.preflight.template_probe import probe_policy
 from gymrl.trainer.capabilities import unsupported_by_trainer
 from nemo_gym_ext.config import (
     TRUNCATION_KEY,
@@ -587,6 +586,10 @@ def _text_only_issues(config: RecipeConfig, shards: list[GymActorConfig]) -> lis
     exposed = {name: (shard, clients) for name, (shard, clients) in exposed.items() if clients}
     if not exposed:
         return []
+    # Here, not at the top: the probe brings transformers (about a second to import), which
+    # validating every other config (recipes/eval.py, recipes/serve.py, sweeps) does without.
+    from gymrl.preflight.template_probe import probe_policy
+
     probe = probe_policy(config.policy, honor_prompt_token_ids=honor)
     broken = probe.text_only.divergence if probe.text_only is not None else None
     if broken is None:
