@@ -21,13 +21,12 @@ HONOR_KEY = "generation.server.honor_prompt_token_ids"
 
 @dataclass(frozen=True)
 class Client:
-    """One agent (or one Gym deployment) calling the policy server.
+    """One agent (or one shard's Gym deployment) calling the policy server.
 
     `sends_ids` is None where the recipe cannot know; `key` is the field that decides it (None
     where the recipe has none), so a refusal can name it.
     """
 
-    shard: GymActorConfig
     name: str
     sends_ids: bool | None
     key: str | None
@@ -41,17 +40,17 @@ class Client:
 def shard_clients(config: RecipeConfig, shard: GymActorConfig) -> list[Client]:
     """The clients of one shard, as its source says they send their turns back."""
     if shard.source == "gym_launch":
-        return [Client(shard, "the launched Gym deployment", True, None)]
+        return [Client("the launched Gym deployment", True, None)]
     if shard.source == "gym_join":
-        return [Client(shard, "the joined Gym deployment", None, None)]
+        return [Client("the joined Gym deployment", None, None)]
     clients = []
     for name, spec in shard.agents.items():
         if spec.url is not None:
-            clients.append(Client(shard, name, None, None))
+            clients.append(Client(name, None, None))
             continue
         options = spec.agent_options(policy_model=config.policy.name)
         key = f"{shard.key_prefix}.{AGENTS_KEY}.{name}.options.send_token_ids"
-        clients.append(Client(shard, name, options.send_token_ids, key))
+        clients.append(Client(name, options.send_token_ids, key))
     return clients
 
 

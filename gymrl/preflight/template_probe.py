@@ -145,10 +145,22 @@ def probe_policy(policy: PolicyConfig, *, honor_prompt_token_ids: bool) -> Templ
     )
     try:
         folder = local_tokenizer_folder(policy)
-        tokenizer = read_tokenizer(str(folder))
-        chat_format = ChatFormat.from_policy(policy, tokenizer)
-    except (OSError, ValueError) as error:
+    except FileNotFoundError as error:
         return TemplateProbe(template, not_run=str(error))
+    try:
+        tokenizer = read_tokenizer(str(folder))
+    except (OSError, ValueError) as error:
+        return TemplateProbe(
+            template,
+            folder,
+            not_run=f"no tokenizer the probe can read in {folder} ({type(error).__name__}: the "
+            "probe reads tokenizer.json with transformers' fast tokenizer class, converting "
+            "nothing)",
+        )
+    try:
+        chat_format = ChatFormat.from_policy(policy, tokenizer)
+    except ValueError as error:  # the policy server would refuse to start the same way
+        return TemplateProbe(template, folder, not_run=str(error))
     with_ids, text_only = probe_chat_format(
         chat_format, honor_prompt_token_ids=honor_prompt_token_ids
     )

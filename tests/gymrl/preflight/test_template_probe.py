@@ -206,6 +206,9 @@ def test_a_tokenizer_not_on_this_machine_is_said_not_probed(tmp_path):
     policy = validate_config(compose_raw([f"policy.model_cache_dir={tmp_path}"])).policy
     probe = probe_policy(policy, honor_prompt_token_ids=True)
     assert probe.not_run is not None and "not converted yet" in probe.not_run
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+    plan = _plan("policy.source=pretrained", f"policy.path={tmp_path}")
+    assert f"probe     not run: no tokenizer the probe can read in {tmp_path}" in plan
 
 
 def test_the_probing_dry_run_imports_no_torch(smollm2_dir, tmp_path):
