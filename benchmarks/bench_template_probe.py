@@ -30,13 +30,15 @@ from tests.gymrl.generation.template_families import (
 
 
 def _verdict(verdict: EpisodeVerdict) -> str:
-    if verdict.divergence is not None:
-        broken = verdict.divergence
-        return (
-            f"breaks at turn {broken.turn} (token {broken.position}: {broken.token_found!r} "
-            f"where the history has {broken.token_expected!r})"
-        )
-    return "refused" if verdict.refused is not None else "append-only"
+    if verdict.refused is not None:
+        return "refused"
+    if verdict.append_only:
+        return "append-only"
+    return "breaks at " + ", ".join(
+        f"turn {broken.turn} (token {broken.position}: `{broken.token_found!r}` where the "
+        f"history has `{broken.token_expected!r}`)"
+        for broken in verdict.divergences
+    )
 
 
 def _timed_read(folder: str) -> tuple[float, PreTrainedTokenizerBase]:

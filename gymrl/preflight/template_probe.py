@@ -99,23 +99,38 @@ class Divergence:
 
 @dataclass(frozen=True)
 class EpisodeVerdict:
-    """One client's episode: the first divergence, or the server's refusal of a turn."""
+    """One client's episode: each turn's divergence from its predecessor (turns 2 on; each turn
+    is compared with the previous prompt + generation, whatever broke before), or the server's
+    refusal of a turn, which ends the episode there."""
 
-    divergence: Divergence | None = None
+    divergences: tuple[Divergence, ...] = ()
     refused: str | None = None
 
     @property
     def append_only(self) -> bool:
-        return self.divergence is None and self.refused is None
+        return not self.divergences and self.refused is None
+
+    @property
+    def divergence(self) -> Divergence | None:
+        """The first turn that breaks the episode, where a run without truncation stops."""
+        return self.divergences[0] if self.divergences else None
 
     def describe(self) -> str:
         if self.refused is not None:
             return f"the policy server refuses {self.refused}"
-        if self.divergence is not None:
-            return f"NOT append-only: {self.divergence.describe()}"
-        return (
-            f"append-only (turns 2-{PROBED_TURNS} each start with the previous prompt + generation)"
-        )
+        if not self.divergences:
+            return (
+                f"append-only (turns 2-{PROBED_TURNS} each start with the previous prompt + "
+                "generation)"
+            )
+        broken = {divergence.turn: divergence for divergence in self.divergences}
+        turns = [
+            broken[turn].describe()
+            if turn in broken
+            else f"turn {turn}'s prompt starts with turn {turn - 1}'s prompt + generation"
+            for turn in range(2, PROBED_TURNS + 1)
+        ]
+        return "NOT append-only: " + "; ".join(turns)
 
 
 @dataclass(frozen=True)
@@ -200,15 +215,16 @@ def _play(
 ) -> EpisodeVerdict:
     messages = list(_OPENING)
     history: list[int] = []
+    divergences: list[Divergence] = []
     for turn in range(1, PROBED_TURNS + 1):
         try:
             prompt = build_prompt_token_ids(
                 messages, [_TOOL], chat_format, honor_prompt_token_ids=honor_prompt_token_ids
             ).token_ids
         except ChatFormatError as error:
-            return EpisodeVerdict(refused=f"turn {turn}: {error}")
+            return EpisodeVerdict(tuple(divergences), refused=f"turn {turn}: {error}")
         if prompt[: len(history)] != history:
-            return EpisodeVerdict(divergence=_divergence(chat_format, turn, history, prompt))
+            divergences.append(_divergence(chat_format, turn, history, prompt))
         if turn == PROBED_TURNS:
             break
         generation = [
@@ -219,7 +235,7 @@ def _play(
         messages.append(_answer_message(parsed, (prompt, generation) if send_ids else None))
         messages.append(_reply(parsed, turn))
         history = prompt + generation
-    return EpisodeVerdict()
+    return EpisodeVerdict(tuple(divergences))
 
 
 def _written(chat_format: ChatFormat, prompt: Sequence[int], turn: int) -> str:

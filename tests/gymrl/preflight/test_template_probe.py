@@ -60,7 +60,10 @@ def test_qwen3_thinking_drops_earlier_reasoning_at_the_follow_up(qwen3_tokenizer
     broken = text_only.divergence
     assert broken is not None and broken.turn == 3
     assert (broken.token_expected, broken.token_found) == ("<think>", "<tool_call>")
-    assert "NOT append-only: turn 3's prompt differs at token" in text_only.describe()
+    assert text_only.describe().startswith(
+        "NOT append-only: turn 2's prompt starts with turn 1's prompt + generation; turn 3's "
+        "prompt differs at token"
+    )
 
 
 def test_qwen3_without_thinking_breaks_at_the_first_tool_output(qwen3_tokenizer):
@@ -71,6 +74,8 @@ def test_qwen3_without_thinking_breaks_at_the_first_tool_output(qwen3_tokenizer)
     broken = text_only.divergence
     assert broken is not None and broken.turn == 2
     assert (broken.token_expected, broken.token_found) == ("<think>", "<tool_call>")
+    # Each turn is judged against its own predecessor: the final answer's empty block is lost too.
+    assert [divergence.turn for divergence in text_only.divergences] == [2, 3]
 
 
 def test_a_server_that_ignores_ids_gives_the_text_only_verdict_to_both(qwen3_tokenizer):
@@ -196,7 +201,7 @@ def test_the_plan_warns_of_a_template_from_another_model(qwen3_folder):
     plan = _plan("policy.source=pretrained", f"policy.path={qwen3_folder}")
     assert "  WARNING     policy.chat_template=smollm2_tools renders this model's chats" in plan
     plan = _plan(*_qwen3_overrides(qwen3_folder))
-    assert "WARNING" not in plan and "text only: NOT append-only: turn 3's" in plan
+    assert "WARNING" not in plan and "text only: NOT append-only: turn 2's prompt starts" in plan
 
 
 def test_a_tokenizer_not_on_this_machine_is_said_not_probed(tmp_path):
