@@ -1,12 +1,14 @@
 """Checkpoint round trip with a tiny tied-weight model and AdamW, pruning, and partial saves;
-the state schema both trainers share, with its RNG restore."""
+the state schema both trainers share, with its RNG restore; the manifest's hashes, old and new."""
 
+import hashlib
 import json
 import random
 
 import numpy as np
 import pytest
 import torch
+import xxhash
 
 from gymrl.run.checkpoint import (
     COMPLETE_MARKER,
@@ -14,12 +16,14 @@ from gymrl.run.checkpoint import (
     CorruptCheckpointError,
     TrainerState,
     capture_rng_state,
+    hash_files,
     latest_checkpoint,
     latest_verified_checkpoint,
     load_checkpoint,
     restore_rng_state,
     save_checkpoint,
     verify_checkpoint,
+    write_manifest,
 )
 
 
@@ -221,5 +225,64 @@ def test_when_every_checkpoint_is_damaged_none_is_chosen(tmp_path):
     _flip_one_byte(_save(tmp_path, 1, model, optimizer) / "optimizer.pt")
     chosen, rejected = latest_verified_checkpoint(tmp_path)
     assert chosen is None
-    assert rejected == [f"{tmp_path / 'step_1'}: optimizer.pt does not match its SHA-256"]
+    assert rejected == [f"{tmp_path / 'step_1'}: optimizer.pt does not match its xxh3-128"]
     assert latest_verified_checkpoint(tmp_path / "missing") == (None, [])
+
+
+def test_the_manifest_names_its_hash_and_holds_each_files_xxh3_128(tmp_path):
+    model, optimizer = _trained(seed=0)
+    folder = _save(tmp_path, 1, model, optimizer)
+    manifest = json.loads((folder / MANIFEST_FILE).read_text())
+    assert manifest["hash"] == "xxh3_128"
+    for name, entry in manifest["files"].items():
+        data = (folder / name).read_bytes()
+        assert entry == {"bytes": len(data), "xxh3_128": xxhash.xxh3_128_hexdigest(data)}
+
+
+def _rewrite_as_sha256_manifest(folder):
+    """The manifest as versions before xxh3 wrote it: no "hash" field, a "sha256" per file."""
+    names = json.loads((folder / MANIFEST_FILE).read_text())["files"]
+    files = {}
+    for name in names:
+        data = (folder / name).read_bytes()
+        files[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (folder / MANIFEST_FILE).write_text(json.dumps({"files": files}))
+
+
+def test_a_checkpoint_of_an_earlier_version_with_sha256_still_verifies_and_resumes(tmp_path):
+    model, optimizer = _trained(seed=0)
+    _save(tmp_path, 1, model, optimizer)
+    older = _save(tmp_path, 2, model, optimizer)
+    _rewrite_as_sha256_manifest(older)
+    assert latest_verified_checkpoint(tmp_path) == (older, [])
+    fresh_model, fresh_optimizer = _trained(seed=1)
+    assert load_checkpoint(older, fresh_model, fresh_optimizer).step == 2
+
+    _flip_one_byte(older / "model.safetensors")
+    chosen, rejected = latest_verified_checkpoint(tmp_path)
+    assert chosen == tmp_path / "step_1"
+    assert rejected == [f"{older}: model.safetensors does not match its SHA-256"]
+
+
+def test_a_manifest_naming_an_unknown_hash_is_reported_and_skipped(tmp_path):
+    model, optimizer = _trained(seed=0)
+    _save(tmp_path, 1, model, optimizer)
+    newest = _save(tmp_path, 2, model, optimizer)
+    manifest = json.loads((newest / MANIFEST_FILE).read_text())
+    (newest / MANIFEST_FILE).write_text(json.dumps({**manifest, "hash": "blake3"}))
+    chosen, rejected = latest_verified_checkpoint(tmp_path)
+    assert chosen == tmp_path / "step_1"
+    assert len(rejected) == 1 and "names the hash 'blake3'" in rejected[0]
+
+
+def test_entries_another_rank_hashed_go_into_the_manifest_as_given(tmp_path):
+    """A Megatron rank hashes its own shards; rank 0 hashes only what no rank reported."""
+    (tmp_path / "megatron").mkdir()
+    (tmp_path / "megatron" / "__1_0.distcp").write_bytes(b"rank 1's shard")
+    (tmp_path / "megatron" / ".metadata").write_bytes(b"metadata")
+    reported = {"megatron/__1_0.distcp": {"bytes": 14, "xxh3_128": "rank 1's digest"}}
+    write_manifest(tmp_path, reported)
+    files = json.loads((tmp_path / MANIFEST_FILE).read_text())["files"]
+    assert files == {**reported, **hash_files(tmp_path, ["megatron/.metadata"])}
+    with pytest.raises(CorruptCheckpointError, match=r"__1_0\.distcp does not match its xxh3-128"):
+        verify_checkpoint(tmp_path)  # not re-hashed at save, but checked at resume
