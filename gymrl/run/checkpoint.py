@@ -2,7 +2,7 @@
 
 A checkpoint is a folder `step_<n>/` holding the backend's weights and optimizer state (the torch
 trainer: `model.safetensors` and `optimizer.pt`; Megatron: a distributed checkpoint under
-`megatron/`), `trainer_state.json` (:class:`TrainerState`), `MANIFEST.json` (the size and
+`megatron/`), `gymrl_state.json` (:class:`TrainerState`), `MANIFEST.json` (the size and
 xxh3-128 digest of every other file) and, written last, the marker `COMPLETE`. It is assembled in a
 staging folder and renamed into place (`gymrl.run.atomic.atomic_folder`), so a crash mid-save never
 leaves a `step_<n>/` that looks usable; the marker additionally guards against copies made by
@@ -54,7 +54,11 @@ from gymrl.run.atomic import STAGING_PREFIX, atomic_folder
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
-STATE_FILE = "trainer_state.json"
+STATE_FILE = "gymrl_state.json"
+# The state's name before issue 22: the Hugging Face Trainer writes a file of this name with
+# another schema, so whoever found one could not tell which it was. Still read: old checkpoints
+# resume.
+LEGACY_STATE_FILE = "trainer_state.json"
 MANIFEST_FILE = "MANIFEST.json"
 COMPLETE_MARKER = "COMPLETE"
 MANIFEST_HASH = "xxh3_128"
@@ -102,7 +106,7 @@ class TrainerState:
         }
 
     def write(self, folder: Path, hashed: Mapping[str, Mapping[str, Any]] | None = None) -> None:
-        """Write `trainer_state.json`, the manifest of every file in `folder`, then the
+        """Write `gymrl_state.json`, the manifest of every file in `folder`, then the
         `COMPLETE` marker: the last files of a save, after the backend wrote its own. `hashed`:
         manifest entries other ranks made of the files they wrote (:func:`write_manifest`)."""
         (folder / STATE_FILE).write_text(json.dumps(asdict(self), indent=2))
@@ -119,7 +123,10 @@ class TrainerState:
                 "interrupted or the folder was copied partially. Use latest_checkpoint() to find "
                 "the newest complete one."
             )
-        return cls(**json.loads((folder / STATE_FILE).read_text()))
+        state_file = folder / STATE_FILE
+        if not state_file.is_file() and (folder / LEGACY_STATE_FILE).is_file():
+            state_file = folder / LEGACY_STATE_FILE
+        return cls(**json.loads(state_file.read_text()))
 
 
 def save_checkpoint(

@@ -13,6 +13,7 @@ import xxhash
 from gymrl.run.checkpoint import (
     COMPLETE_MARKER,
     MANIFEST_FILE,
+    STATE_FILE,
     CorruptCheckpointError,
     TrainerState,
     capture_rng_state,
@@ -110,7 +111,7 @@ def test_partial_checkpoints_are_ignored_and_leftovers_cleaned(tmp_path):
     _save(tmp_path, 4, model, optimizer)
     partial = tmp_path / "step_9"
     partial.mkdir()
-    (partial / "trainer_state.json").write_text("{}")
+    (partial / "gymrl_state.json").write_text("{}")
     leftover = tmp_path / ".tmp-step_10-abc"
     leftover.mkdir()
     assert latest_checkpoint(tmp_path) == tmp_path / "step_4"
@@ -125,7 +126,7 @@ def test_saving_an_existing_step_replaces_it(tmp_path):
     model, optimizer = _trained(seed=0)
     _save(tmp_path, 3, model, optimizer, data_state={"index": 1})
     _save(tmp_path, 3, model, optimizer, data_state={"index": 2})
-    state = json.loads((tmp_path / "step_3" / "trainer_state.json").read_text())
+    state = json.loads((tmp_path / "step_3" / "gymrl_state.json").read_text())
     assert state["data_state"] == {"index": 2}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_3"]
 
@@ -193,7 +194,7 @@ def _flip_one_byte(path):
     [
         (lambda folder: _truncate(folder / "optimizer.pt"), r"optimizer.pt has \d+ bytes, not"),
         (lambda folder: _flip_one_byte(folder / "model.safetensors"), "model.safetensors does not"),
-        (lambda folder: (folder / "trainer_state.json").unlink(), "trainer_state.json is missing"),
+        (lambda folder: (folder / "gymrl_state.json").unlink(), "gymrl_state.json is missing"),
         (lambda folder: (folder / MANIFEST_FILE).unlink(), f"no readable {MANIFEST_FILE}"),
     ],
     ids=["cut-short", "bit-flip", "file-lost", "no-manifest"],
@@ -206,7 +207,7 @@ def test_a_damaged_checkpoint_is_reported_and_the_previous_complete_one_used(
     newest = _save(tmp_path, 3, model, optimizer)
     assert latest_verified_checkpoint(tmp_path) == (newest, [])
     manifest = json.loads((newest / MANIFEST_FILE).read_text())["files"]
-    assert sorted(manifest) == ["model.safetensors", "optimizer.pt", "trainer_state.json"]
+    assert sorted(manifest) == ["gymrl_state.json", "model.safetensors", "optimizer.pt"]
 
     damage(newest)
 
@@ -239,21 +240,23 @@ def test_the_manifest_names_its_hash_and_holds_each_files_xxh3_128(tmp_path):
         assert entry == {"bytes": len(data), "xxh3_128": xxhash.xxh3_128_hexdigest(data)}
 
 
-def _rewrite_as_sha256_manifest(folder):
-    """The manifest as versions before xxh3 wrote it: no "hash" field, a "sha256" per file."""
-    names = json.loads((folder / MANIFEST_FILE).read_text())["files"]
+def _rewrite_as_an_earlier_version(folder):
+    """The checkpoint as versions before issue 22 wrote it: the state in `trainer_state.json`,
+    the manifest with no "hash" field and a "sha256" per file."""
+    (folder / STATE_FILE).rename(folder / "trainer_state.json")
     files = {}
-    for name in names:
+    for name in ("model.safetensors", "optimizer.pt", "trainer_state.json"):
         data = (folder / name).read_bytes()
         files[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     (folder / MANIFEST_FILE).write_text(json.dumps({"files": files}))
 
 
-def test_a_checkpoint_of_an_earlier_version_with_sha256_still_verifies_and_resumes(tmp_path):
+def test_a_checkpoint_of_an_earlier_version_still_verifies_and_resumes(tmp_path):
     model, optimizer = _trained(seed=0)
     _save(tmp_path, 1, model, optimizer)
     older = _save(tmp_path, 2, model, optimizer)
-    _rewrite_as_sha256_manifest(older)
+    _rewrite_as_an_earlier_version(older)
+    assert not (older / STATE_FILE).exists()
     assert latest_verified_checkpoint(tmp_path) == (older, [])
     fresh_model, fresh_optimizer = _trained(seed=1)
     assert load_checkpoint(older, fresh_model, fresh_optimizer).step == 2

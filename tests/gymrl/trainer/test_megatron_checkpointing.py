@@ -48,9 +48,9 @@ def test_every_rank_hashes_its_shards_and_rank_0_writes_one_manifest(tmp_path):
     )
     files = json.loads((checkpoint / MANIFEST_FILE).read_text())["files"]
     assert sorted(files) == [
+        "gymrl_state.json",
         "megatron/.metadata",
         "megatron/__0_0.distcp",
         "megatron/__1_0.distcp",
-        "trainer_state.json",
     ]
     assert latest_verified_checkpoint(tmp_path) == (checkpoint, [])
