@@ -355,7 +355,13 @@ class GRPORecipe:
         # later steps are past this position, and a resume skips them).
         self._step_end_position = self.rows.position
         producer.advance(step + 1, buffer_stats["evicted_stale"])
-        metrics = self._metrics(step, groups, train_metrics, producer.counts())
+        metrics = self._metrics(
+            step,
+            groups,
+            train_metrics,
+            producer.counts(),
+            self.config.generation.server.max_tokens_per_turn,
+        )
         metrics.update(self._engine_metrics())
         metrics.update(parity)
         metrics.update(
@@ -434,6 +440,7 @@ class GRPORecipe:
         groups: Sequence[RolloutGroup],
         train_metrics: Mapping[str, float],
         counts: ProducerCounts,
+        max_tokens_per_turn: int,
     ) -> dict[str, float]:
         trajectories: list[Trajectory] = [t for group in groups for t in group.trajectories]
         results = [summary for group in groups for summary in group.summaries]
@@ -444,6 +451,7 @@ class GRPORecipe:
         metrics.update({f"train/{k}": v for k, v in per_agent_metrics(results).items()})
         metrics.update({f"train/{k}": v for k, v in off_policy.items()})
         metrics.update({f"train/{k}": v for k, v in _infra_failure_rates(groups).items()})
+        metrics.update(_response_lengths(trajectories, max_tokens_per_turn))
         metrics.update(
             {
                 f"rollout/{agent}/uniform_dropped_total": float(count)
@@ -488,6 +496,29 @@ def _infra_failure_rates(groups: Sequence[RolloutGroup]) -> dict[str, float]:
         failed[agent] = failed.get(agent, 0) + group.failed_episodes
         total[agent] = total.get(agent, 0) + group.failed_episodes + len(group.trajectories)
     return {f"{agent}/infra_failure_rate": failed[agent] / total[agent] for agent in total}
+
+
+def _response_lengths(
+    trajectories: Sequence[Trajectory], max_tokens_per_turn: int
+) -> dict[str, float]:
+    """The response-length and clipped-response figures every peer logs (docs/metrics.md has
+    the crosswalk), over the step's episodes: generated tokens per episode and per model call
+    trained on, the share of episodes that hit a token limit, and the share of model calls
+    trained on that used the policy server's whole `max_tokens_per_turn`. A masked episode (no
+    tokens) counts in the episode share only: it has no calls left to measure."""
+    episodes = [t.num_generated_tokens for t in trajectories if not t.is_masked]
+    turns = [length for t in trajectories for length in t.turn_lengths]
+    metrics = {
+        "rollout/clipped_episode_share": _mean([float(t.overlong) for t in trajectories]),
+        "rollout/clipped_turn_share": _mean(
+            [float(length >= max_tokens_per_turn) for length in turns]
+        ),
+    }
+    for name, lengths in (("episode", episodes), ("turn", turns)):
+        metrics[f"rollout/{name}_generated_tokens/mean"] = _mean(lengths)
+        metrics[f"rollout/{name}_generated_tokens/min"] = float(min(lengths, default=math.nan))
+        metrics[f"rollout/{name}_generated_tokens/max"] = float(max(lengths, default=math.nan))
+    return metrics
 
 
 def _mean(values: Sequence[float]) -> float:
