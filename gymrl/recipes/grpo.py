@@ -17,6 +17,7 @@ a contiguity/malformed-result error (never retried), the run stops with the caus
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -78,6 +79,9 @@ RUN_STOPPING_ERRORS = (
     GymStartError,
     ParityGateError,
 )
+
+
+log = logging.getLogger(__name__)
 
 
 class GRPORecipe:
@@ -149,7 +153,7 @@ class GRPORecipe:
             on_cleanup=self._on_cleanup,
         )
         self.generation, base_url = generation.actor, generation.base_url
-        print(f"policy server up {time.monotonic() - started:.1f} s into setup", flush=True)
+        log.info(f"policy server up {time.monotonic() - started:.1f} s into setup")
         announce_policy_server(
             self.output_dir,
             base_url=base_url,
@@ -176,10 +180,9 @@ class GRPORecipe:
             group=group,
             on_cleanup=self._on_cleanup,
         )
-        print(
+        log.info(
             f"{len(config.gym_shards)} Gym shard(s) up, {time.monotonic() - started:.1f} s into "
-            f"setup ({config.env.source}), serving {sorted(shards_by_agent)}",
-            flush=True,
+            f"setup ({config.env.source}), serving {sorted(shards_by_agent)}"
         )
         # Every row's agent is served, checked before any episode runs.
         rows = load_rows(
@@ -248,7 +251,7 @@ class GRPORecipe:
             return 0, 0
         checkpoint, rejected = latest_verified_checkpoint(self.checkpoint_dir)
         for problem in rejected:
-            print(f"warning: skipping a damaged checkpoint: {problem}", flush=True)
+            log.warning(f"skipping a damaged checkpoint: {problem}")
         if checkpoint is None:
             raise FileNotFoundError(
                 f"resume=true but there is no complete checkpoint under {self.checkpoint_dir} "
@@ -256,7 +259,7 @@ class GRPORecipe:
                 "resume, or point run.output_dir at the run to continue"
             )
         state = self.trainer.load_checkpoint(checkpoint)
-        print(f"resumed from {checkpoint} at step {state['step']}", flush=True)
+        log.info(f"resumed from {checkpoint} at step {state['step']}")
         return state["step"], state["data_state"]["position"]
 
     # --------------------------------------------------------------------------------- train
