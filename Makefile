@@ -54,11 +54,13 @@ envs-lock: install
 envs-check: install
 	$(PYTHON) -m pytest -m registry tests/envs
 
-# pyright: basic mode over gymrl, nemo_gym_ext, recipes and envs (`[tool.pyright]` in pyproject.toml).
+# pyright: basic mode over gymrl, nemo_gym_ext, recipes and envs (`[tool.pyright]` in pyproject.toml);
+# deptry: imports and declared dependencies agree (`[tool.deptry]`).
 lint:
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
 	$(PYTHON) -m pyright
+	$(PYTHON) -m deptry .
 
 format:
 	$(PYTHON) -m ruff check --fix .

@@ -6,6 +6,7 @@ then, so a dry run imports neither torch, Ray nor matplotlib), and say how well 
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 from pathlib import Path
@@ -21,6 +22,8 @@ from gymrl.run.folder import METRICS_FILENAME
 from gymrl.tracking.records import read_records
 from gymrl.tracking.sweep import run_labels
 from nemo_gym_ext.config import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 class RunFailed(Exception):
@@ -78,7 +81,7 @@ def objective(config: RecipeConfig, output_dir: Path) -> float:
     records = read_records(metrics) if metrics.is_file() else []
     values = [r[key] for r in records if r.get(key) is not None]
     if not values:
-        print(f"warning: run.objective={key!r} was never logged; the objective is NaN", flush=True)
+        log.warning(f"run.objective={key!r} was never logged; the objective is NaN")
         return math.nan
     last = values[-config.run.objective_last_steps :]
     return sum(last) / len(last)

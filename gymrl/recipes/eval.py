@@ -20,6 +20,7 @@ cancelled) and leave `complete: false` in the summary; the status is then 128 + 
 
 from __future__ import annotations
 
+import logging
 import math
 import secrets
 import signal
@@ -68,6 +69,7 @@ from gymrl.run.eval_folder import (
 from gymrl.tracking.metrics_logger import WandbSink
 from nemo_gym_ext.gym_launch import PolicyEndpoint, gym_launcher
 
+log = logging.getLogger(__name__)
 PREFIX = "eval/"
 START_LABEL = "start"
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -98,7 +100,7 @@ class EvalRecipe:
             served = {name for actor in self.actor_configs for name in actor.agents}
             self.rows = self._held_out_rows(served)
         claim_eval_folder(self.folder)
-        print(f"eval of {self.label}: writing {self.folder}", flush=True)
+        log.info(f"eval of {self.label}: writing {self.folder}")
         started = time.monotonic()
         start_ray(config.cluster)
         self._on_cleanup("Ray", ray.shutdown)
@@ -122,7 +124,7 @@ class EvalRecipe:
                 timeout_s=config.grpo.batch_timeout_s,  # a training refit's deadline
                 what="loading the checkpoint's weights into the engines (grpo.batch_timeout_s)",
             )
-            print(f"engines hold the weights of {self.checkpoint.folder} (version {version})")
+            log.info(f"engines hold the weights of {self.checkpoint.folder} (version {version})")
         shards_by_agent = start_gym_shards(
             config,
             self.actor_configs,
@@ -137,10 +139,9 @@ class EvalRecipe:
         )
         if self.rows is None:
             self.rows = self._held_out_rows(shards_by_agent)
-        print(
+        log.info(
             f"{len(self.rows)} held-out rows x {config.eval.num_samples} samples on "
-            f"{sorted(shards_by_agent)}, set up in {time.monotonic() - started:.1f} s",
-            flush=True,
+            f"{sorted(shards_by_agent)}, set up in {time.monotonic() - started:.1f} s"
         )
         self.validator = Validator(
             self.rows,
@@ -168,7 +169,7 @@ class EvalRecipe:
             return None
         checkpoint, rejected = choose_checkpoint(self.config.eval.checkpoint)
         for problem in rejected:
-            print(f"warning: skipping a damaged checkpoint: {problem}", flush=True)
+            log.warning(f"skipping a damaged checkpoint: {problem}")
         return checkpoint
 
     def _folder(self) -> Path:

@@ -17,6 +17,7 @@ a contiguity/malformed-result error (never retried), the run stops with the caus
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -92,6 +93,9 @@ class EngineSnapshot:
     sampling: SamplingCounts
 
 
+log = logging.getLogger(__name__)
+
+
 class GRPORecipe:
     """One training run in the order it happens: `setup()`, `train()`, `cleanup()`.
 
@@ -162,7 +166,7 @@ class GRPORecipe:
             sampling_rules=training_sampling_rules(config),
         )
         self.generation, base_url = generation.actor, generation.base_url
-        print(f"policy server up {time.monotonic() - started:.1f} s into setup", flush=True)
+        log.info(f"policy server up {time.monotonic() - started:.1f} s into setup")
         announce_policy_server(
             self.output_dir,
             base_url=base_url,
@@ -189,10 +193,9 @@ class GRPORecipe:
             group=group,
             on_cleanup=self._on_cleanup,
         )
-        print(
+        log.info(
             f"{len(config.gym_shards)} Gym shard(s) up, {time.monotonic() - started:.1f} s into "
-            f"setup ({config.env.source}), serving {sorted(shards_by_agent)}",
-            flush=True,
+            f"setup ({config.env.source}), serving {sorted(shards_by_agent)}"
         )
         # Every row's agent is served, checked before any episode runs.
         rows = load_rows(
@@ -261,7 +264,7 @@ class GRPORecipe:
             return 0, 0
         checkpoint, rejected = latest_verified_checkpoint(self.checkpoint_dir)
         for problem in rejected:
-            print(f"warning: skipping a damaged checkpoint: {problem}", flush=True)
+            log.warning(f"skipping a damaged checkpoint: {problem}")
         if checkpoint is None:
             raise FileNotFoundError(
                 f"resume=true but there is no complete checkpoint under {self.checkpoint_dir} "
@@ -269,7 +272,7 @@ class GRPORecipe:
                 "resume, or point run.output_dir at the run to continue"
             )
         state = self.trainer.load_checkpoint(checkpoint)
-        print(f"resumed from {checkpoint} at step {state['step']}", flush=True)
+        log.info(f"resumed from {checkpoint} at step {state['step']}")
         return state["step"], state["data_state"]["position"]
 
     # --------------------------------------------------------------------------------- train
@@ -368,7 +371,13 @@ class GRPORecipe:
         # later steps are past this position, and a resume skips them).
         self._step_end_position = self.rows.position
         producer.advance(step + 1, buffer_stats["evicted_stale"])
-        metrics = self._metrics(step, groups, train_metrics, producer.counts())
+        metrics = self._metrics(
+            step,
+            groups,
+            train_metrics,
+            producer.counts(),
+            self.config.generation.server.max_tokens_per_turn,
+        )
         metrics.update(self._engine_metrics())
         metrics.update(parity)
         metrics.update(
@@ -461,6 +470,7 @@ class GRPORecipe:
         groups: Sequence[RolloutGroup],
         train_metrics: Mapping[str, float],
         counts: ProducerCounts,
+        max_tokens_per_turn: int,
     ) -> dict[str, float]:
         trajectories: list[Trajectory] = [t for group in groups for t in group.trajectories]
         results = [summary for group in groups for summary in group.summaries]
@@ -471,6 +481,7 @@ class GRPORecipe:
         metrics.update({f"train/{k}": v for k, v in per_agent_metrics(results).items()})
         metrics.update({f"train/{k}": v for k, v in off_policy.items()})
         metrics.update({f"train/{k}": v for k, v in _infra_failure_rates(groups).items()})
+        metrics.update(_response_lengths(trajectories, max_tokens_per_turn))
         metrics.update(
             {
                 f"rollout/{agent}/uniform_dropped_total": float(count)
@@ -515,6 +526,29 @@ def _infra_failure_rates(groups: Sequence[RolloutGroup]) -> dict[str, float]:
         failed[agent] = failed.get(agent, 0) + group.failed_episodes
         total[agent] = total.get(agent, 0) + group.failed_episodes + len(group.trajectories)
     return {f"{agent}/infra_failure_rate": failed[agent] / total[agent] for agent in total}
+
+
+def _response_lengths(
+    trajectories: Sequence[Trajectory], max_tokens_per_turn: int
+) -> dict[str, float]:
+    """The response-length and clipped-response figures every peer logs (docs/metrics.md has
+    the crosswalk), over the step's episodes: generated tokens per episode and per model call
+    trained on, the share of episodes that hit a token limit, and the share of model calls
+    trained on that used the policy server's whole `max_tokens_per_turn`. A masked episode (no
+    tokens) counts in the episode share only: it has no calls left to measure."""
+    episodes = [t.num_generated_tokens for t in trajectories if not t.is_masked]
+    turns = [length for t in trajectories for length in t.turn_lengths]
+    metrics = {
+        "rollout/clipped_episode_share": _mean([float(t.overlong) for t in trajectories]),
+        "rollout/clipped_turn_share": _mean(
+            [float(length >= max_tokens_per_turn) for length in turns]
+        ),
+    }
+    for name, lengths in (("episode", episodes), ("turn", turns)):
+        metrics[f"rollout/{name}_generated_tokens/mean"] = _mean(lengths)
+        metrics[f"rollout/{name}_generated_tokens/min"] = float(min(lengths, default=math.nan))
+        metrics[f"rollout/{name}_generated_tokens/max"] = float(max(lengths, default=math.nan))
+    return metrics
 
 
 def _mean(values: Sequence[float]) -> float:

@@ -8,6 +8,7 @@ is set (SIGINT or SIGTERM set it), or when an error leaves.
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 from collections.abc import Callable
@@ -23,6 +24,8 @@ from gymrl.config.schema import RecipeConfig
 from gymrl.generation.announce import announce_policy_server
 from gymrl.generation.api_key import resolve_api_key
 from gymrl.roles.generation_server import start_generation_server
+
+log = logging.getLogger(__name__)
 
 
 def serve_policy(config: RecipeConfig, output_dir: Path, stop: threading.Event) -> None:
@@ -55,9 +58,9 @@ def serve_policy(config: RecipeConfig, output_dir: Path, stop: threading.Event) 
             model_name=config.policy.name,
             api_key=api_key.get_secret_value(),
         )
-        print("serving until interrupted (Ctrl-C or SIGTERM)", flush=True)
+        log.info("serving until interrupted (Ctrl-C or SIGTERM)")
         stop.wait()
-        print("stopping the policy server", flush=True)
+        log.info("stopping the policy server")
 
 
 def _push(stack: ExitStack, close: Callable[[], object]) -> None:

@@ -7,7 +7,10 @@ leaves nothing running. What each role reserves (GPUs, CPUs, its bundle) comes f
 `gymrl.cluster.placement`; the decorators' `num_cpus=0` is what an actor without options gets.
 """
 
+import logging
 from collections.abc import Callable
+
+log = logging.getLogger(__name__)
 
 OnCleanup = Callable[[str, Callable[[], object]], None]
 
@@ -19,4 +22,4 @@ def close_reporting_failure(what: str, close: Callable[[], object]) -> None:
     try:
         close()
     except Exception as error:
-        print(f"warning: {what} did not close cleanly: {type(error).__name__}: {error}", flush=True)
+        log.warning(f"{what} did not close cleanly: {type(error).__name__}: {error}")

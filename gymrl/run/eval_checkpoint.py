@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from gymrl.run.checkpoint import (
     COMPLETE_MARKER,
+    LEGACY_STATE_FILE,
     MANIFEST_FILE,
     MODEL_FILE,
     STATE_FILE,
@@ -92,7 +93,7 @@ def checkpoint_weights(checkpoint: EvaluatedCheckpoint) -> dict[str, torch.Tenso
 
 
 def _is_one_checkpoint(folder: Path) -> bool:
-    markers = (COMPLETE_MARKER, MANIFEST_FILE, STATE_FILE, MODEL_FILE)
+    markers = (COMPLETE_MARKER, MANIFEST_FILE, STATE_FILE, LEGACY_STATE_FILE, MODEL_FILE)
     return bool(_ONE_CHECKPOINT.fullmatch(folder.name)) or any(
         (folder / marker).exists() for marker in markers
     )

@@ -12,9 +12,12 @@ before its update reaches the engine) against a tolerance chosen by compute dtyp
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
 from gymrl.config.schema import ParityGateConfig, ParityToleranceConfig
+
+log = logging.getLogger(__name__)
 
 # Figure (as finish_agent_statistics names it) -> the tolerance field that bounds it.
 _BOUNDS = {
@@ -69,5 +72,5 @@ def check_parity(
     )
     if gate.on_failure == "stop":
         raise ParityGateError(message)
-    print(f"warning: {message}", flush=True)
+    log.warning(message)
     return False

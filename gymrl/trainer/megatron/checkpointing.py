@@ -2,9 +2,9 @@
 
 The folder layout and the resume state are `gymrl.run.checkpoint`'s, shared with the torch trainer;
 the weights and the distributed optimizer's state are a Megatron distributed checkpoint under
-`megatron/`. Rank 0 creates the staging folder, every rank writes its shards into it, rank 0
-writes the state and the marker and renames it into place (`gymrl.run.atomic`); barriers
-separate the phases.
+`megatron/`. Rank 0 creates the staging folder, every rank writes its shards into it and hashes
+them for the manifest (:func:`gather_shard_hashes`), rank 0 writes the state, the manifest and the
+marker and renames it into place (`gymrl.run.atomic`); barriers separate the phases.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from gymrl.run.atomic import begin, publish, staging_folder
 from gymrl.run.checkpoint import (
     TrainerState,
     check_keep_last,
+    hash_files,
     prune_checkpoints,
     remove_leftover_staging,
 )
@@ -50,13 +51,30 @@ def save_distributed_checkpoint(
     dist_checkpointing.save(
         _sharded_state_dict(model, optimizer, is_loading=False), str(staging / MEGATRON_CKPT_DIR)
     )
-    torch.distributed.barrier()
+    hashed = gather_shard_hashes(staging)
     if rank == 0:
-        state.write(staging)
+        state.write(staging, hashed)
         publish(staging, target, durable=True)
         prune_checkpoints(root, keep_last)
     torch.distributed.barrier()
     return str(target)
+
+
+def gather_shard_hashes(staging: Path) -> dict[str, dict[str, Any]]:
+    """Manifest entries of every rank's shards, on rank 0 (empty on the others); collective.
+
+    Each rank hashes the shard files it wrote, while they are likely still in its page cache and
+    in parallel with the other ranks, instead of rank 0 reading the whole checkpoint back alone.
+    torch.distributed.checkpoint names a rank's shards `__<rank>_<n>.distcp`; any other file
+    (the metadata, Megatron's common state) is left to rank 0's manifest, which hashes whatever
+    no rank reported. The gather doubles as the barrier after the save.
+    """
+    rank = torch.distributed.get_rank()
+    shards = sorted((staging / MEGATRON_CKPT_DIR).glob(f"__{rank}_*.distcp"))
+    own = hash_files(staging, [shard.relative_to(staging).as_posix() for shard in shards])
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.gather_object(own, gathered if rank == 0 else None, dst=0)
+    return {name: entry for entries in gathered if entries for name, entry in entries.items()}
 
 
 def load_distributed_checkpoint(

@@ -1,25 +1,30 @@
 """Checkpoint round trip with a tiny tied-weight model and AdamW, pruning, and partial saves;
-the state schema both trainers share, with its RNG restore."""
+the state schema both trainers share, with its RNG restore; the manifest's hashes, old and new."""
 
+import hashlib
 import json
 import random
 
 import numpy as np
 import pytest
 import torch
+import xxhash
 
 from gymrl.run.checkpoint import (
     COMPLETE_MARKER,
     MANIFEST_FILE,
+    STATE_FILE,
     CorruptCheckpointError,
     TrainerState,
     capture_rng_state,
+    hash_files,
     latest_checkpoint,
     latest_verified_checkpoint,
     load_checkpoint,
     restore_rng_state,
     save_checkpoint,
     verify_checkpoint,
+    write_manifest,
 )
 
 
@@ -106,7 +111,7 @@ def test_partial_checkpoints_are_ignored_and_leftovers_cleaned(tmp_path):
     _save(tmp_path, 4, model, optimizer)
     partial = tmp_path / "step_9"
     partial.mkdir()
-    (partial / "trainer_state.json").write_text("{}")
+    (partial / "gymrl_state.json").write_text("{}")
     leftover = tmp_path / ".tmp-step_10-abc"
     leftover.mkdir()
     assert latest_checkpoint(tmp_path) == tmp_path / "step_4"
@@ -121,7 +126,7 @@ def test_saving_an_existing_step_replaces_it(tmp_path):
     model, optimizer = _trained(seed=0)
     _save(tmp_path, 3, model, optimizer, data_state={"index": 1})
     _save(tmp_path, 3, model, optimizer, data_state={"index": 2})
-    state = json.loads((tmp_path / "step_3" / "trainer_state.json").read_text())
+    state = json.loads((tmp_path / "step_3" / "gymrl_state.json").read_text())
     assert state["data_state"] == {"index": 2}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_3"]
 
@@ -189,7 +194,7 @@ def _flip_one_byte(path):
     [
         (lambda folder: _truncate(folder / "optimizer.pt"), r"optimizer.pt has \d+ bytes, not"),
         (lambda folder: _flip_one_byte(folder / "model.safetensors"), "model.safetensors does not"),
-        (lambda folder: (folder / "trainer_state.json").unlink(), "trainer_state.json is missing"),
+        (lambda folder: (folder / "gymrl_state.json").unlink(), "gymrl_state.json is missing"),
         (lambda folder: (folder / MANIFEST_FILE).unlink(), f"no readable {MANIFEST_FILE}"),
     ],
     ids=["cut-short", "bit-flip", "file-lost", "no-manifest"],
@@ -202,7 +207,7 @@ def test_a_damaged_checkpoint_is_reported_and_the_previous_complete_one_used(
     newest = _save(tmp_path, 3, model, optimizer)
     assert latest_verified_checkpoint(tmp_path) == (newest, [])
     manifest = json.loads((newest / MANIFEST_FILE).read_text())["files"]
-    assert sorted(manifest) == ["model.safetensors", "optimizer.pt", "trainer_state.json"]
+    assert sorted(manifest) == ["gymrl_state.json", "model.safetensors", "optimizer.pt"]
 
     damage(newest)
 
@@ -221,5 +226,66 @@ def test_when_every_checkpoint_is_damaged_none_is_chosen(tmp_path):
     _flip_one_byte(_save(tmp_path, 1, model, optimizer) / "optimizer.pt")
     chosen, rejected = latest_verified_checkpoint(tmp_path)
     assert chosen is None
-    assert rejected == [f"{tmp_path / 'step_1'}: optimizer.pt does not match its SHA-256"]
+    assert rejected == [f"{tmp_path / 'step_1'}: optimizer.pt does not match its xxh3-128"]
     assert latest_verified_checkpoint(tmp_path / "missing") == (None, [])
+
+
+def test_the_manifest_names_its_hash_and_holds_each_files_xxh3_128(tmp_path):
+    model, optimizer = _trained(seed=0)
+    folder = _save(tmp_path, 1, model, optimizer)
+    manifest = json.loads((folder / MANIFEST_FILE).read_text())
+    assert manifest["hash"] == "xxh3_128"
+    for name, entry in manifest["files"].items():
+        data = (folder / name).read_bytes()
+        assert entry == {"bytes": len(data), "xxh3_128": xxhash.xxh3_128_hexdigest(data)}
+
+
+def _rewrite_as_an_earlier_version(folder):
+    """The checkpoint as versions before issue 22 wrote it: the state in `trainer_state.json`,
+    the manifest with no "hash" field and a "sha256" per file."""
+    (folder / STATE_FILE).rename(folder / "trainer_state.json")
+    files = {}
+    for name in ("model.safetensors", "optimizer.pt", "trainer_state.json"):
+        data = (folder / name).read_bytes()
+        files[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (folder / MANIFEST_FILE).write_text(json.dumps({"files": files}))
+
+
+def test_a_checkpoint_of_an_earlier_version_still_verifies_and_resumes(tmp_path):
+    model, optimizer = _trained(seed=0)
+    _save(tmp_path, 1, model, optimizer)
+    older = _save(tmp_path, 2, model, optimizer)
+    _rewrite_as_an_earlier_version(older)
+    assert not (older / STATE_FILE).exists()
+    assert latest_verified_checkpoint(tmp_path) == (older, [])
+    fresh_model, fresh_optimizer = _trained(seed=1)
+    assert load_checkpoint(older, fresh_model, fresh_optimizer).step == 2
+
+    _flip_one_byte(older / "model.safetensors")
+    chosen, rejected = latest_verified_checkpoint(tmp_path)
+    assert chosen == tmp_path / "step_1"
+    assert rejected == [f"{older}: model.safetensors does not match its SHA-256"]
+
+
+def test_a_manifest_naming_an_unknown_hash_is_reported_and_skipped(tmp_path):
+    model, optimizer = _trained(seed=0)
+    _save(tmp_path, 1, model, optimizer)
+    newest = _save(tmp_path, 2, model, optimizer)
+    manifest = json.loads((newest / MANIFEST_FILE).read_text())
+    (newest / MANIFEST_FILE).write_text(json.dumps({**manifest, "hash": "blake3"}))
+    chosen, rejected = latest_verified_checkpoint(tmp_path)
+    assert chosen == tmp_path / "step_1"
+    assert len(rejected) == 1 and "names the hash 'blake3'" in rejected[0]
+
+
+def test_entries_another_rank_hashed_go_into_the_manifest_as_given(tmp_path):
+    """A Megatron rank hashes its own shards; rank 0 hashes only what no rank reported."""
+    (tmp_path / "megatron").mkdir()
+    (tmp_path / "megatron" / "__1_0.distcp").write_bytes(b"rank 1's shard")
+    (tmp_path / "megatron" / ".metadata").write_bytes(b"metadata")
+    reported = {"megatron/__1_0.distcp": {"bytes": 14, "xxh3_128": "rank 1's digest"}}
+    write_manifest(tmp_path, reported)
+    files = json.loads((tmp_path / MANIFEST_FILE).read_text())["files"]
+    assert files == {**reported, **hash_files(tmp_path, ["megatron/.metadata"])}
+    with pytest.raises(CorruptCheckpointError, match=r"__1_0\.distcp does not match its xxh3-128"):
+        verify_checkpoint(tmp_path)  # not re-hashed at save, but checked at resume

@@ -50,11 +50,11 @@ def test_one_checkpoint_named_directly_is_verified(tmp_path):
     _, folder = _save(tmp_path, 3)
     chosen, _ = choose_checkpoint(str(folder))
     assert chosen.step == 3
-    (folder / "trainer_state.json").write_text("{}")
+    (folder / "gymrl_state.json").write_text("{}")
     with pytest.raises(
         CheckpointRefusedError,
         match=r"eval.checkpoint=.*fails its manifest.*"
-        r"trainer_state.json has \d+ bytes",
+        r"gymrl_state.json has \d+ bytes",
     ):
         choose_checkpoint(str(folder))
 

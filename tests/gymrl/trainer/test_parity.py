@@ -34,10 +34,11 @@ def test_only_the_agents_outside_are_named_and_nan_never_passes():
     assert parity_problems(figures, GATE.float32) == ["bad: logprob_diff/mean = nan > 0.0001"]
 
 
-def test_warn_returns_false_and_goes_on(capsys):
+def test_warn_returns_false_and_goes_on(caplog):
     gate = GATE.model_copy(update={"on_failure": "warn"})
     assert not check_parity({"calc": _figures(1.0, 1.0, 1.0)}, gate, "bfloat16")
-    assert "warning: parity gate" in capsys.readouterr().out
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert caplog.records[0].getMessage().startswith("parity gate: at the first step")
 
 
 def test_no_figures_or_an_unknown_dtype_is_a_clear_error():
