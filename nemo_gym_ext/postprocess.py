@@ -34,6 +34,7 @@ from nemo_gym_ext.wire import agent_name_of
 
 TRUNCATED_FLAG = "noncontiguous_truncated"
 DROPPED_TURNS_FIELD = "noncontiguous_dropped_turns"
+DROPPED_TOKENS_FIELD = "noncontiguous_dropped_tokens"
 MALFORMED_FLAG = "malformed_sample"
 TURNS_FIELD = "trainable_turns"
 GENERATED_TOKENS_FIELD = "generated_tokens"
@@ -126,11 +127,12 @@ def postprocess_gym_result(
     shallow copy of `result` with `noncontiguous_truncated`, `noncontiguous_dropped_turns`,
     `malformed_sample`, `trainable_turns` (model calls trained on) and `generated_tokens` (all
     set afresh on every call, so they are rates across a batch, for stock Gym results too).
-    A truncated episode's `full_result` also holds `noncontiguous_cause/<cause>` for every cause
-    that can be told with the given `decode` (`CAUSES` with one, `UNDECODED_CAUSES` without):
-    true for the cause of its divergence, false for the others. Only truncated episodes carry
-    them, so their per-agent means are the shares of causes among the divergent episodes, and a
-    contiguous episode's result is the same in both modes.
+    A truncated episode's `full_result` also holds `noncontiguous_dropped_tokens` (the generated
+    tokens of the dropped turns, which the token ledger counts) and, for every cause that can be
+    told with the given `decode` (`CAUSES` with one, `UNDECODED_CAUSES` without),
+    `noncontiguous_cause/<cause>`: true for the cause of its divergence, false for the others.
+    Only truncated episodes carry them, so their per-agent means are the shares of causes among
+    the divergent episodes, and a contiguous episode's result is the same in both modes.
     `overlong` (also set on `full_result`, for every agent) says whether the episode hit a
     token limit (`nemo_gym_ext.overlong.hit_token_limit`: the result's own flag or Gym's
     `incomplete_details`), kept even when the turn that hit the limit was dropped, so overlong
@@ -156,8 +158,8 @@ def postprocess_gym_result(
     full_result[MALFORMED_FLAG] = False
     full_result[TURNS_FIELD] = 0
     full_result[GENERATED_TOKENS_FIELD] = 0
-    for field in ALL_CAUSE_FIELDS:  # a result fed back in must not keep an earlier verdict
-        full_result.pop(field, None)
+    for field in (DROPPED_TOKENS_FIELD, *ALL_CAUSE_FIELDS):  # a result fed back in must not
+        full_result.pop(field, None)  # keep an earlier verdict
     overlong = full_result[OVERLONG_FLAG] = hit_token_limit(result)
     # A result without a usable reward cannot join a GRPO group even as a masked sample.
     _check_reward(result, agent, row_id)
@@ -175,6 +177,7 @@ def postprocess_gym_result(
     if dropped:
         full_result[TRUNCATED_FLAG] = True
         full_result[DROPPED_TURNS_FIELD] = dropped
+        full_result[DROPPED_TOKENS_FIELD] = sum(len(turn[2]) for turn in turns[-dropped:])
         full_result.update(dict.fromkeys(_cause_fields(decode), False))
         full_result[CAUSE_FIELD_PREFIX + cause] = True
     return {"message_log": message_log, "full_result": full_result, "overlong": overlong}
@@ -237,6 +240,13 @@ def _walk(
         )
         previous_prompt, previous_generation = prompt, generation
     return message_log, 0, ""
+
+
+def generated_tokens_of(result: Mapping[str, Any]) -> tuple[int, int]:
+    """(retained, dropped) generated tokens of a postprocessed `full_result` (or its summary):
+    those of the turns trained on, and those of a tail truncation dropped (absent unless one
+    was). A mapping that did not come through the postprocessor has neither: (0, 0)."""
+    return int(result.get(GENERATED_TOKENS_FIELD, 0)), int(result.get(DROPPED_TOKENS_FIELD, 0))
 
 
 def _cause_fields(decode: Decode | None) -> list[str]:
