@@ -10,7 +10,9 @@ span conditioned, in the flattened sequence the trainer sees, on exactly what th
 Re-rendering and re-tokenising the conversation between turns can break this. By default that is
 an error (:class:`NonContiguousEpisodeError`). With
 `env.nemo_gym.truncate_noncontiguous_episodes=true` the first divergent turn and everything after
-it are dropped and the contiguous prefix is trained on with the episode's reward.
+it are dropped and the contiguous prefix is trained on with the episode's reward. With
+`split_noncontiguous_segments=N` as well, each contiguous segment after a divergence (up to N)
+is kept as a sequence of its own, trained with the episode's advantage.
 
 Either way the divergence is classified by cause (:func:`divergence_cause`), so a user knows what
 to fix: the error names it, and a truncated episode's result carries one 0/1 field per cause
@@ -35,6 +37,9 @@ from nemo_gym_ext.wire import agent_name_of
 TRUNCATED_FLAG = "noncontiguous_truncated"
 DROPPED_TURNS_FIELD = "noncontiguous_dropped_turns"
 DROPPED_TOKENS_FIELD = "noncontiguous_dropped_tokens"
+SEGMENTS_FIELD = "noncontiguous_segments"
+SEGMENT_TOKENS_FIELD = "noncontiguous_segment_tokens"
+SEGMENTS_KEY = "segments"
 MALFORMED_FLAG = "malformed_sample"
 TURNS_FIELD = "trainable_turns"
 GENERATED_TOKENS_FIELD = "generated_tokens"
@@ -133,6 +138,12 @@ def postprocess_gym_result(
     `noncontiguous_cause/<cause>`: true for the cause of its divergence, false for the others.
     Only truncated episodes carry them, so their per-agent means are the shares of causes among
     the divergent episodes, and a contiguous episode's result is the same in both modes.
+    With `split_noncontiguous_segments` the output also holds `segments`: the message logs of
+    the contiguous tail segments kept after the divergences (each starts with its first turn's
+    whole prompt as the delta; at most that many, later turns dropped), and a diverged
+    episode's `full_result` `noncontiguous_segments` (how many) and
+    `noncontiguous_segment_tokens` (their generated tokens); `noncontiguous_dropped_turns` and
+    `_tokens` then count only what no segment kept.
     `overlong` (also set on `full_result`, for every agent) says whether the episode hit a
     token limit (`nemo_gym_ext.overlong.hit_token_limit`: the result's own flag or Gym's
     `incomplete_details`), kept even when the turn that hit the limit was dropped, so overlong
@@ -158,29 +169,42 @@ def postprocess_gym_result(
     full_result[MALFORMED_FLAG] = False
     full_result[TURNS_FIELD] = 0
     full_result[GENERATED_TOKENS_FIELD] = 0
-    for field in (DROPPED_TOKENS_FIELD, *ALL_CAUSE_FIELDS):  # a result fed back in must not
-        full_result.pop(field, None)  # keep an earlier verdict
+    # A result fed back in must not keep an earlier verdict.
+    for field in (DROPPED_TOKENS_FIELD, SEGMENTS_FIELD, SEGMENT_TOKENS_FIELD, *ALL_CAUSE_FIELDS):
+        full_result.pop(field, None)
     overlong = full_result[OVERLONG_FLAG] = hit_token_limit(result)
+    # Only split mode's outputs hold tail segments (none here when nothing diverged).
+    split: dict[str, Any] = {SEGMENTS_KEY: []} if config.split_noncontiguous_segments else {}
     # A result without a usable reward cannot join a GRPO group even as a masked sample.
     _check_reward(result, agent, row_id)
     try:
         turns = _trainable_turns(result, agent, row_id)
-        message_log, dropped, cause = _walk(turns, config, agent, row_id, vocab_size, decode)
+        (message_log, *tails), dropped, cause = _walk(
+            turns, config, agent, row_id, vocab_size, decode
+        )
     except MalformedGymResultError:
         if config.on_malformed_result == "raise":
             raise
         full_result[MALFORMED_FLAG] = True
-        return {"message_log": [], "full_result": full_result, "overlong": overlong}
-    generations = [entry["token_ids"] for entry in message_log if entry["role"] == "assistant"]
-    full_result[TURNS_FIELD] = len(generations)
-    full_result[GENERATED_TOKENS_FIELD] = sum(map(len, generations))
-    if dropped:
+        return {"message_log": [], "full_result": full_result, "overlong": overlong, **split}
+    full_result[TURNS_FIELD], full_result[GENERATED_TOKENS_FIELD] = _generations(message_log)
+    if cause:
         full_result[TRUNCATED_FLAG] = True
         full_result[DROPPED_TURNS_FIELD] = dropped
-        full_result[DROPPED_TOKENS_FIELD] = sum(len(turn[2]) for turn in turns[-dropped:])
+        full_result[DROPPED_TOKENS_FIELD] = sum(len(t[2]) for t in turns[len(turns) - dropped :])
         full_result.update(dict.fromkeys(_cause_fields(decode), False))
         full_result[CAUSE_FIELD_PREFIX + cause] = True
-    return {"message_log": message_log, "full_result": full_result, "overlong": overlong}
+        if split:
+            full_result[SEGMENTS_FIELD] = len(tails)
+            full_result[SEGMENT_TOKENS_FIELD] = sum(_generations(tail)[1] for tail in tails)
+            split = {SEGMENTS_KEY: tails}
+    return {"message_log": message_log, "full_result": full_result, "overlong": overlong, **split}
+
+
+def _generations(message_log: list[dict[str, Any]]) -> tuple[int, int]:
+    """(model calls, generated tokens) of a message log."""
+    generations = [entry["token_ids"] for entry in message_log if entry["role"] == "assistant"]
+    return len(generations), sum(map(len, generations))
 
 
 def _walk(
@@ -190,15 +214,20 @@ def _walk(
     row_id: str,
     vocab_size: int | None,
     decode: Decode | None,
-) -> tuple[list[dict[str, Any]], int, str]:
-    """Walk trainable turns; return the message log, the number of dropped turns and, when some
-    were dropped, the divergence's cause ("" otherwise).
+) -> tuple[list[list[dict[str, Any]]], int, str]:
+    """Walk trainable turns; return the message log of each kept contiguous segment (the prefix
+    first, then with `split_noncontiguous_segments` the tail segments), the number of dropped
+    turns and, when the episode diverged, the first divergence's cause ("" otherwise).
 
     `seen` is never materialised: while the episode is contiguous, everything seen before turn k
     is exactly turn k-1's prompt followed by its generation, so two slice comparisons suffice.
-    Turn 0 has seen nothing, so it is always contiguous and a truncated prefix is never empty.
+    Turn 0 has seen nothing, so it is always contiguous and a truncated prefix is never empty. A
+    tail segment starts at a divergent turn with that turn's whole prompt as its first delta, so
+    it is contiguous from there on by the same two comparisons.
     """
-    message_log: list[dict[str, Any]] = []
+    segments: list[list[dict[str, Any]]] = [[]]
+    first_cause = ""
+    segment_start = 0
     previous_prompt: list[int] = []
     previous_generation: list[int] = []
     for turn, (item_index, prompt, generation, logprobs) in enumerate(turns):
@@ -210,28 +239,32 @@ def _walk(
         )
         if not contiguous:
             position = _first_difference(prompt, previous_prompt, previous_generation)
-            cause = divergence_cause(turns[:turn], prompt, position, decode)
-            if config.truncate_noncontiguous_episodes:
-                return message_log, len(turns) - turn, cause
-            raise _divergence_error(
-                agent,
-                row_id,
-                turn,
-                item_index,
-                prompt,
-                previous_prompt,
-                previous_generation,
-                decode,
-                position=position,
-                cause=cause,
-            )
+            cause = divergence_cause(turns[segment_start:turn], prompt, position, decode)
+            if not config.truncate_noncontiguous_episodes:
+                raise _divergence_error(
+                    agent,
+                    row_id,
+                    turn,
+                    item_index,
+                    prompt,
+                    previous_prompt,
+                    previous_generation,
+                    decode,
+                    position=position,
+                    cause=cause,
+                )
+            first_cause = first_cause or cause
+            if len(segments) > config.split_noncontiguous_segments:
+                return segments, len(turns) - turn, first_cause
+            segments.append([])
+            segment_start, seen_len = turn, 0
         delta = prompt[seen_len:]
         where = f"row {row_id!r} (agent {agent!r}) output item {item_index}"
         _check_ids(delta, vocab_size, f"{where} prompt_token_ids")
         _check_ids(generation, vocab_size, f"{where} generation_token_ids")
         _check_logprobs(logprobs, f"{where} generation_log_probs")
-        message_log.append({"role": "user", "token_ids": delta})
-        message_log.append(
+        segments[-1].append({"role": "user", "token_ids": delta})
+        segments[-1].append(
             {
                 "role": "assistant",
                 "token_ids": list(generation),
@@ -239,14 +272,16 @@ def _walk(
             }
         )
         previous_prompt, previous_generation = prompt, generation
-    return message_log, 0, ""
+    return segments, 0, first_cause
 
 
 def generated_tokens_of(result: Mapping[str, Any]) -> tuple[int, int]:
-    """(retained, dropped) generated tokens of a postprocessed `full_result` (or its summary):
-    those of the turns trained on, and those of a tail truncation dropped (absent unless one
-    was). A mapping that did not come through the postprocessor has neither: (0, 0)."""
-    return int(result.get(GENERATED_TOKENS_FIELD, 0)), int(result.get(DROPPED_TOKENS_FIELD, 0))
+    """(kept, dropped) generated tokens of a postprocessed `full_result` (or its summary): those
+    of the turns kept for training (the prefix and split mode's tail segments), and those of the
+    turns truncation dropped (absent unless one was). A mapping that did not come through the
+    postprocessor has none: (0, 0)."""
+    kept = result.get(GENERATED_TOKENS_FIELD, 0) + result.get(SEGMENT_TOKENS_FIELD, 0)
+    return int(kept), int(result.get(DROPPED_TOKENS_FIELD, 0))
 
 
 def _cause_fields(decode: Decode | None) -> list[str]:

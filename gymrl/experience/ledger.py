@@ -4,7 +4,8 @@ Tokens are lost in several places on the way from the engine to an optimizer ste
 where it is decided, in generated tokens of trainable turns:
 
 * `dropped_tail`: the tail of a non-contiguous episode that truncation dropped
-  (`noncontiguous_dropped_tokens`), whatever then happens to the episode;
+  (`noncontiguous_dropped_tokens`: with split mode only the turns after its last kept segment),
+  whatever then happens to the episode;
 * `stale`: episodes of groups the replay buffer evicted as older than
   `grpo.max_trajectory_age_steps` (the buffer's count);
 * `failed_or_masked`: episodes masked in a trained group (`on_malformed_result=mask`: their token
@@ -66,16 +67,22 @@ class TokenLedger:
         self._totals_seen: dict[str, Counter[tuple[str, str]]] = {}
 
     def trained_groups(self, groups: Sequence[RolloutGroup]) -> None:
-        """A step's batch: each episode's trained tokens, its dropped tail, and its retained
-        tokens that a mask kept from the loss."""
+        """A step's batch: each episode's trained tokens (its tail segments' too, in split
+        mode), its dropped tail, and its kept tokens that a mask kept from the loss."""
         for group in groups:
-            for trajectory, summary in zip(group.trajectories, group.summaries, strict=True):
-                retained, dropped = generated_tokens_of(summary)
-                trained = trajectory.num_generated_tokens
-                masked = "overlong_filtered" if trajectory.overlong else "failed_or_masked"
-                self._trained[trajectory.agent] += trained
-                self._untrained[(trajectory.agent, "dropped_tail")] += dropped
-                self._untrained[(trajectory.agent, masked)] += retained - trained
+            trained_by_episode: list[int] = []
+            for trajectory in group.trajectories:  # an episode, then its tail segments
+                if not trajectory.segment:
+                    trained_by_episode.append(0)
+                trained_by_episode[-1] += trajectory.num_generated_tokens
+            for episode, summary, trained in zip(
+                group.episodes, group.summaries, trained_by_episode, strict=True
+            ):
+                kept, dropped = generated_tokens_of(summary)
+                masked = "overlong_filtered" if episode.overlong else "failed_or_masked"
+                self._trained[episode.agent] += trained
+                self._untrained[(episode.agent, "dropped_tail")] += dropped
+                self._untrained[(episode.agent, masked)] += kept - trained
 
     def validation_pass(self, results: Iterable[Mapping[str, Any]]) -> None:
         """Summaries of a validation pass's finished episodes (all of them, or one at a time)."""

@@ -231,12 +231,21 @@ class RolloutProducer(threading.Thread):
             self._failures.record(outcome.failures)  # past the budget: raises, ends the thread
         if not baseline:
             return
-        trajectories = [
+        heads = [
             self._rules.shape(
                 Trajectory.from_postprocessed(episode, group_id=group_id, weight_version=version)
             )
             for episode in outcome.episodes
         ]
+        trajectories = []  # each episode's trajectory, then its tail segments (split mode)
+        for episode, head in zip(outcome.episodes, heads, strict=True):
+            trajectories.append(head)
+            trajectories += [
+                self._rules.shape(segment)
+                for segment in Trajectory.segments_from_postprocessed(
+                    episode, group_id=group_id, weight_version=version
+                )
+            ]
         if self._drops_as_uniform(trajectories, len(outcome.failures)):
             with self._counts_lock:
                 self._untrained_tokens.update(untrained_episodes(agents, results, "no_variance"))
@@ -249,7 +258,7 @@ class RolloutProducer(threading.Thread):
                     LENGTH_PENALTY_FIELD: trajectory.length_penalty,
                     OVERLONG_MASKED_FIELD: trajectory.overlong and trajectory.is_masked,
                 }
-                for episode, trajectory in zip(outcome.episodes, trajectories, strict=True)
+                for episode, trajectory in zip(outcome.episodes, heads, strict=True)
             ],
             seconds=seconds,
             failed_episodes=len(outcome.failures),

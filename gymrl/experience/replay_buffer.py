@@ -133,7 +133,7 @@ class ReplayBuffer:
 
     def _evict(self, group: RolloutGroup) -> None:
         self._evicted_stale += 1
-        agents = [trajectory.agent for trajectory in group.trajectories]
+        agents = [episode.agent for episode in group.episodes]
         self._evicted_tokens.update(untrained_episodes(agents, group.summaries, "stale"))
 
     def _evict_stale(self) -> None:

@@ -448,6 +448,7 @@ class GRPORecipe:
         counts: ProducerCounts,
     ) -> dict[str, float]:
         trajectories: list[Trajectory] = [t for group in groups for t in group.trajectories]
+        episodes = [t for group in groups for t in group.episodes]  # tail segments left out
         results = [summary for group in groups for summary in group.summaries]
         ages = [step - t.weight_version for t in trajectories]
         generated = sum(t.num_generated_tokens for t in trajectories)
@@ -464,11 +465,11 @@ class GRPORecipe:
         )
         metrics.update(
             {
-                "train/reward/mean": float(sum(t.reward for t in trajectories) / len(trajectories)),
+                "train/reward/mean": float(sum(t.reward for t in episodes) / len(episodes)),
                 "train/groups_with_reward_variance": share_of_groups_with_variance(
-                    [t.reward for t in trajectories], [t.group_id for t in trajectories]
+                    [t.reward for t in episodes], [t.group_id for t in episodes]
                 ),
-                "rollout/episodes": float(len(trajectories)),
+                "rollout/episodes": float(len(episodes)),
                 "rollout/generated_tokens": float(generated),
                 "rollout/failures_total": float(counts.failures),
                 "rollout/retries_total": float(counts.retries),
@@ -498,7 +499,7 @@ def _infra_failure_rates(groups: Sequence[RolloutGroup]) -> dict[str, float]:
     for group in groups:
         agent = group.trajectories[0].agent
         failed[agent] = failed.get(agent, 0) + group.failed_episodes
-        total[agent] = total.get(agent, 0) + group.failed_episodes + len(group.trajectories)
+        total[agent] = total.get(agent, 0) + group.failed_episodes + len(group.episodes)
     return {f"{agent}/infra_failure_rate": failed[agent] / total[agent] for agent in total}
 
 

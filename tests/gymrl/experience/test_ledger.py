@@ -27,12 +27,12 @@ MASK_OVERLONG = EpisodeRules(
 )
 
 
-def gym_result(agent, generations, *, diverge_at=None, reward=1.0, **fields):
-    """A Gym result of one model call per generation; from `diverge_at` on, the history is
-    re-tokenised (its first id changes), so truncation drops that turn and the rest."""
+def gym_result(agent, generations, *, diverge_at=(), reward=1.0, **fields):
+    """A Gym result of one model call per generation; at each turn of `diverge_at` the history
+    is re-tokenised (its first id changes), so truncation drops that turn and the rest."""
     output, history = [], []
     for turn, generation in enumerate(generations):
-        if turn == diverge_at:
+        if turn in diverge_at:
             history = [history[0] + 1, *history[1:]]
         prompt = [*history, 7, 8]
         output.append(
@@ -53,16 +53,18 @@ def gym_result(agent, generations, *, diverge_at=None, reward=1.0, **fields):
     }
 
 
-def postprocessed(result):
-    return postprocess_gym_result(result, result, TRUNCATE)
+def postprocessed(result, config=TRUNCATE):
+    return postprocess_gym_result(result, result, config)
 
 
-def group_of(results, group_id, *, version=0, rules=MASK_OVERLONG):
-    episodes = [postprocessed(result) for result in results]
-    trajectories = [
-        rules.shape(Trajectory.from_postprocessed(e, group_id=group_id, weight_version=version))
-        for e in episodes
-    ]
+def group_of(results, group_id, *, version=0, rules=MASK_OVERLONG, config=TRUNCATE):
+    """The group the producer makes of `results`: each episode, then its tail segments."""
+    episodes = [postprocessed(result, config) for result in results]
+    trajectories = []
+    for e in episodes:
+        head = Trajectory.from_postprocessed(e, group_id=group_id, weight_version=version)
+        tails = Trajectory.segments_from_postprocessed(e, group_id=group_id, weight_version=version)
+        trajectories += [rules.shape(t) for t in (head, *tails)]
     summaries = [scalar_fields(e["full_result"]) for e in episodes]
     return RolloutGroup.of(trajectories, summaries, seconds=1.0)
 
@@ -73,18 +75,31 @@ def test_a_steps_tokens_add_up_by_cause_per_agent_and_overall():
     trained = group_of(
         [
             gym_result("calc", [[1, 2, 3], [4, 5, 6, 7]]),  # 7 trained
-            gym_result("calc", [[1] * 5, [2] * 6, [3] * 2], diverge_at=1),  # 5 trained, 8 dropped
+            # 5 trained, 8 dropped:
+            gym_result("calc", [[1] * 5, [2] * 6, [3] * 2], diverge_at=(1,)),
             gym_result("calc", [[9] * 4], overlong=True),  # 4 overlong-filtered
             malformed,  # masked: its malformed tokens count 0
         ],
         "calc#1",
     )
     buffer = ReplayBuffer(max_trajectory_age_steps=1, capacity_groups=4)
-    buffer.put(group_of([gym_result("guess", [[1] * 10], diverge_at=None)] * 2, "g#1"), 1.0)
-    buffer.put(group_of([gym_result("guess", [[1, 1], [2] * 3], diverge_at=1)] * 2, "g#2"), 1.0)
+    buffer.put(
+        group_of(
+            [
+                gym_result(
+                    "guess",
+                    [[1] * 10],
+                )
+            ]
+            * 2,
+            "g#1",
+        ),
+        1.0,
+    )
+    buffer.put(group_of([gym_result("guess", [[1, 1], [2] * 3], diverge_at=(1,))] * 2, "g#2"), 1.0)
     with pytest.raises(TimeoutError):
         buffer.get_batch(1, current_step=2, timeout_s=0.01)  # both groups are too old now
-    validation = postprocessed(gym_result("guess", [[5] * 3, [6] * 4], diverge_at=1))
+    validation = postprocessed(gym_result("guess", [[5] * 3, [6] * 4], diverge_at=(1,)))
 
     ledger = TokenLedger()
     ledger.trained_groups([trained])
@@ -130,7 +145,7 @@ def test_the_producer_counts_the_tokens_of_the_groups_it_drops():
             results = [gym_result("calc", [[1] * 3]) for _ in range(size)]
             return GroupOutcome(row["id"], "calc", [postprocessed(r) for r in results])
         if row["id"] == "r1":  # one episode came back, with a truncated tail
-            result = gym_result("calc", [[1] * 2, [2] * 5], diverge_at=1, reward=0.0)
+            result = gym_result("calc", [[1] * 2, [2] * 5], diverge_at=(1,), reward=0.0)
             return GroupOutcome(row["id"], "calc", [postprocessed(result)], ["timeout"] * 2)
         results = [gym_result("calc", [[1]], reward=float(i)) for i in range(size)]
         return GroupOutcome(row["id"], "calc", [postprocessed(r) for r in results])
@@ -154,7 +169,8 @@ def test_the_producer_counts_the_tokens_of_the_groups_it_drops():
     )
     producer.start()
     try:
-        _settled(runner, 3)  # r0 dropped, r1 dropped, r2 delivered: the step's one group
+        _settled(runner, 3)
+        assert producer.fatal is None  # r0 dropped, r1 dropped, r2 delivered: the step's one group
         assert producer.counts().untrained_tokens == {
             ("calc", "no_variance"): 3 * 3,
             ("calc", "failed_or_masked"): 2,
@@ -162,3 +178,40 @@ def test_the_producer_counts_the_tokens_of_the_groups_it_drops():
         }
     finally:
         producer.stop()
+
+
+SPLIT = NemoGymPostprocessConfig(
+    truncate_noncontiguous_episodes=True, split_noncontiguous_segments=1
+)
+
+
+def test_tail_segments_train_with_their_episodes_advantage_and_the_baseline_counts_it_once():
+    rules = EpisodeRules(LossConfig(), default_limit_tokens=64)
+    diverging = gym_result("calc", [[1] * 2, [2] * 3, [3] * 4, [4] * 5], diverge_at=(1, 3))
+    results = [diverging, gym_result("calc", [[5] * 2], reward=0.0)]
+    split_group = group_of(results, "s#1", rules=rules, config=SPLIT)
+    dropped_group = group_of(results, "s#1", rules=rules)
+    assert [t.segment for t in split_group.trajectories] == [0, 1, 0]
+    assert split_group.episodes == dropped_group.trajectories
+    assert split_group.trajectories[1].num_generated_tokens == 3 + 4
+    with_segments = rules.advantages(split_group.trajectories, {})
+    without = rules.advantages(dropped_group.trajectories, {})
+    assert with_segments.tolist() == [without[0], without[0], without[1]]
+    assert without[0] > 0 > without[1]
+
+    ledger = TokenLedger()
+    ledger.trained_groups([split_group])
+    metrics = ledger.take()
+    assert metrics["ledger/calc/trained_tokens"] == 2 + 3 + 4 + 2
+    assert metrics["ledger/calc/untrained_tokens/dropped_tail"] == 5  # after the one segment
+    assert metrics["ledger/calc/generated_tokens"] == 16
+    summary = split_group.summaries[0]
+    assert summary["noncontiguous_segments"] == 1
+    assert summary["noncontiguous_segment_tokens"] == 7
+
+
+def test_a_group_cannot_start_with_a_tail_segment():
+    group = group_of([gym_result("calc", [[1], [2]], diverge_at=(1,))] * 2, "g", config=SPLIT)
+    segment = group.trajectories[1]
+    with pytest.raises(ValueError, match="starts with a tail segment"):
+        RolloutGroup.of([segment, group.trajectories[0]], group.summaries[:1], seconds=1.0)
