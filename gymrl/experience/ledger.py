@@ -18,7 +18,8 @@ where it is decided, in generated tokens of trainable turns:
   `loss.episodes.overlong_mask`;
 * `validation`: the episodes of validation passes.
 
-A tail counts as `dropped_tail` first: it was lost at postprocessing, before the group's fate.
+A training episode's tail counts as `dropped_tail` first: it was lost at postprocessing, before
+the group's fate. A validation episode counts whole as `validation` (it was never for training).
 The producer and the buffer keep running totals keyed by (agent, cause); the ledger takes what
 they added since the record before, so each record holds that step's tokens and
 `generated_tokens = trained_tokens + the untrained causes`, per agent and overall.
@@ -86,9 +87,10 @@ class TokenLedger:
 
     def validation_pass(self, results: Iterable[Mapping[str, Any]]) -> None:
         """Summaries of a validation pass's finished episodes (all of them, or one at a time)."""
-        results = list(results)
-        agents = [agent_name_of(result) for result in results]
-        self._untrained.update(untrained_episodes(agents, results, "validation"))
+        for result in results:  # a held-out episode's dropped tail is validation's too
+            self._untrained[(agent_name_of(result), "validation")] += sum(
+                generated_tokens_of(result)
+            )
 
     def running_totals(self, source: str, totals: Mapping[tuple[str, str], int]) -> None:
         """A running (agent, cause) total kept elsewhere (the producer, the buffer): what it
