@@ -8,6 +8,10 @@ vocabulary (so almost none are CPython's cached small ints), and reasoning and
 function_call_output items between turns. It is serialised to JSON and parsed back, so every id
 is a fresh int from `json.loads`, as in production; the parse itself is timed too.
 
+Classification is timed too (issue 20): case (g) is case (c) with SmolLM2's decode, so the
+divergence's cause is decided on text (only a divergent turn pays for it; the contiguous cases
+(b) and (d) must stay where they were).
+
 Cases run interleaved, one repeat of each in turn, so machine drift hits them alike.
 
 Ingest is timed too (issue 22: ingest plus postprocessing within 0.3 s): the result as the agent
@@ -31,10 +35,14 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import orjson
 
+from gymrl.config.schema import PolicyConfig
+from gymrl.model.loading import ensure_smollm2_checkpoint, load_tokenizer
+from gymrl.model.tokens import decode_text
 from nemo_gym_ext.config import NemoGymPostprocessConfig
 from nemo_gym_ext.postprocess import NonContiguousEpisodeError, postprocess_gym_result
 from nemo_gym_ext.result_json import loads_result
@@ -42,6 +50,7 @@ from nemo_gym_ext.result_json import loads_result
 VOCAB_SIZE = 49152
 REQUIRED_RATIO = 3.0
 REQUIRED_INGEST_S = 0.3
+SMOLLM2_CACHE_DIR = PolicyConfig.model_fields["model_cache_dir"].default
 
 
 def build_swe_episode(
@@ -172,6 +181,8 @@ def main() -> int:
     items = [i for i in contiguous["response"]["output"] if i.get("generation_token_ids")]
     total_ids = sum(len(i["prompt_token_ids"]) + len(i["generation_token_ids"]) for i in items)
 
+    tokenizer = load_tokenizer(ensure_smollm2_checkpoint(SMOLLM2_CACHE_DIR))
+    decode = partial(decode_text, tokenizer, skip_special_tokens=False)
     strict = NemoGymPostprocessConfig()
     truncate = NemoGymPostprocessConfig(truncate_noncontiguous_episodes=True)
     cases: dict[str, Callable[[], Any]] = {
@@ -188,6 +199,9 @@ def main() -> int:
         ),
         "(f) ingest: loads_result of the orjson bytes + (b)": lambda: postprocess_gym_result(
             row, loads_result(wire), strict
+        ),
+        "(g) (c) + SmolLM2 decode: the cause decided on text": lambda: postprocess_gym_result(
+            row, divergent, truncate, decode=decode
         ),
     }
     kept = postprocess_gym_result(row, divergent, truncate)["full_result"]

@@ -22,7 +22,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from nemo_gym_ext.envs.agent import AgentOptions
@@ -106,6 +114,17 @@ class NemoGymPostprocessConfig(BaseModel):
             "token_capture.enabled and env.nemo_gym.token_id_capture.enabled."
         ),
     )
+    split_noncontiguous_segments: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "With truncate_noncontiguous_episodes=true, keep up to this many contiguous segments "
+            "after an episode's divergences as trajectories of their own (each prompted with its "
+            "first turn's whole prompt, trained with the episode's advantage; the GRPO baseline "
+            "counts the episode once) instead of dropping the tail; turns after the last kept "
+            "segment are dropped and counted. 0 drops the whole tail."
+        ),
+    )
     on_malformed_result: Literal["raise", "mask"] = Field(
         default="raise",
         description=(
@@ -115,6 +134,18 @@ class NemoGymPostprocessConfig(BaseModel):
             "of its tokens and marks it `malformed_sample`."
         ),
     )
+
+    @field_validator("split_noncontiguous_segments")
+    @classmethod
+    def _split_needs_truncation(cls, value: int, info: ValidationInfo) -> int:
+        if value and not info.data.get(TRUNCATION_KEY):
+            raise PydanticCustomError(
+                "split_without_truncation",
+                "split_noncontiguous_segments keeps segments of a tail that only truncation "
+                "lets an episode have (without it a divergence stops the run)",
+                {"fix": f"set {TRUNCATION_KEY}=true, or split_noncontiguous_segments=0"},
+            )
+        return value
 
 
 RECIPE_ONLY_KEYS = frozenset(NemoGymPostprocessConfig.model_fields)

@@ -10,7 +10,13 @@ span conditioned, in the flattened sequence the trainer sees, on exactly what th
 Re-rendering and re-tokenising the conversation between turns can break this. By default that is
 an error (:class:`NonContiguousEpisodeError`). With
 `env.nemo_gym.truncate_noncontiguous_episodes=true` the first divergent turn and everything after
-it are dropped and the contiguous prefix is trained on with the episode's reward.
+it are dropped and the contiguous prefix is trained on with the episode's reward. With
+`split_noncontiguous_segments=N` as well, each contiguous segment after a divergence (up to N)
+is kept as a sequence of its own, trained with the episode's advantage.
+
+Either way the divergence is classified by cause (:func:`divergence_cause`), so a user knows what
+to fix: the error names it, and a truncated episode's result carries one 0/1 field per cause
+(`noncontiguous_cause/<cause>`), which per-agent metrics turn into shares of divergent episodes.
 
 Cost matters: a 200-turn SWE episode repeats its history in every prompt, millions of ids in all.
 The walk compares list slices (C speed), converts nothing per turn but the new delta, and copies
@@ -20,6 +26,7 @@ the result shallowly.
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -29,6 +36,10 @@ from nemo_gym_ext.wire import agent_name_of
 
 TRUNCATED_FLAG = "noncontiguous_truncated"
 DROPPED_TURNS_FIELD = "noncontiguous_dropped_turns"
+DROPPED_TOKENS_FIELD = "noncontiguous_dropped_tokens"
+SEGMENTS_FIELD = "noncontiguous_segments"
+SEGMENT_TOKENS_FIELD = "noncontiguous_segment_tokens"
+SEGMENTS_KEY = "segments"
 MALFORMED_FLAG = "malformed_sample"
 TURNS_FIELD = "trainable_turns"
 GENERATED_TOKENS_FIELD = "generated_tokens"
@@ -36,35 +47,69 @@ _WINDOW = 8
 _ROW_ID_FIELDS = ("id", "task_id", "instance_id")
 
 Decode = Callable[[Sequence[int]], str]
+CAUSE_FIELD_PREFIX = "noncontiguous_cause/"
+# Why a turn's prompt stopped extending the history, decided on decoded text (see
+# `divergence_cause`), and what each cause means, for the error message.
+CAUSES = {
+    "no_token_ids": "an earlier generation's text is unchanged but its sampled ids were "
+    "re-encoded from that text: the client sent no token ids back (text re-rendered); send "
+    "earlier assistant turns back with their prompt_token_ids and generation_token_ids",
+    "retokenized": "the text is unchanged but text the model did not generate was tokenised "
+    "into other ids at a boundary",
+    "assistant_edited": "an earlier assistant turn's text changed (a re-templated tool call, "
+    "stripped reasoning, a dropped answer)",
+    "history_edited": "text the model did not generate changed (an earlier user, tool or system "
+    "message edited or compacted, or template text between turns rendered differently)",
+    "other": "the texts could not be compared (decoding the ids failed)",
+}
+# Without a tokenizer only the tokens' positions are known: which causes each one leaves open.
+UNDECODED_CAUSES = {
+    "unknown_in_generation": "no tokenizer to decode with; the first difference lies in an "
+    "earlier generation, so the cause is no_token_ids or assistant_edited",
+    "unknown_in_history": "no tokenizer to decode with; the first difference lies in tokens the "
+    "model did not generate, so the cause is retokenized or history_edited",
+}
+ALL_CAUSE_FIELDS = tuple(CAUSE_FIELD_PREFIX + cause for cause in (*CAUSES, *UNDECODED_CAUSES))
 
 
 class NonContiguousEpisodeError(AssertionError):
     """A trainable turn's prompt does not start with the tokens seen before it.
 
     An `AssertionError` so that callers which already treat the contiguity assertion as a rollout
-    failure keep doing so.
+    failure keep doing so. `cause` is the postprocessor's verdict (`divergence_cause`); None
+    where an error is raised without one.
     """
 
-    def __init__(self, message: str, *, agent: str, row_id: str, turn: int, position: int):
+    def __init__(
+        self,
+        message: str,
+        *,
+        agent: str,
+        row_id: str,
+        turn: int,
+        position: int,
+        cause: str | None = None,
+    ):
         super().__init__(message)
         self.agent = agent
         self.row_id = row_id
         self.turn = turn
         self.position = position
+        self.cause = cause
 
     def __reduce__(self):
         """Picklable, so the error crosses process boundaries (a Ray actor to the driver)."""
         return (
             _rebuild_divergence_error,
-            (str(self), self.agent, self.row_id, self.turn, self.position),
+            (str(self), self.agent, self.row_id, self.turn, self.position, self.cause),
         )
 
 
 def _rebuild_divergence_error(
-    message: str, agent: str, row_id: str, turn: int, position: int
+    message: str, agent: str, row_id: str, turn: int, position: int, cause: str | None
 ) -> NonContiguousEpisodeError:
     return NonContiguousEpisodeError(
-        message, agent=agent, row_id=row_id, turn=turn, position=position
+        message, agent=agent, row_id=row_id, turn=turn, position=position, cause=cause
     )
 
 
@@ -87,6 +132,18 @@ def postprocess_gym_result(
     shallow copy of `result` with `noncontiguous_truncated`, `noncontiguous_dropped_turns`,
     `malformed_sample`, `trainable_turns` (model calls trained on) and `generated_tokens` (all
     set afresh on every call, so they are rates across a batch, for stock Gym results too).
+    A truncated episode's `full_result` also holds `noncontiguous_dropped_tokens` (the generated
+    tokens of the dropped turns, which the token ledger counts) and, for every cause that can be
+    told with the given `decode` (`CAUSES` with one, `UNDECODED_CAUSES` without),
+    `noncontiguous_cause/<cause>`: true for the cause of its divergence, false for the others.
+    Only truncated episodes carry them, so their per-agent means are the shares of causes among
+    the divergent episodes, and a contiguous episode's result is the same in both modes.
+    With `split_noncontiguous_segments` the output also holds `segments`: the message logs of
+    the contiguous tail segments kept after the divergences (each starts with its first turn's
+    whole prompt as the delta; at most that many, later turns dropped), and a diverged
+    episode's `full_result` `noncontiguous_segments` (how many) and
+    `noncontiguous_segment_tokens` (their generated tokens); `noncontiguous_dropped_turns` and
+    `_tokens` then count only what no segment kept.
     `overlong` (also set on `full_result`, for every agent) says whether the episode hit a
     token limit (`nemo_gym_ext.overlong.hit_token_limit`: the result's own flag or Gym's
     `incomplete_details`), kept even when the turn that hit the limit was dropped, so overlong
@@ -98,7 +155,8 @@ def postprocess_gym_result(
     do not echo `agent_ref`; then the row's, which routed the episode, is stamped on
     `full_result`.
 
-    `vocab_size` enables the id range check; `decode` adds text to the divergence message.
+    `vocab_size` enables the id range check; `decode` adds text to the divergence message and
+    lets the cause be decided on text.
     Neither `row` nor `result` is mutated.
     """
     row_id = row_id_of(row, result)
@@ -111,24 +169,42 @@ def postprocess_gym_result(
     full_result[MALFORMED_FLAG] = False
     full_result[TURNS_FIELD] = 0
     full_result[GENERATED_TOKENS_FIELD] = 0
+    # A result fed back in must not keep an earlier verdict.
+    for field in (DROPPED_TOKENS_FIELD, SEGMENTS_FIELD, SEGMENT_TOKENS_FIELD, *ALL_CAUSE_FIELDS):
+        full_result.pop(field, None)
     overlong = full_result[OVERLONG_FLAG] = hit_token_limit(result)
+    # Only split mode's outputs hold tail segments (none here when nothing diverged).
+    split: dict[str, Any] = {SEGMENTS_KEY: []} if config.split_noncontiguous_segments else {}
     # A result without a usable reward cannot join a GRPO group even as a masked sample.
     _check_reward(result, agent, row_id)
     try:
         turns = _trainable_turns(result, agent, row_id)
-        message_log, dropped = _walk(turns, config, agent, row_id, vocab_size, decode)
+        (message_log, *tails), dropped, cause = _walk(
+            turns, config, agent, row_id, vocab_size, decode
+        )
     except MalformedGymResultError:
         if config.on_malformed_result == "raise":
             raise
         full_result[MALFORMED_FLAG] = True
-        return {"message_log": [], "full_result": full_result, "overlong": overlong}
-    generations = [entry["token_ids"] for entry in message_log if entry["role"] == "assistant"]
-    full_result[TURNS_FIELD] = len(generations)
-    full_result[GENERATED_TOKENS_FIELD] = sum(map(len, generations))
-    if dropped:
+        return {"message_log": [], "full_result": full_result, "overlong": overlong, **split}
+    full_result[TURNS_FIELD], full_result[GENERATED_TOKENS_FIELD] = _generations(message_log)
+    if cause:
         full_result[TRUNCATED_FLAG] = True
         full_result[DROPPED_TURNS_FIELD] = dropped
-    return {"message_log": message_log, "full_result": full_result, "overlong": overlong}
+        full_result[DROPPED_TOKENS_FIELD] = sum(len(t[2]) for t in turns[len(turns) - dropped :])
+        full_result.update(dict.fromkeys(_cause_fields(decode), False))
+        full_result[CAUSE_FIELD_PREFIX + cause] = True
+        if split:
+            full_result[SEGMENTS_FIELD] = len(tails)
+            full_result[SEGMENT_TOKENS_FIELD] = sum(_generations(tail)[1] for tail in tails)
+            split = {SEGMENTS_KEY: tails}
+    return {"message_log": message_log, "full_result": full_result, "overlong": overlong, **split}
+
+
+def _generations(message_log: list[dict[str, Any]]) -> tuple[int, int]:
+    """(model calls, generated tokens) of a message log."""
+    generations = [entry["token_ids"] for entry in message_log if entry["role"] == "assistant"]
+    return len(generations), sum(map(len, generations))
 
 
 def _walk(
@@ -138,14 +214,20 @@ def _walk(
     row_id: str,
     vocab_size: int | None,
     decode: Decode | None,
-) -> tuple[list[dict[str, Any]], int]:
-    """Walk trainable turns; return the message log and the number of dropped turns.
+) -> tuple[list[list[dict[str, Any]]], int, str]:
+    """Walk trainable turns; return the message log of each kept contiguous segment (the prefix
+    first, then with `split_noncontiguous_segments` the tail segments), the number of dropped
+    turns and, when the episode diverged, the first divergence's cause ("" otherwise).
 
     `seen` is never materialised: while the episode is contiguous, everything seen before turn k
     is exactly turn k-1's prompt followed by its generation, so two slice comparisons suffice.
-    Turn 0 has seen nothing, so it is always contiguous and a truncated prefix is never empty.
+    Turn 0 has seen nothing, so it is always contiguous and a truncated prefix is never empty. A
+    tail segment starts at a divergent turn with that turn's whole prompt as its first delta, so
+    it is contiguous from there on by the same two comparisons.
     """
-    message_log: list[dict[str, Any]] = []
+    segments: list[list[dict[str, Any]]] = [[]]
+    first_cause = ""
+    segment_start = 0
     previous_prompt: list[int] = []
     previous_generation: list[int] = []
     for turn, (item_index, prompt, generation, logprobs) in enumerate(turns):
@@ -156,25 +238,33 @@ def _walk(
             and prompt[len(previous_prompt) : seen_len] == previous_generation
         )
         if not contiguous:
-            if config.truncate_noncontiguous_episodes:
-                return message_log, len(turns) - turn
-            raise _divergence_error(
-                agent,
-                row_id,
-                turn,
-                item_index,
-                prompt,
-                previous_prompt,
-                previous_generation,
-                decode,
-            )
+            position = _first_difference(prompt, previous_prompt, previous_generation)
+            cause = divergence_cause(turns[segment_start:turn], prompt, position, decode)
+            if not config.truncate_noncontiguous_episodes:
+                raise _divergence_error(
+                    agent,
+                    row_id,
+                    turn,
+                    item_index,
+                    prompt,
+                    previous_prompt,
+                    previous_generation,
+                    decode,
+                    position=position,
+                    cause=cause,
+                )
+            first_cause = first_cause or cause
+            if len(segments) > config.split_noncontiguous_segments:
+                return segments, len(turns) - turn, first_cause
+            segments.append([])
+            segment_start, seen_len = turn, 0
         delta = prompt[seen_len:]
         where = f"row {row_id!r} (agent {agent!r}) output item {item_index}"
         _check_ids(delta, vocab_size, f"{where} prompt_token_ids")
         _check_ids(generation, vocab_size, f"{where} generation_token_ids")
         _check_logprobs(logprobs, f"{where} generation_log_probs")
-        message_log.append({"role": "user", "token_ids": delta})
-        message_log.append(
+        segments[-1].append({"role": "user", "token_ids": delta})
+        segments[-1].append(
             {
                 "role": "assistant",
                 "token_ids": list(generation),
@@ -182,7 +272,81 @@ def _walk(
             }
         )
         previous_prompt, previous_generation = prompt, generation
-    return message_log, 0
+    return segments, 0, first_cause
+
+
+def generated_tokens_of(result: Mapping[str, Any]) -> tuple[int, int]:
+    """(kept, dropped) generated tokens of a postprocessed `full_result` (or its summary): those
+    of the turns kept for training (the prefix and split mode's tail segments), and those of the
+    turns truncation dropped (absent unless one was). A mapping that did not come through the
+    postprocessor has none: (0, 0)."""
+    kept = result.get(GENERATED_TOKENS_FIELD, 0) + result.get(SEGMENT_TOKENS_FIELD, 0)
+    return int(kept), int(result.get(DROPPED_TOKENS_FIELD, 0))
+
+
+def _cause_fields(decode: Decode | None) -> list[str]:
+    causes = CAUSES if decode is not None else UNDECODED_CAUSES
+    return [CAUSE_FIELD_PREFIX + cause for cause in causes]
+
+
+def divergence_cause(
+    before: Sequence[tuple[int, list[int], list[int], list[float]]],
+    prompt: list[int],
+    position: int,
+    decode: Decode | None,
+) -> str:
+    """Why `prompt` does not extend the contiguous turns `before` it, first differing at token
+    `position`: one of `CAUSES` with `decode`, of `UNDECODED_CAUSES` without.
+
+    The history seen so far splits into segments: prompt deltas (text the model did not
+    generate: system, user and tool messages, template text) and generations. The segment
+    holding `position` starts a text comparison: the seen segments from there on are decoded
+    one by one and the prompt's ids from the same token on as a whole.
+
+    * Same text: the ids differ but not the text. In a generation that means its sampled ids
+      were re-encoded from its text, which a server that is sent the ids back never does (this
+      recipe's policy server keeps them verbatim, as do NeMo-RL's and Gym's prefix handling):
+      `no_token_ids`. In a delta, the text around a boundary was tokenised differently:
+      `retokenized`.
+    * Other text: the segment holding the first differing character says what changed: a
+      generation (`assistant_edited`) or a delta (`history_edited`). Template text that frames
+      an assistant turn (its header, Qwen3's empty think block) is not generated, so a template
+      that re-renders it differently counts as `history_edited`.
+    * `other`: `decode` failed, so the texts could not be compared.
+
+    Without `decode` only the segment of `position` is known, so the cause is
+    `unknown_in_generation` (no_token_ids or assistant_edited) or `unknown_in_history`
+    (retokenized or history_edited).
+
+    It runs only on a divergent turn: the segment bounds come from the turns' lengths, and only
+    the history from the divergent segment on is decoded.
+    """
+    # bounds[2j] .. bounds[2j+1] is turn j's delta, bounds[2j+1] .. bounds[2j+2] its generation.
+    bounds = [0]
+    for _, turn_prompt, generation, _ in before:
+        bounds += [len(turn_prompt), len(turn_prompt) + len(generation)]
+    segment = bisect_right(bounds, position) - 1
+    if decode is None:
+        return "unknown_in_generation" if segment % 2 else "unknown_in_history"
+    _, last_prompt, last_generation, _ = before[-1]
+    try:
+        seen_texts = [
+            decode(_seen_window(last_prompt, last_generation, start, stop))
+            for start, stop in zip(bounds[segment:-1], bounds[segment + 1 :], strict=True)
+        ]
+        prompt_text = decode(prompt[bounds[segment] :])
+    except Exception:  # a diagnosis must never replace the error it annotates
+        return "other"
+    seen_text = "".join(seen_texts)
+    if prompt_text.startswith(seen_text):
+        return "no_token_ids" if segment % 2 else "retokenized"
+    differs_at = _common_prefix_length(seen_text, prompt_text)
+    for text in seen_texts:
+        if differs_at < len(text):
+            break
+        differs_at -= len(text)
+        segment += 1
+    return "assistant_edited" if segment % 2 else "history_edited"
 
 
 def _trainable_turns(
@@ -285,9 +449,11 @@ def _divergence_error(
     previous_prompt: list[int],
     previous_generation: list[int],
     decode: Decode | None,
+    *,
+    position: int,
+    cause: str,
 ) -> NonContiguousEpisodeError:
     seen_len = len(previous_prompt) + len(previous_generation)
-    position = _first_difference(prompt, previous_prompt, previous_generation)
     start, stop = max(0, position - _WINDOW), position + _WINDOW
     expected = _seen_window(previous_prompt, previous_generation, start, stop)
     actual = prompt[start:stop]
@@ -301,12 +467,13 @@ def _divergence_error(
     if decode is not None:
         lines.append(f"  seen   text {decode(expected)!r}")
         lines.append(f"  prompt text {decode(actual)!r}")
+    lines.append(f"  cause: {cause}: {CAUSES.get(cause) or UNDECODED_CAUSES[cause]}.")
     lines.append(
         "  Set env.nemo_gym.truncate_noncontiguous_episodes=true to train on the contiguous "
         "prefix instead, or make the policy server keep earlier turns' token ids."
     )
     return NonContiguousEpisodeError(
-        "\n".join(lines), agent=agent, row_id=row_id, turn=turn, position=position
+        "\n".join(lines), agent=agent, row_id=row_id, turn=turn, position=position, cause=cause
     )
 
 
@@ -316,12 +483,17 @@ def _first_difference(prompt: list[int], previous_prompt: list[int], generation:
     for segment in (previous_prompt, generation):
         candidate = prompt[offset : offset + len(segment)]
         if candidate != segment:
-            return offset + next(
-                (i for i, (a, b) in enumerate(zip(candidate, segment, strict=False)) if a != b),
-                min(len(candidate), len(segment)),
-            )
+            return offset + _common_prefix_length(candidate, segment)
         offset += len(segment)
     return offset
+
+
+def _common_prefix_length(first: Sequence[Any], second: Sequence[Any]) -> int:
+    """How many leading entries (ids or characters) `first` and `second` share."""
+    return next(
+        (i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b),
+        min(len(first), len(second)),
+    )
 
 
 def _seen_window(prompt: list[int], generation: list[int], start: int, stop: int) -> list[int]:

@@ -14,6 +14,10 @@ PLACEHOLDERS = {
     "<field>": r"[A-Za-z0-9_.-]+",
     "<red>": r"(mean|min|max)",
     "<k>": r"[0-9]+",
+    "<cause>": (
+        r"(no_token_ids|retokenized|assistant_edited|history_edited|other"
+        r"|unknown_in_generation|unknown_in_history)"
+    ),
 }
 
 

@@ -83,13 +83,21 @@ class EpisodeRules:
         Each group's baseline holds its episodes' training rewards, without its masked episodes
         where the agent's `masked_in_baseline` is false, and with one `failed_reward` per
         failed episode (`failed_by_group[group_id]`) where the agent names one. An episode
-        outside its baseline gets advantage 0 (it trains on nothing anyway).
+        outside its baseline gets advantage 0 (it trains on nothing anyway). A tail segment
+        (`Trajectory.segment > 0`) follows its episode's trajectory: it gets that advantage and
+        adds nothing to the baseline, which counts each episode once.
         """
         rewards: list[float] = []
         group_ids: list[str] = []
         members: list[int] = []  # index into `trajectories` of each baseline entry, -1 = failed
         placed: set[str] = set()
+        followers: list[tuple[int, int]] = []  # (segment's index, its episode's index)
+        episode = -1
         for index, trajectory in enumerate(trajectories):
+            if trajectory.segment:
+                followers.append((index, episode))
+                continue
+            episode = index
             rules = self.loss.episode_rules(trajectory.agent)
             if trajectory.group_id not in placed and rules.failed_reward is not None:
                 placed.add(trajectory.group_id)
@@ -114,6 +122,8 @@ class EpisodeRules:
         for entry, index in enumerate(members):
             if index >= 0:
                 advantages[index] = found[entry]
+        for index, head in followers:
+            advantages[index] = advantages[head]
         return advantages
 
     def teaches_nothing(self, group: Sequence[Trajectory], failed: int) -> bool:

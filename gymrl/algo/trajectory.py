@@ -36,7 +36,9 @@ class Trajectory:
     at its token limit (also when truncation dropped that call); `turn_lengths`: the generated
     tokens of each model call trained on (what the soft overlong penalty measures).
     `length_penalty` is what the episode rules (`gymrl.algo.episodes`) took off its reward for
-    the GRPO advantage: `reward` stays the environment's.
+    the GRPO advantage: `reward` stays the environment's. `segment` is 0 for an episode's own
+    trajectory and k for its k-th tail segment (`split_noncontiguous_segments`): a segment
+    follows its episode's trajectory, shares its advantage and stays out of the baseline.
     """
 
     token_ids: list[int]
@@ -49,6 +51,7 @@ class Trajectory:
     overlong: bool = False
     turn_lengths: tuple[int, ...] = ()
     length_penalty: float = 0.0
+    segment: int = 0
 
     def __post_init__(self) -> None:
         lengths = {len(self.token_ids), len(self.loss_mask), len(self.generation_logprobs)}
@@ -89,13 +92,40 @@ class Trajectory:
         postprocessor has already checked both (a finite number, a name), so they are not checked
         again here.
         """
+        return cls._flattened(
+            out, out["message_log"], group_id=group_id, weight_version=weight_version, segment=0
+        )
+
+    @classmethod
+    def segments_from_postprocessed(
+        cls, out: Mapping[str, Any], *, group_id: str, weight_version: int
+    ) -> list[Trajectory]:
+        """The tail segments split mode kept (`out["segments"]`, absent otherwise), each a
+        trajectory of its own with the episode's reward, agent and overlong flag."""
+        return [
+            cls._flattened(
+                out, log, group_id=group_id, weight_version=weight_version, segment=index
+            )
+            for index, log in enumerate(out.get("segments", ()), start=1)
+        ]
+
+    @classmethod
+    def _flattened(
+        cls,
+        out: Mapping[str, Any],
+        message_log: Sequence[Mapping[str, Any]],
+        *,
+        group_id: str,
+        weight_version: int,
+        segment: int,
+    ) -> Trajectory:
         full_result = out["full_result"]
         agent = agent_name_of(full_result)
         token_ids: list[int] = []
         loss_mask: list[int] = []
         logprobs: list[float] = []
         turn_lengths: list[int] = []
-        for index, entry in enumerate(out["message_log"]):
+        for index, entry in enumerate(message_log):
             ids = entry["token_ids"]
             role = entry["role"]
             if role == "assistant":
@@ -127,6 +157,7 @@ class Trajectory:
             weight_version=weight_version,
             overlong=bool(out["overlong"]),
             turn_lengths=tuple(turn_lengths),
+            segment=segment,
         )
 
 

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 from gymrl.algo.episodes import EpisodeRules
 from gymrl.algo.trajectory import Trajectory
 from gymrl.config.schema import GRPOConfig
+from gymrl.experience.ledger import untrained_episodes
 from gymrl.experience.rollout_group import RolloutGroup, scalar_fields
 from gymrl.experience.rows import RowStream
 from nemo_gym_ext.postprocess import row_id_of
@@ -80,13 +81,15 @@ class ProducerCounts:
     """Totals since the producer started: retried episodes, groups dropped for want of a
     baseline, episodes that failed after their retries; with dynamic sampling, groups dropped
     for teaching nothing (per agent) and such groups delivered because the step's budget of
-    drops was spent."""
+    drops was spent; the generated tokens of the groups it dropped, by (agent, ledger cause)
+    (`gymrl.experience.ledger`)."""
 
     retries: int
     dropped_groups: int
     failures: int
     uniform_dropped: Mapping[str, int] = field(default_factory=dict)
     uniform_over_budget: int = 0
+    untrained_tokens: Mapping[tuple[str, str], int] = field(default_factory=dict)
 
 
 class RolloutProducer(threading.Thread):
@@ -130,6 +133,7 @@ class RolloutProducer(threading.Thread):
         self._uniform_dropped: Counter[str] = Counter()
         self._uniform_over_budget = 0
         self._uniform_dropped_this_step = 0
+        self._untrained_tokens: Counter[tuple[str, str]] = Counter()
         self._serial = 0
 
     def counts(self) -> ProducerCounts:
@@ -141,6 +145,7 @@ class RolloutProducer(threading.Thread):
                 self._failures.count,
                 dict(self._uniform_dropped),
                 self._uniform_over_budget,
+                dict(self._untrained_tokens),
             )
 
     def _credit(self, step: int) -> int:
@@ -215,19 +220,35 @@ class RolloutProducer(threading.Thread):
 
     def _accept(self, outcome: GroupOutcome, group_id: str, version: int, seconds: float) -> None:
         baseline = len(outcome.episodes) >= 2  # without two episodes, another row replaces it
+        results = [episode["full_result"] for episode in outcome.episodes]
+        agents = [outcome.agent] * len(results)
         with self._counts_lock:
             self._retries += outcome.retries
             self._dropped_groups += not baseline
+            if not baseline:
+                lost = untrained_episodes(agents, results, "failed_or_masked")
+                self._untrained_tokens.update(lost)
             self._failures.record(outcome.failures)  # past the budget: raises, ends the thread
         if not baseline:
             return
-        trajectories = [
+        heads = [
             self._rules.shape(
                 Trajectory.from_postprocessed(episode, group_id=group_id, weight_version=version)
             )
             for episode in outcome.episodes
         ]
+        trajectories = []  # each episode's trajectory, then its tail segments (split mode)
+        for episode, head in zip(outcome.episodes, heads, strict=True):
+            trajectories.append(head)
+            trajectories += [
+                self._rules.shape(segment)
+                for segment in Trajectory.segments_from_postprocessed(
+                    episode, group_id=group_id, weight_version=version
+                )
+            ]
         if self._drops_as_uniform(trajectories, len(outcome.failures)):
+            with self._counts_lock:
+                self._untrained_tokens.update(untrained_episodes(agents, results, "no_variance"))
             return
         group = RolloutGroup.of(
             trajectories,
@@ -237,7 +258,7 @@ class RolloutProducer(threading.Thread):
                     LENGTH_PENALTY_FIELD: trajectory.length_penalty,
                     OVERLONG_MASKED_FIELD: trajectory.overlong and trajectory.is_masked,
                 }
-                for episode, trajectory in zip(outcome.episodes, trajectories, strict=True)
+                for episode, trajectory in zip(outcome.episodes, heads, strict=True)
             ],
             seconds=seconds,
             failed_episodes=len(outcome.failures),

@@ -21,7 +21,9 @@ import itertools
 import math
 import threading
 import time
+from collections import Counter
 
+from gymrl.experience.ledger import untrained_episodes
 from gymrl.experience.rollout_group import RolloutGroup
 
 
@@ -47,6 +49,7 @@ class ReplayBuffer:
         self._put = 0
         self._served = 0
         self._evicted_stale = 0
+        self._evicted_tokens: Counter[tuple[str, str]] = Counter()
 
     def put(self, group: RolloutGroup, timeout_s: float) -> bool:
         """Add one complete group, waiting up to `timeout_s` for room.
@@ -62,7 +65,7 @@ class ReplayBuffer:
                 # Re-checked after every wait: the trainer may have moved on meanwhile.
                 if version < self._oldest_allowed:
                     self._put += 1
-                    self._evicted_stale += 1
+                    self._evict(group)
                     return False
                 if len(self._heap) < self.capacity_groups:
                     heapq.heappush(self._heap, (version, next(self._arrivals), group))
@@ -122,13 +125,23 @@ class ReplayBuffer:
                 "size": len(self._heap),
             }
 
+    def evicted_tokens(self) -> dict[tuple[str, str], int]:
+        """Generated tokens of the evicted groups since the start, by (agent, ledger cause):
+        `stale`, and `dropped_tail` for their truncated tails (`gymrl.experience.ledger`)."""
+        with self._condition:
+            return dict(self._evicted_tokens)
+
+    def _evict(self, group: RolloutGroup) -> None:
+        self._evicted_stale += 1
+        agents = [episode.agent for episode in group.episodes]
+        self._evicted_tokens.update(untrained_episodes(agents, group.summaries, "stale"))
+
     def _evict_stale(self) -> None:
-        evicted = 0
+        evicted = False
         while self._heap and self._heap[0][0] < self._oldest_allowed:
-            heapq.heappop(self._heap)
-            evicted += 1
+            self._evict(heapq.heappop(self._heap)[2])
+            evicted = True
         if evicted:
-            self._evicted_stale += evicted
             self._condition.notify_all()
 
 

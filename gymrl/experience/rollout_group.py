@@ -20,7 +20,9 @@ class RolloutGroup:
     """Every episode of one row that came back, with one weight version: the oldest of its
     trajectories'. `summaries[i]` is episode i's agent and numeric result fields
     (`scalar_fields`); `seconds` runs from submission to the group's outcome;
-    `failed_episodes` is how many of the row's episodes failed after their retries."""
+    `failed_episodes` is how many of the row's episodes failed after their retries. With split
+    mode an episode's tail segments follow its trajectory (`Trajectory.segment`), so
+    `episodes` (one trajectory per summary) can be fewer than `trajectories`."""
 
     group_id: str
     trajectories: tuple[Trajectory, ...]
@@ -41,10 +43,15 @@ class RolloutGroup:
                 f"{sorted(other | {self.group_id})}; build one group (trajectories sharing a "
                 "group_id) at a time"
             )
-        if len(self.summaries) != len(self.trajectories):
+        if len(self.summaries) != len(self.episodes):
             raise ValueError(
                 f"group {self.group_id!r} has {len(self.summaries)} summaries for "
-                f"{len(self.trajectories)} trajectories; one per episode"
+                f"{len(self.episodes)} trajectories; one per episode"
+            )
+        if self.trajectories[0].segment:
+            raise ValueError(
+                f"group {self.group_id!r} starts with a tail segment; a segment follows its "
+                "episode's trajectory"
             )
 
     @classmethod
@@ -64,6 +71,11 @@ class RolloutGroup:
             seconds,
             failed_episodes,
         )
+
+    @property
+    def episodes(self) -> tuple[Trajectory, ...]:
+        """Each episode's own trajectory (its tail segments left out), in summary order."""
+        return tuple(t for t in self.trajectories if not t.segment)
 
     @property
     def weight_version(self) -> int:

@@ -153,9 +153,10 @@ class Validator:
         self._deadline_key = deadline_key
         self._keep_transcripts = keep_transcripts
 
-    def run(self) -> dict[str, float]:
-        """`<prefix>...` metrics of one pass over the rows (keys in docs/metrics.md)."""
-        return held_out_metrics(self.collect().episodes, prefix=self._prefix)
+    def run(self, on_episode: Callable[[HeldOutEpisode], None] | None = None) -> dict[str, float]:
+        """`<prefix>...` metrics of one pass over the rows (keys in docs/metrics.md); each
+        episode is handed to `on_episode` as it ends (the recipe's token ledger)."""
+        return held_out_metrics(self.collect(on_episode).episodes, prefix=self._prefix)
 
     def collect(
         self,

@@ -37,10 +37,11 @@ from gymrl.cluster.placement import plan_placement, reserve
 from gymrl.cluster.ray_calls import wait_for
 from gymrl.cluster.ray_session import ClusterUnavailableError, start_ray
 from gymrl.config.schema import RecipeConfig
+from gymrl.experience.ledger import TokenLedger
 from gymrl.experience.producer import ProducerCounts, RolloutProducer
 from gymrl.experience.rollout_group import RolloutGroup
 from gymrl.experience.rows import RowStream, UnservedAgentError, load_rows, load_validation_rows
-from gymrl.experience.validation import Validator
+from gymrl.experience.validation import HeldOutEpisode, Validator
 from gymrl.generation.announce import announce_policy_server
 from gymrl.generation.api_key import ApiKeyError, resolve_api_key
 from gymrl.generation.sampling_parity import SamplingCounts, training_sampling_rules
@@ -127,6 +128,8 @@ class GRPORecipe:
         self.finished_step = self.saved_step = 0
         self._finished_position = self._step_end_position = 0
         self._trainer_ahead = False
+        # Generated tokens accounted since the last record, trained or not (`ledger/...`).
+        self.ledger = TokenLedger()
 
     def install_stop_signals(self) -> None:
         """SIGINT/SIGTERM stop the run cleanly (gymrl/run/stop.py); main thread only."""
@@ -281,13 +284,14 @@ class GRPORecipe:
         config = self.config
         every = config.checkpoint.every_n_steps
         if config.grpo.val_at_start and self.first_step == 0:
-            self.logger.log(0, self._validate())
+            self.logger.log(0, {**self._validate(), **self.ledger.take()})
         last = time.monotonic()
         for step in range(self.first_step, config.grpo.num_steps):
             with self.stops.step():
                 metrics = self._step(step)
                 if self._validates_after(step + 1):
                     metrics.update(self._validate())
+                metrics.update(self.ledger.take())
                 now = time.monotonic()
                 metrics["timing/step_s"] = now - last
                 last = now
@@ -315,9 +319,13 @@ class GRPORecipe:
         """One validation pass on the weights the engine has now (gymrl.experience.validation)."""
         assert self.validator is not None  # built whenever a grpo.val_* setting asks for it
         started = time.monotonic()
-        metrics = self.validator.run()
+        metrics = self.validator.run(on_episode=self._count_validation_tokens)
         metrics["timing/validation_s"] = time.monotonic() - started
         return metrics
+
+    def _count_validation_tokens(self, episode: HeldOutEpisode) -> None:
+        if episode.summary is not None:  # a failed episode has no result, so no token count
+            self.ledger.validation_pass([episode.summary])
 
     def _save_checkpoint(self, step: int, position: int) -> float:
         """Save the trainer's state as `step` with the row `position`; returns the seconds."""
@@ -371,12 +379,12 @@ class GRPORecipe:
         # later steps are past this position, and a resume skips them).
         self._step_end_position = self.rows.position
         producer.advance(step + 1, buffer_stats["evicted_stale"])
+        counts = producer.counts()
+        self.ledger.trained_groups(groups)
+        self.ledger.running_totals("producer", counts.untrained_tokens)
+        self.ledger.running_totals("buffer", self.buffer.evicted_tokens())
         metrics = self._metrics(
-            step,
-            groups,
-            train_metrics,
-            producer.counts(),
-            self.config.generation.server.max_tokens_per_turn,
+            step, groups, train_metrics, counts, self.config.generation.server.max_tokens_per_turn
         )
         metrics.update(self._engine_metrics())
         metrics.update(parity)
@@ -473,6 +481,7 @@ class GRPORecipe:
         max_tokens_per_turn: int,
     ) -> dict[str, float]:
         trajectories: list[Trajectory] = [t for group in groups for t in group.trajectories]
+        episodes = [t for group in groups for t in group.episodes]  # tail segments left out
         results = [summary for group in groups for summary in group.summaries]
         ages = [step - t.weight_version for t in trajectories]
         generated = sum(t.num_generated_tokens for t in trajectories)
@@ -490,11 +499,11 @@ class GRPORecipe:
         )
         metrics.update(
             {
-                "train/reward/mean": float(sum(t.reward for t in trajectories) / len(trajectories)),
+                "train/reward/mean": float(sum(t.reward for t in episodes) / len(episodes)),
                 "train/groups_with_reward_variance": share_of_groups_with_variance(
-                    [t.reward for t in trajectories], [t.group_id for t in trajectories]
+                    [t.reward for t in episodes], [t.group_id for t in episodes]
                 ),
-                "rollout/episodes": float(len(trajectories)),
+                "rollout/episodes": float(len(episodes)),
                 "rollout/generated_tokens": float(generated),
                 "rollout/failures_total": float(counts.failures),
                 "rollout/retries_total": float(counts.retries),
@@ -524,7 +533,7 @@ def _infra_failure_rates(groups: Sequence[RolloutGroup]) -> dict[str, float]:
     for group in groups:
         agent = group.trajectories[0].agent
         failed[agent] = failed.get(agent, 0) + group.failed_episodes
-        total[agent] = total.get(agent, 0) + group.failed_episodes + len(group.trajectories)
+        total[agent] = total.get(agent, 0) + group.failed_episodes + len(group.episodes)
     return {f"{agent}/infra_failure_rate": failed[agent] / total[agent] for agent in total}
 
 

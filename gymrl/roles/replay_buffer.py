@@ -44,6 +44,13 @@ class RemoteReplayBuffer:
     def stats(self) -> dict[str, int]:
         return wait_for(self._actor.stats.remote(), timeout_s=CALL_MARGIN_S, what="buffer stats")
 
+    def evicted_tokens(self) -> dict[tuple[str, str], int]:
+        return wait_for(
+            self._actor.evicted_tokens.remote(),
+            timeout_s=CALL_MARGIN_S,
+            what="the buffer's evicted tokens",
+        )
+
 
 def start_replay_buffer(
     grpo: GRPOConfig, *, placement: Placement, group: Any, on_cleanup: OnCleanup

@@ -1,7 +1,8 @@
 """A one-page picture of a run from its metrics.jsonl: reward and truncation rate per agent
 (training episodes as solid lines; validation passes, where the run has them, dashed with their
-standard error), loss, and where each step's time went. Written next to metrics.jsonl at the end
-of every run.
+standard error), loss, where each step's time went, and the token ledger: each record's
+generated tokens by fate (trained, or why not) and each agent's share never trained. Written next
+to metrics.jsonl at the end of every run.
 
     python -m gymrl.plot outputs/<run>/metrics.jsonl            # writes outputs/<run>/metrics.png
 
@@ -28,11 +29,12 @@ _PER_AGENT = re.compile(
     r"^(?P<split>train|validation)/(?P<agent>[^/]+)/(?P<field>reward|noncontiguous_truncated)/mean$"
 )
 _TIMINGS = ("timing/wait_for_batch_s", "timing/train_s", "timing/refit_s", "timing/validation_s")
+_LEDGER_AGENT = re.compile(r"^ledger/(?P<agent>[^/]+)/generated_tokens$")
 
 
 def plot_run(records: list[dict[str, float]], output: Path, title: str) -> Path:
-    """Draw the run's four panels into `output` (PNG) and return its path."""
-    figure, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
+    """Draw the run's six panels into `output` (PNG) and return its path."""
+    figure, axes = plt.subplots(3, 2, figsize=(11, 10), constrained_layout=True)
     figure.suptitle(title)
     panels = {
         "reward": (axes[0][0], "reward per agent (mean)"),
@@ -65,6 +67,8 @@ def plot_run(records: list[dict[str, float]], output: Path, title: str) -> Path:
             axis.legend(fontsize="small")
     _plot_keys(axes[1][0], records, ("train/loss", "train/pg_loss"), "loss")
     _plot_keys(axes[1][1], records, _TIMINGS, "seconds per step")
+    _plot_ledger(axes[2][0], records)
+    _plot_untrained_share(axes[2][1], records)
     figure.savefig(output, dpi=110)
     plt.close(figure)
     return output
@@ -147,6 +151,44 @@ def _plot_keys(axis, records: list[dict[str, float]], keys: tuple[str, ...], tit
             axis.plot(steps, values, marker="o", label=key.split("/", 1)[1])
     axis.set_title(title)
     _step_axis(axis)
+    if axis.lines:
+        axis.legend(fontsize="small")
+
+
+def _plot_ledger(axis, records: list[dict[str, float]]) -> None:
+    """Stacked bars per record: trained tokens, then each cause of tokens never trained."""
+    kept = [r for r in records if r.get("ledger/generated_tokens") is not None]
+    steps = [r["step"] for r in kept]
+    bottom = [0.0] * len(kept)
+    # The causes as the records name them (gymrl/experience/ledger.py), in the order logged.
+    causes = dict.fromkeys(k for r in kept for k in r if k.startswith("ledger/untrained_tokens/"))
+    for name in ("trained_tokens", *(k.removeprefix("ledger/") for k in causes)):
+        values = [_value(r, f"ledger/{name}") for r in kept]
+        if any(values):
+            axis.bar(steps, values, bottom=bottom, label=name.split("/")[-1])
+            bottom = [low + value for low, value in zip(bottom, values, strict=True)]
+    axis.set_title("generated tokens by fate (all agents)")
+    _step_axis(axis)
+    if kept:
+        axis.legend(fontsize="small")
+
+
+def _plot_untrained_share(axis, records: list[dict[str, float]]) -> None:
+    """Per agent: the share of its generated tokens of each record that were never trained."""
+    series: dict[str, tuple[list[int], list[float]]] = {}
+    for record in records:
+        for key, generated in record.items():
+            match = _LEDGER_AGENT.match(key)
+            if match and generated:
+                trained = _value(record, f"ledger/{match['agent']}/trained_tokens")
+                steps, shares = series.setdefault(match["agent"], ([], []))
+                steps.append(int(record["step"]))
+                shares.append(1.0 - trained / generated)
+    for agent, (steps, shares) in sorted(series.items()):
+        axis.plot(steps, shares, marker="o", label=agent)
+    axis.set_title("generated tokens never trained per agent (share)")
+    _step_axis(axis)
+    axis.set_ylim(-0.05, 1.05)
     if axis.lines:
         axis.legend(fontsize="small")
 

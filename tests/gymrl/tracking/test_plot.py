@@ -30,6 +30,11 @@ RECORDS = [
         "validation/a/reward/stderr": None,
         "train/loss": 0.2,
         "timing/train_s": 1.5,
+        "ledger/generated_tokens": 120.0,
+        "ledger/trained_tokens": 80.0,
+        "ledger/untrained_tokens/dropped_tail": 40.0,
+        "ledger/a/generated_tokens": 120.0,
+        "ledger/a/trained_tokens": 80.0,
     },
 ]
 
