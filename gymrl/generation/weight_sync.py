@@ -49,7 +49,7 @@ import itertools
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -71,6 +71,7 @@ FLATTENED_BUCKET = "flattened_bucket"
 WEIGHT_SYNC_NCCL_ENV: Mapping[str, str] = {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}
 _POLL_S = 0.002
 _CLEANUP_TIMEOUT_S = 10.0  # destroying a failed group is best effort, never another long wait
+_REFUSAL_GRACE_S = 2.0  # after a broken broadcast, how long the servers' answers may take
 _connection_numbers = itertools.count()
 
 
@@ -350,17 +351,15 @@ class WeightSender:
         pending = dict(zip(self._urls, calls, strict=True))
         work_done = False
         while True:
-            for url, call in list(pending.items()):
-                if call.done():
-                    del pending[url]
-                    failure = _failure(call)
-                    if failure is not None:
-                        raise WeightSyncError(
-                            f"SGLang server {url} refused POST {route} ({what}): {failure}; "
-                            "the refit failed and generation stays paused"
-                        )
+            self._raise_refusal(route, what, pending)
             if not work_done:
-                work_done = _finished(work, route, what)
+                try:
+                    work_done = _finished(work, route, what)
+                except WeightSyncError as broken:
+                    # A server that refuses may drop its end of the group first, so the
+                    # broadcast can break before its answer arrives; the refusal is the cause.
+                    self._raise_refusal(route, what, pending, grace_s=_REFUSAL_GRACE_S)
+                    raise broken
             if work_done and not pending:
                 return
             if time.monotonic() > deadline:
@@ -375,6 +374,24 @@ class WeightSender:
                     "SGLang server reach the trainer's address?)"
                 )
             time.sleep(_POLL_S)
+
+    @staticmethod
+    def _raise_refusal(
+        route: str, what: str, pending: dict[str, Future[httpx.Response]], grace_s: float = 0.0
+    ) -> None:
+        """Raise the first refusal among the finished `pending` calls (removing the finished
+        ones), waiting up to `grace_s` for one to finish."""
+        if grace_s > 0 and pending:
+            wait(pending.values(), timeout=grace_s)
+        for url, call in list(pending.items()):
+            if call.done():
+                del pending[url]
+                failure = _failure(call)
+                if failure is not None:
+                    raise WeightSyncError(
+                        f"SGLang server {url} refused POST {route} ({what}): {failure}; "
+                        "the refit failed and generation stays paused"
+                    )
 
     def _start_all(
         self, route: str, payload: Callable[[int], dict[str, Any]]
