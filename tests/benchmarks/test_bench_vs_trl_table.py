@@ -1,0 +1,121 @@
+"""The table of `benchmarks/bench_vs_trl.py` from recorded figures, without installing TRL: the
+bench itself needs its own virtual environment and tens of minutes, so only the arithmetic that
+turns each side's records into issue 24's figures is checked here (steps 2 on, the closing
+validation pass kept out of the last step, rates as sums over sums)."""
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_vs_trl.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_vs_trl", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _project_step(step, *, step_s, wait, train, refit, tokens, train_tps, validation=None):
+    record = {
+        "step": step,
+        "timing/step_s": step_s,
+        "timing/wait_for_batch_s": wait,
+        "timing/train_s": train,
+        "timing/refit_s": refit,
+        "rollout/episodes": 16,
+        "rollout/generated_tokens": tokens,
+        "perf/train_tokens_per_s": train_tps,
+    }
+    if validation is not None:
+        record.update(
+            {"timing/validation_s": validation[0], "validation/reward/mean": validation[1]}
+        )
+    return record
+
+
+def test_project_figures_leave_out_step_one_and_the_closing_validation(bench):
+    records = [
+        {"step": 0, "timing/validation_s": 80.0, "validation/reward/mean": 0.25},
+        _project_step(1, step_s=99.0, wait=60, train=30, refit=9, tokens=999, train_tps=1.0),
+        _project_step(2, step_s=50.0, wait=20, train=25, refit=5, tokens=400, train_tps=200.0),
+        _project_step(
+            3,
+            step_s=150.0,
+            wait=30,
+            train=25,
+            refit=5,
+            tokens=800,
+            train_tps=300.0,
+            validation=(90.0, 0.5),
+        ),
+    ]
+    figures = bench.project_figures(records, exit_s=400.0)
+    assert figures["steps_counted"] == 2
+    assert figures["step_s"] == pytest.approx(55.0)  # (50 + (150 - 90)) / 2
+    assert figures["episodes_per_s"] == pytest.approx(32 / 110)
+    assert figures["generated_tokens_per_rollout_s"] == pytest.approx(1200 / 50)
+    assert figures["rollout_s"] == pytest.approx(25.0)
+    assert figures["train_s"] == pytest.approx(25.0)
+    assert figures["refit_s"] == pytest.approx(5.0)
+    assert figures["trainer_tokens_per_s"] == pytest.approx((200 * 25 + 300 * 25) / 50)
+    assert figures["validation_s"] == pytest.approx(170.0)
+    assert (figures["validation_start"], figures["validation_end"]) == (0.25, 0.5)
+    assert figures["exit_s"] == 400.0
+
+
+def test_trl_figures_have_no_refit_and_take_both_validation_passes(bench):
+    step = {"step_s": 40.0, "rollout_s": 15.0, "train_s": 25.0, "episodes": 16.0}
+    result = {
+        "steps": [
+            {**step, "step": 1, "generated_tokens": 1.0, "trainer_tokens": 1.0},
+            {**step, "step": 2, "generated_tokens": 600.0, "trainer_tokens": 5000.0},
+        ],
+        "validation": [{"wall_s": 30.0, "reward": 0.2}, {"wall_s": 35.0, "reward": 0.4}],
+    }
+    figures = bench.trl_figures(result, exit_s=200.0)
+    assert figures["steps_counted"] == 1
+    assert figures["refit_s"] == 0.0
+    assert figures["generated_tokens_per_rollout_s"] == pytest.approx(40.0)
+    assert figures["trainer_tokens_per_s"] == pytest.approx(200.0)
+    assert figures["validation_s"] == pytest.approx(65.0)
+    assert (figures["validation_start"], figures["validation_end"]) == (0.2, 0.4)
+
+
+def test_a_run_of_one_step_is_summarised_from_that_step(bench):
+    figures = bench.summarise(
+        [
+            {
+                "step": 1,
+                "step_s": 10.0,
+                "rollout_s": 4.0,
+                "train_s": 6.0,
+                "refit_s": 0.0,
+                "episodes": 4.0,
+                "generated_tokens": 80.0,
+                "trainer_tokens": 600.0,
+            }
+        ]
+    )
+    assert figures["steps_counted"] == 1
+    assert figures["episodes_per_s"] == pytest.approx(0.4)
+
+
+def test_the_table_has_a_column_per_side_and_issue_24s_rows(bench):
+    figures = {key: 1.0 for key, _, _ in bench.ROWS}
+    table = bench.format_table({"project": figures, "trl": {**figures, "exit_s": math.nan}})
+    lines = table.splitlines()
+    assert lines[0] == "| figure | this project | TRL 1.16 |"
+    assert len(lines) == 2 + len(bench.ROWS)
+    assert lines[-1] == "| command to exit | 1 s | nan s |"
+
+
+def test_the_trl_venv_takes_the_projects_pins(bench):
+    pins = bench.cpu_env_pins(bench.PINNED_FROM_CPU_ENV)
+    assert set(pins) == set(bench.PINNED_FROM_CPU_ENV)
+    assert all(version[0].isdigit() for version in pins.values())
