@@ -169,6 +169,13 @@ def _lines(path: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
 
+def _head_start(fake: Path) -> str:
+    """The head's `ray start` call. Not necessarily the first line of ray.log: the head's step
+    runs in the background, so under load the first `ray status` poll can be logged before it."""
+    (start,) = [call for call in _lines(fake / "ray.log") if " start --head " in call]
+    return start
+
+
 def _steps(fake: Path) -> list[list[str]]:
     """The argument lists of every `srun` call, in order."""
     records = (fake / "srun.log").read_text().split("\x1e")[:-1]
@@ -382,16 +389,14 @@ def test_the_head_ip_is_the_source_of_its_route_to_the_other_nodes(fake_slurm):
     _run_job(fake_slurm, FAKE_SRC="10.1.0.9")
     probe = _steps(fake_slurm)[0]
     assert probe[3] == "--nodelist=n0" and probe[-1].endswith("route_source_ip n1")
-    assert _lines(fake_slurm / "ray.log")[0].startswith(
-        "n0 host start --head --node-ip-address=10.1.0.9"
-    )
+    assert _head_start(fake_slurm).startswith("n0 host start --head --node-ip-address=10.1.0.9")
 
 
 def test_ray_head_ip_overrides_the_probe(fake_slurm):
     result = _run_job(fake_slurm, RAY_HEAD_IP="192.168.7.1")
     assert result.returncode == 0, result.stderr
     assert "route_source_ip" not in (fake_slurm / "srun.log").read_text()
-    assert "--node-ip-address=192.168.7.1 " in _lines(fake_slurm / "ray.log")[0]
+    assert "--node-ip-address=192.168.7.1 " in _head_start(fake_slurm)
 
 
 def test_a_loopback_head_ip_is_refused_on_several_nodes(fake_slurm):
