@@ -40,6 +40,7 @@ DROPPED_TOKENS_FIELD = "noncontiguous_dropped_tokens"
 SEGMENTS_FIELD = "noncontiguous_segments"
 SEGMENT_TOKENS_FIELD = "noncontiguous_segment_tokens"
 SEGMENTS_KEY = "segments"
+STOPPED_FLAG = "noncontiguous_stopped"
 MALFORMED_FLAG = "malformed_sample"
 TURNS_FIELD = "trainable_turns"
 GENERATED_TOKENS_FIELD = "generated_tokens"
@@ -124,6 +125,7 @@ def postprocess_gym_result(
     *,
     vocab_size: int | None = None,
     decode: Decode | None = None,
+    server_stops_divergences: bool = False,
 ) -> dict[str, Any]:
     """Return `{"message_log", "full_result", "overlong"}` for one Gym result.
 
@@ -157,6 +159,12 @@ def postprocess_gym_result(
 
     `vocab_size` enables the id range check; `decode` adds text to the divergence message and
     lets the cause be decided on text.
+    `server_stops_divergences` says the policy server ran with
+    `generation.server.stop_on_divergence`: the result may then end with a *withheld turn* (the
+    server's answer to a diverged request: its prompt ids and an empty generation), which is
+    checked like a trainable turn and trains nothing, and a truncated episode's `full_result`
+    holds `noncontiguous_stopped` (whether its generation ended at a withheld turn that
+    diverged), so its per-agent mean is the share of divergent episodes the server stopped.
     Neither `row` nor `result` is mutated.
     """
     row_id = row_id_of(row, result)
@@ -170,7 +178,8 @@ def postprocess_gym_result(
     full_result[TURNS_FIELD] = 0
     full_result[GENERATED_TOKENS_FIELD] = 0
     # A result fed back in must not keep an earlier verdict.
-    for field in (DROPPED_TOKENS_FIELD, SEGMENTS_FIELD, SEGMENT_TOKENS_FIELD, *ALL_CAUSE_FIELDS):
+    verdicts = (DROPPED_TOKENS_FIELD, SEGMENTS_FIELD, SEGMENT_TOKENS_FIELD, STOPPED_FLAG)
+    for field in (*verdicts, *ALL_CAUSE_FIELDS):
         full_result.pop(field, None)
     overlong = full_result[OVERLONG_FLAG] = hit_token_limit(result)
     # Only split mode's outputs hold tail segments (none here when nothing diverged).
@@ -179,8 +188,9 @@ def postprocess_gym_result(
     _check_reward(result, agent, row_id)
     try:
         turns = _trainable_turns(result, agent, row_id)
+        withheld = _withheld_turn(result, turns) if server_stops_divergences else None
         (message_log, *tails), dropped, cause = _walk(
-            turns, config, agent, row_id, vocab_size, decode
+            turns, withheld, config, agent, row_id, vocab_size, decode
         )
     except MalformedGymResultError:
         if config.on_malformed_result == "raise":
@@ -194,6 +204,11 @@ def postprocess_gym_result(
         full_result[DROPPED_TOKENS_FIELD] = sum(len(t[2]) for t in turns[len(turns) - dropped :])
         full_result.update(dict.fromkeys(_cause_fields(decode), False))
         full_result[CAUSE_FIELD_PREFIX + cause] = True
+        if server_stops_divergences:
+            last_turn = turns[-1]
+            full_result[STOPPED_FLAG] = withheld is not None and not _extends(
+                withheld[1], last_turn[1], last_turn[2]
+            )
         if split:
             full_result[SEGMENTS_FIELD] = len(tails)
             full_result[SEGMENT_TOKENS_FIELD] = sum(_generations(tail)[1] for tail in tails)
@@ -209,6 +224,7 @@ def _generations(message_log: list[dict[str, Any]]) -> tuple[int, int]:
 
 def _walk(
     turns: list[tuple[int, list[int], list[int], list[float]]],
+    withheld: tuple[int, list[int]] | None,
     config: NemoGymPostprocessConfig,
     agent: str,
     row_id: str,
@@ -223,21 +239,20 @@ def _walk(
     is exactly turn k-1's prompt followed by its generation, so two slice comparisons suffice.
     Turn 0 has seen nothing, so it is always contiguous and a truncated prefix is never empty. A
     tail segment starts at a divergent turn with that turn's whole prompt as its first delta, so
-    it is contiguous from there on by the same two comparisons.
+    it is contiguous from there on by the same two comparisons. A `withheld` turn (item index,
+    prompt) comes last: it diverges or not like any turn, and adds nothing to a segment.
     """
     segments: list[list[dict[str, Any]]] = [[]]
     first_cause = ""
     segment_start = 0
     previous_prompt: list[int] = []
     previous_generation: list[int] = []
-    for turn, (item_index, prompt, generation, logprobs) in enumerate(turns):
+    probe = [] if withheld is None else [(*withheld, [], [])]
+    for turn, (item_index, prompt, generation, logprobs) in enumerate([*turns, *probe]):
         seen_len = len(previous_prompt) + len(previous_generation)
-        contiguous = (
-            len(prompt) >= seen_len
-            and prompt[: len(previous_prompt)] == previous_prompt
-            and prompt[len(previous_prompt) : seen_len] == previous_generation
-        )
-        if not contiguous:
+        if turn == len(turns) and _extends(prompt, previous_prompt, previous_generation):
+            break  # a withheld turn that extends the history: nothing diverged, nothing to add
+        if not _extends(prompt, previous_prompt, previous_generation):
             position = _first_difference(prompt, previous_prompt, previous_generation)
             cause = divergence_cause(turns[segment_start:turn], prompt, position, decode)
             if not config.truncate_noncontiguous_episodes:
@@ -254,7 +269,7 @@ def _walk(
                     cause=cause,
                 )
             first_cause = first_cause or cause
-            if len(segments) > config.split_noncontiguous_segments:
+            if turn == len(turns) or len(segments) > config.split_noncontiguous_segments:
                 return segments, len(turns) - turn, first_cause
             segments.append([])
             segment_start, seen_len = turn, 0
@@ -273,6 +288,16 @@ def _walk(
         )
         previous_prompt, previous_generation = prompt, generation
     return segments, 0, first_cause
+
+
+def _extends(prompt: list[int], previous_prompt: list[int], previous_generation: list[int]) -> bool:
+    """Whether `prompt` starts with `previous_prompt` followed by `previous_generation`."""
+    seen_len = len(previous_prompt) + len(previous_generation)
+    return (
+        len(prompt) >= seen_len
+        and prompt[: len(previous_prompt)] == previous_prompt
+        and prompt[len(previous_prompt) : seen_len] == previous_generation
+    )
 
 
 def generated_tokens_of(result: Mapping[str, Any]) -> tuple[int, int]:
@@ -395,6 +420,27 @@ def _trainable_turns(
             "so there is nothing to train on (is the policy server returning token ids?)"
         )
     return turns
+
+
+def _withheld_turn(
+    result: Mapping[str, Any], turns: list[tuple[int, list[int], list[int], list[float]]]
+) -> tuple[int, list[int]] | None:
+    """(item index, prompt ids) of the server's withheld answer, if the episode ended on one: the
+    last output item, after every trainable turn, carrying prompt ids and an empty generation
+    (`gymrl.generation.policy_server._withheld_answer`)."""
+    output = result["response"]["output"]  # a list: _trainable_turns checked it
+    index = len(output) - 1
+    while index > turns[-1][0] and output[index].get("generation_token_ids") is None:
+        index -= 1
+    item = output[index]
+    prompt = item.get("prompt_token_ids")
+    if index > turns[-1][0] and item.get("generation_token_ids") == [] and prompt:
+        if not isinstance(prompt, list):
+            raise MalformedGymResultError(
+                f"response.output[{index}].prompt_token_ids is not a list"
+            )
+        return index, prompt
+    return None
 
 
 def _check_reward(result: Mapping[str, Any], agent: str, row_id: str) -> None:

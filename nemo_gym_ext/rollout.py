@@ -87,6 +87,8 @@ class RolloutSettings:
     max_result_bytes: int
     retry_backoff_s: float
     retry_backoff_max_s: float
+    # The policy server withholds diverged answers (generation.server.stop_on_divergence).
+    server_stops_divergences: bool
 
 
 class RolloutCollector:
@@ -164,7 +166,12 @@ class RolloutCollector:
                 continue
             # Contiguity and malformed-result errors propagate: retrying would hide them.
             return postprocess_gym_result(
-                row, result, self._postprocess, vocab_size=self._vocab_size, decode=self._decode
+                row,
+                result,
+                self._postprocess,
+                vocab_size=self._vocab_size,
+                decode=self._decode,
+                server_stops_divergences=settings.server_stops_divergences,
             )
         outcome.failures.append(
             f"agent {agent!r} row {outcome.row_id!r} failed after "

@@ -40,6 +40,9 @@ from pydantic import (
 )
 
 TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+# OpenAI's finish reason for output the server withheld; the policy server answers a diverged
+# request with it under `generation.server.stop_on_divergence`, and clients end the episode.
+WITHHELD_FINISH_REASON = "content_filter"
 AGENT_REF_TYPE = "responses_api_agents"
 _ROLES = ("system", "developer", "user", "assistant")
 

@@ -209,6 +209,22 @@ class ModelServerConfig(Strict):
         "rejecting would fail every episode of that agent, sampling as asked would train "
         "off-policy in silence. A left-out field is always the run's value.",
     )
+    stop_on_divergence: bool = Field(
+        default=False,
+        description="Answer a request whose prompt does not extend the ids this server generated "
+        "for the conversation's last assistant turn (the client re-rendered the history) "
+        "without generating: an empty answer with finish_reason content_filter, which ends "
+        "the episode, so the tail that truncation would drop is never generated. Needs "
+        "env.nemo_gym.truncate_noncontiguous_episodes=true on every shard. Divergences are "
+        "counted either way (generation/divergence_detected, generation/divergence_stopped).",
+    )
+    divergence_memory: int = Field(
+        default=65536,
+        gt=0,
+        description="Answers the server remembers to tell a diverged request (about 100 bytes "
+        "each, oldest forgotten first). Keep it above the model calls in flight times two: a "
+        "forgotten answer's next request is not checked.",
+    )
 
 
 class TorchModelServerConfig(ModelServerConfig):

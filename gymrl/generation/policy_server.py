@@ -51,6 +51,7 @@ from gymrl.generation.chat_template import (
     PromptTokens,
     build_prompt_token_ids,
 )
+from gymrl.generation.divergence_watch import DivergenceWatch, Verdict
 from gymrl.generation.sampling_parity import Sampling, SamplingMismatchError, SamplingParity
 from gymrl.generation.types import (
     EngineUnavailableError,
@@ -63,6 +64,7 @@ from nemo_gym_ext.http_server import describe_validation_errors
 from nemo_gym_ext.json_body import read_json_body
 from nemo_gym_ext.retry import retry_after_header
 from nemo_gym_ext.wire import (
+    WITHHELD_FINISH_REASON,
     ChatChoice,
     ChatCompletion,
     ChatCompletionRequest,
@@ -206,12 +208,16 @@ def create_policy_server_app(
     max_context_tokens: int,
     request_timeout_s: float,
     sampling_parity: SamplingParity | None = None,
+    divergence_watch: DivergenceWatch | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible policy server over `engine` (see the module docstring). Its render
     worker stops with the app's lifespan, so serve it with lifespan on
     (`nemo_gym_ext.http_server.serve_in_thread` does). With `sampling_parity` (a training run's
     server) each request's sampling is resolved against the run's; without it, a request is
-    sampled as it asks, OpenAI's defaults filling what it leaves out."""
+    sampled as it asks, OpenAI's defaults filling what it leaves out. With `divergence_watch`
+    each answer is remembered and each request checked against them
+    (`gymrl.generation.divergence_watch`); when the watch stops divergences, a diverged request
+    is answered without generating (:func:`_withheld_answer`)."""
     for name, value, minimum in (
         ("default_max_tokens", default_max_tokens, 1),
         ("max_context_tokens", max_context_tokens, 2),
@@ -292,20 +298,27 @@ def create_policy_server_app(
             )
         sampling = _sampling_of(body, sampling_parity)
         loop = asyncio.get_running_loop()
-        try:
-            prompt = await loop.run_in_executor(
-                render_pool,
-                lambda: build_prompt_token_ids(
-                    body.messages,
-                    body.tools,
-                    chat_format,
-                    honor_prompt_token_ids=honor_prompt_token_ids,
-                ),
+
+        def render() -> tuple[PromptTokens, Verdict]:
+            prompt = build_prompt_token_ids(
+                body.messages,
+                body.tools,
+                chat_format,
+                honor_prompt_token_ids=honor_prompt_token_ids,
             )
+            if divergence_watch is None:
+                return prompt, Verdict.UNKNOWN
+            return prompt, divergence_watch.check(body.messages, prompt.token_ids)
+
+        try:
+            prompt, verdict = await loop.run_in_executor(render_pool, render)
         except ChatFormatError as error:
             raise _ApiError(
                 400, str(error), error_type="invalid_request_error", param=error.param
             ) from error
+        if verdict is Verdict.DIVERGED and divergence_watch and divergence_watch.stop:
+            withheld = _withheld_answer(prompt, model_name)
+            return Response(content=withheld.model_dump_json(), media_type="application/json")
         request = GenerationRequest(
             prompt_token_ids=prompt.token_ids,
             params=SamplingParams(
@@ -330,9 +343,16 @@ def create_policy_server_app(
                 f"engine.generate failed: {type(error).__name__}: {error}",
                 error_type="server_error",
             ) from error
-        answer = await loop.run_in_executor(
-            render_pool, lambda: _build_response(body, prompt, output, chat_format, model_name)
-        )
+
+        def respond() -> ChatCompletion:
+            answer = _build_response(body, prompt, output, chat_format, model_name)
+            if divergence_watch is not None:
+                divergence_watch.remember(
+                    answer.choices[0].message, prompt.token_ids, output.token_ids
+                )
+            return answer
+
+        answer = await loop.run_in_executor(render_pool, respond)
         return Response(content=answer.model_dump_json(), media_type="application/json")
 
     return app
@@ -421,6 +441,35 @@ def _build_response(
             prompt_tokens=len(prompt.token_ids),
             completion_tokens=completion_tokens,
             total_tokens=len(prompt.token_ids) + completion_tokens,
+        ),
+    )
+
+
+def _withheld_answer(prompt: PromptTokens, model_name: str) -> ChatCompletion:
+    """The answer to a request whose prompt diverged while the server stops divergences: no
+    text, no tool calls, nothing generated, `finish_reason: "content_filter"` (OpenAI's reason
+    for output the server withheld). Clients end the episode on it: an answer without tool
+    calls is final for Gym's agents, and the built-in agent stops on this reason. The token
+    bundle is kept (the diverged prompt, an empty generation), so the postprocessor classifies
+    the divergence on the prompt the server saw and truncates the episode there, exactly where
+    truncation would have cut it."""
+    message = ChatMessage(
+        role="assistant",
+        content=None,
+        prompt_token_ids=prompt.token_ids,
+        generation_token_ids=[],
+        generation_log_probs=[],
+    )
+    return ChatCompletion(
+        id=f"chatcmpl-{uuid.uuid4().hex}",
+        object="chat.completion",
+        created=int(time.time()),
+        model=model_name,
+        choices=[ChatChoice(index=0, finish_reason=WITHHELD_FINISH_REASON, message=message)],
+        usage=Usage(
+            prompt_tokens=len(prompt.token_ids),
+            completion_tokens=0,
+            total_tokens=len(prompt.token_ids),
         ),
     )
 

@@ -65,6 +65,7 @@ def validate_config(raw: Mapping[str, Any]) -> RecipeConfig:
     if config is not None:
         issues.extend(_cross_field_issues(config))
         issues.extend(_text_only_issues(config, shards))
+        issues.extend(_stop_on_divergence_issues(config, shards))
     if issues:
         raise ConfigError(issues)
     assert config is not None
@@ -569,6 +570,28 @@ def _overlong_penalty_issues(config: RecipeConfig) -> list[ConfigIssue]:
                 )
             )
     return issues
+
+
+def _stop_on_divergence_issues(
+    config: RecipeConfig, shards: list[GymActorConfig]
+) -> list[ConfigIssue]:
+    """Stopping a diverged episode keeps only the prefix truncation would train; a shard without
+    truncation would instead stop the run at that episode, so nothing is left to save there."""
+    if not config.generation.server.stop_on_divergence:
+        return []
+    return [
+        ConfigIssue(
+            f"{shard.key_prefix}.{TRUNCATION_KEY}",
+            False,
+            "generation.server.stop_on_divergence=true ends a diverged episode so that "
+            "truncation trains its contiguous prefix; without truncation the first divergence "
+            "stops the run",
+            f"set {shard.key_prefix}.{TRUNCATION_KEY}=true, or "
+            "generation.server.stop_on_divergence=false",
+        )
+        for shard in shards
+        if not shard.postprocess.truncate_noncontiguous_episodes
+    ]
 
 
 def _text_only_issues(config: RecipeConfig, shards: list[GymActorConfig]) -> list[ConfigIssue]:

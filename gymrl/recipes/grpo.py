@@ -44,6 +44,7 @@ from gymrl.experience.rows import RowStream, UnservedAgentError, load_rows, load
 from gymrl.experience.validation import HeldOutEpisode, Validator
 from gymrl.generation.announce import announce_policy_server
 from gymrl.generation.api_key import ApiKeyError, resolve_api_key
+from gymrl.generation.divergence_watch import DivergenceCounts
 from gymrl.generation.sampling_parity import SamplingCounts, training_sampling_rules
 from gymrl.generation.torch_engine import EngineCounters
 from gymrl.model.policy import model_folder
@@ -87,11 +88,13 @@ RUN_STOPPING_ERRORS = (
 @dataclass(frozen=True)
 class EngineSnapshot:
     """The generation server's totals at one moment (`time.monotonic()`): the torch engine's
-    counters (None for SGLang engines) and the requests whose sampling was not the run's."""
+    counters (None for SGLang engines), the requests whose sampling was not the run's and the
+    requests it found diverged."""
 
     seconds: float
     engine: EngineCounters | None
     sampling: SamplingCounts
+    divergence: DivergenceCounts
 
 
 log = logging.getLogger(__name__)
@@ -401,22 +404,26 @@ class GRPORecipe:
         return metrics
 
     def _engine_snapshot(self) -> EngineSnapshot:
-        counters, sampling = wait_for(
+        counters, sampling, divergence = wait_for(
             [
                 self.generation.engine_counters.remote(),
                 self.generation.sampling_counts.remote(),
+                self.generation.divergence_counts.remote(),
             ],
             timeout_s=self.config.grpo.batch_timeout_s,
             what="the engine's counters",
         )
         assert sampling is not None, "a training run's policy server has sampling parity"
-        return EngineSnapshot(time.monotonic(), counters, sampling)
+        return EngineSnapshot(time.monotonic(), counters, sampling, divergence)
 
     def _engine_metrics(self) -> dict[str, float]:
-        """How the engine spent the time since the last step, and the requests whose sampling
-        was not the run's (docs/metrics.md)."""
+        """How the engine spent the time since the last step, the requests whose sampling was
+        not the run's and those found diverged (docs/metrics.md)."""
         seen, self._engine_seen = self._engine_seen, self._engine_snapshot()
+        divergence, diverged_before = self._engine_seen.divergence, seen.divergence
         metrics = {
+            "generation/divergence_detected": float(divergence.detected - diverged_before.detected),
+            "generation/divergence_stopped": float(divergence.stopped - diverged_before.stopped),
             "generation/sampling_overridden": float(
                 self._engine_seen.sampling.overridden - seen.sampling.overridden
             ),

@@ -22,6 +22,7 @@ from gymrl.cluster.ray_calls import close_actor, wait_for
 from gymrl.config.schema import RecipeConfig, SGLangGenerationConfig, TorchGenerationConfig
 from gymrl.generation.announce import policy_server_host
 from gymrl.generation.chat_template import ChatFormat
+from gymrl.generation.divergence_watch import DivergenceCounts, DivergenceWatch
 from gymrl.generation.policy_server import create_policy_server_app
 from gymrl.generation.sampling_parity import SamplingCounts, SamplingParity, SamplingRules
 from gymrl.generation.sglang_engine import SGLangEngine
@@ -81,6 +82,9 @@ class GenerationServer:
             tokenizer = backend.tokenizer
             server = generation.server
             self._sampling_parity = sampling_rules and SamplingParity(sampling_rules)
+            self._divergence_watch = DivergenceWatch(
+                capacity=server.divergence_memory, stop=server.stop_on_divergence
+            )
             app = create_policy_server_app(
                 backend.engine,
                 ChatFormat.from_policy(policy, tokenizer, model_end_ids=end_ids),
@@ -91,6 +95,7 @@ class GenerationServer:
                 max_context_tokens=policy.max_total_sequence_length,
                 request_timeout_s=server.request_timeout_s,
                 sampling_parity=self._sampling_parity,
+                divergence_watch=self._divergence_watch,
             )
             http_server = serve_in_thread(
                 app,
@@ -116,6 +121,11 @@ class GenerationServer:
     def sampling_counts(self) -> SamplingCounts | None:
         """Requests overridden or refused for their sampling (None: the server has no parity)."""
         return None if self._sampling_parity is None else self._sampling_parity.counts()
+
+    def divergence_counts(self) -> DivergenceCounts:
+        """Requests whose prompt did not extend this server's earlier answer, and those of them
+        answered without generating (`generation.server.stop_on_divergence`)."""
+        return self._divergence_watch.counts()
 
     def record_engine_timeline(self) -> None:
         """Start recording the torch engine's loop iterations (SGLang's: none)."""

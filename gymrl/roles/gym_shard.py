@@ -59,7 +59,10 @@ class GymShard:
         policy: PolicyEndpoint,
         model_folder: str,
         launch: GymShardLaunch,
+        stop_on_divergence: bool,
     ):
+        """`stop_on_divergence`: the policy server withholds answers to diverged requests
+        (generation.server.stop_on_divergence), so results may end on a withheld turn."""
         tokenizer = load_tokenizer(model_folder)
         # What this actor starts; if the constructor fails half-way, it is stopped before the
         # error leaves (the actor cannot be closed then, only killed).
@@ -91,6 +94,7 @@ class GymShard:
                     max_result_bytes=rollout.max_result_bytes,
                     retry_backoff_s=rollout.retry_backoff_s,
                     retry_backoff_max_s=rollout.retry_backoff_max_s,
+                    server_stops_divergences=stop_on_divergence,
                 ),
                 vocab_size=len(tokenizer),
                 decode=partial(decode_text, tokenizer, skip_special_tokens=False),
@@ -166,6 +170,7 @@ def start_gym_shards(
             policy=policy,
             model_folder=model_folder,
             launch=shard_launch(config, output_dir, index, len(actor_configs), actor.shard),
+            stop_on_divergence=config.generation.server.stop_on_divergence,
         )
         on_cleanup(
             f"Gym shard {actor.shard!r}",

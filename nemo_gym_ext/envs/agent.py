@@ -2,8 +2,10 @@
 
 One episode: seed a session on the environment's resources server, then alternate model calls and
 environment steps until the environment says it is done, `max_turns` model calls have been made,
-or a call stops at the token limit (`finish_reason == "length"`, the result is marked
-`overlong`; with `continue_after_length` the episode goes on). Then `/verify` scores it.
+a call stops at the token limit (`finish_reason == "length"`, the result is marked
+`overlong`; with `continue_after_length` the episode goes on), or the server withholds the answer
+(`finish_reason == "content_filter"`: with `generation.server.stop_on_divergence` it answers so
+when the episode's history no longer matches what it generated). Then `/verify` scores it.
 
 Each model call is a `POST {policy_base_url}/chat/completions` in the shape NeMo-Gym's
 `vllm_model` adapter uses for training: non-streaming, bearer key, the row's
@@ -48,6 +50,7 @@ from nemo_gym_ext.http_server import refuse_invalid_requests_safely
 from nemo_gym_ext.json_body import JSON_HEADERS, dumps_json
 from nemo_gym_ext.retry import RETRY_AFTER_S, retry_after_s
 from nemo_gym_ext.wire import (
+    WITHHELD_FINISH_REASON,
     ChatCompletion,
     Row,
     chat_tools,
@@ -148,6 +151,8 @@ class ToolAgent:
             items, finish_reason = completion_to_items(completion)
             finish_reasons.append(finish_reason)
             output.extend(items)
+            if finish_reason == WITHHELD_FINISH_REASON:
+                break
             if finish_reason == "length":
                 overlong = True
                 if not self.options.continue_after_length:

@@ -31,6 +31,7 @@ SETTINGS = RolloutSettings(
     max_result_bytes=10 * 1024 * 1024,
     retry_backoff_s=0.05,
     retry_backoff_max_s=2.0,
+    server_stops_divergences=False,
 )
 
 

@@ -29,6 +29,7 @@ SETTINGS = RolloutSettings(
     max_result_bytes=2**26,
     retry_backoff_s=0.01,
     retry_backoff_max_s=0.1,
+    server_stops_divergences=False,
 )
 AGENT = "guess_number_agent"
 

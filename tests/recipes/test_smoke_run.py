@@ -137,6 +137,30 @@ def test_noncontiguous_smoke_truncates_and_reports_a_nonzero_rate(tmp_path):
     assert all(0.0 <= rate <= 1.0 for rate in rates)
 
 
+def test_noncontiguous_smoke_stopped_at_the_divergence_generates_no_tail(tmp_path):
+    """generation.server.stop_on_divergence: the server sees the re-rendered history as the
+    request arrives and answers without generating, so truncation has no tail left to drop."""
+    done = run_recipe(
+        tmp_path, "+experiment=smoke_noncontiguous", "generation.server.stop_on_divergence=true"
+    )
+    assert done.returncode == 0, done.stderr[-5000:]
+    records = read_metrics(tmp_path)
+    stopped = sum(r["generation/divergence_stopped"] for r in records)
+    assert stopped > 0
+    assert stopped == sum(r["generation/divergence_detected"] for r in records)
+    assert all(r["ledger/untrained_tokens/dropped_tail"] == 0 for r in records)
+    shares = [
+        value
+        for r in records
+        for key, value in r.items()
+        if key.startswith("train/") and key.endswith("/noncontiguous_stopped/mean")
+    ]
+    assert shares and max(shares) > 0.0
+    patterns = documented_patterns()
+    keys = {key for record in records for key in record} - {"step"}
+    assert not [k for k in keys if not any(p.match(k) for p in patterns)]
+
+
 def test_noncontiguous_smoke_without_truncation_fails_fast_with_the_contiguity_error(tmp_path):
     done = run_recipe(
         tmp_path,

@@ -24,6 +24,7 @@ from sglang_standin import make_standin
 
 from gymrl.config.schema import TorchGenerationConfig
 from gymrl.generation.chat_template import ChatFormat
+from gymrl.generation.divergence_watch import DivergenceCounts, DivergenceWatch
 from gymrl.generation.policy_server import create_policy_server_app
 from gymrl.generation.sampling_parity import (
     Sampling,
@@ -591,3 +592,59 @@ def test_a_training_server_samples_every_request_at_the_runs_settings(chat_forma
     assert "temperature=0.7, top_p=0.9" in error_message(refused)
     assert len(engine.requests) == 3
     assert rejecting.counts() == SamplingCounts(overridden=0, rejected=1)
+
+
+def text_only_second_turn(first_answer: dict, *, user: str = USER_ONLY[0]["content"]) -> list:
+    """The second turn as a client that keeps only text sends it (no token ids)."""
+    return [
+        {"role": "user", "content": user},
+        {"role": "assistant", "content": first_answer["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "And 3 + 4?"},
+    ]
+
+
+@pytest.mark.parametrize("stop", [False, True])
+def test_a_re_rendered_history_is_a_divergence_seen_at_once(tokenizer, chat_format, stop):
+    """The engine's answer is not how the tokenizer encodes its text, so a client sending text
+    only makes the server re-tokenise it into other ids: the request no longer extends what the
+    server generated. Counted either way; with stop the server answers without generating."""
+    engine = ScriptedEngine(char_level_reply(tokenizer, chat_format, "five is the sum"))
+    watch = DivergenceWatch(capacity=64, stop=stop)
+    with served(engine, chat_format, divergence_watch=watch) as client:
+        first = completion(client, USER_ONLY).json()
+        second = completion(client, text_only_second_turn(first))
+    assert second.status_code == 200, second.text
+    assert watch.counts() == DivergenceCounts(detected=1, stopped=int(stop))
+    choice = second.json()["choices"][0]
+    message = choice["message"]
+    rendered = tokenizer.apply_chat_template(
+        text_only_second_turn(first), add_generation_prompt=True
+    )["input_ids"]
+    assert message["prompt_token_ids"] == rendered
+    if stop:
+        assert len(engine.requests) == 1  # nothing generated for the diverged request
+        assert choice["finish_reason"] == "content_filter"
+        assert message["content"] is None and message["tool_calls"] is None
+        assert message["generation_token_ids"] == message["generation_log_probs"] == []
+        assert second.json()["usage"]["completion_tokens"] == 0
+    else:
+        assert len(engine.requests) == 2
+        assert message["generation_token_ids"] == engine.reply
+
+
+def test_histories_with_their_ids_or_unknown_answers_are_generated_for(tokenizer, chat_format):
+    """A client sending the ids back extends the history; an assistant turn the server never
+    wrote (edited by the client) cannot be checked, and is not called a divergence."""
+    engine = scripted(chat_format, "five")
+    watch = DivergenceWatch(capacity=64, stop=True)
+    with served(engine, chat_format, divergence_watch=watch) as client:
+        first = completion(client, USER_ONLY).json()
+        with_ids = completion(client, second_turn(first))
+        edited = text_only_second_turn(first)
+        edited[1]["content"] = "5"
+        unknown = completion(client, edited)
+    for answer in (with_ids, unknown):
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["finish_reason"] == "stop"
+    assert len(engine.requests) == 3
+    assert watch.counts() == DivergenceCounts()

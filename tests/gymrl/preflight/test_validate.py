@@ -131,6 +131,25 @@ def test_async_needs_an_off_policy_correction():
     assert not config.grpo.async_enabled
 
 
+def test_stopping_divergences_needs_truncation_to_train_the_prefix():
+    issues = _issues(["generation.server.stop_on_divergence=true"])
+    issue = issues["env.nemo_gym.truncate_noncontiguous_episodes"]
+    assert issue.value is False and "the first divergence stops the run" in issue.problem
+    assert issue.fix == (
+        "set env.nemo_gym.truncate_noncontiguous_episodes=true, or "
+        "generation.server.stop_on_divergence=false"
+    )
+    config = validate_config(
+        compose_raw(
+            [
+                "generation.server.stop_on_divergence=true",
+                "env.nemo_gym.truncate_noncontiguous_episodes=true",
+            ]
+        )
+    )
+    assert config.generation.server.stop_on_divergence
+
+
 def test_an_overlong_penalty_buffer_past_the_limit_is_named_per_agent():
     issues = _issues(
         ["+loss.episodes_per_agent.calculator_agent.overlong_penalty_buffer_tokens=64"]

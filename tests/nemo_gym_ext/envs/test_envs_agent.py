@@ -169,6 +169,22 @@ def test_continue_after_length_lets_the_environment_answer_cut_replies(start_env
     assert len(user_turns) == 3, "the environment answered every cut reply"
 
 
+def test_a_withheld_answer_ends_the_episode_even_where_cut_replies_do_not(start_env, run):
+    """The policy server answers a diverged request with `content_filter` under
+    generation.server.stop_on_divergence: the episode ends there, and it is not overlong."""
+    environment, policy = start_env(
+        "guess_number",
+        scripted(*[Reply(content="", finish_reason="content_filter")] * 3),
+        continue_after_length=True,
+        max_turns=3,
+    )
+    result = run(environment, make_rows("guess_number", 1, seed=0)[0])
+    assert len(policy.requests) == 1
+    assert result["num_turns"] == 1
+    assert result["finish_reasons"] == ["content_filter"]
+    assert result["overlong"] is False
+
+
 def test_a_slow_policy_server_fails_the_run_with_a_clear_timeout(start_env):
     environment, _ = start_env(
         "calculator", scripted(text("5")), delay_s=1.0, request_timeout_s=0.2

@@ -1,0 +1,113 @@
+"""Tell, as a request arrives, that its prompt no longer extends what this server generated.
+
+A client that re-renders an episode's history from text (no token ids sent back) can make the
+server tokenise an earlier generation into other ids; the postprocessor finds that only when the
+whole episode comes back, and truncation then drops every turn generated after it. The policy
+server can see it earlier: it generated the assistant turn the request ends its history with,
+so it knows the ids that turn's prompt and generation were. If the new prompt does not start with
+them, the episode has diverged here, at this request, and with
+`generation.server.stop_on_divergence` the server need not generate the tail that truncation
+would throw away.
+
+What is remembered per answer is small: the answer's fingerprint (its text and tool calls, as a
+client sends them back; reasoning and call ids left out, since clients drop or rewrite them), the
+length of prompt + generation and a 128-bit xxh3 digest of those ids. A request is checked by the
+fingerprint of its last assistant message: several answers can share one (episodes of a group
+often open with the same tool call), so the request extends the history if its prompt starts with
+the ids of any of them. A fingerprint nobody remembers (the client edited the turn, or the answer
+was forgotten) is "unknown", never a divergence: the server only ever misses divergences, and
+the postprocessor still finds those.
+
+Memory is bounded: the oldest answers are forgotten first (`capacity`). Thread-safe: answers are
+remembered and requests checked on the server's render worker, counts read by the recipe.
+"""
+
+from __future__ import annotations
+
+import threading
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+import orjson
+import xxhash
+
+from nemo_gym_ext.wire import ChatMessage
+
+
+class Verdict(Enum):
+    EXTENDS = "extends"
+    DIVERGED = "diverged"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class DivergenceCounts:
+    """Requests found diverged (`detected`) and those answered without generating (`stopped`)."""
+
+    detected: int = 0
+    stopped: int = 0
+
+
+def answer_fingerprint(message: ChatMessage) -> bytes:
+    """What identifies an assistant turn as a client sends it back: text and tool calls."""
+    calls = [(call.function.name, call.function.arguments) for call in message.tool_calls or ()]
+    return xxhash.xxh3_128_digest(orjson.dumps([message.text, calls]))
+
+
+def _ids_digest(ids: Sequence[int]) -> bytes:
+    return xxhash.xxh3_128_digest(array("q", ids).tobytes())
+
+
+class DivergenceWatch:
+    """Remembers this server's answers and checks requests against them (module docstring)."""
+
+    def __init__(self, *, capacity: int, stop: bool):
+        if capacity < 1:
+            raise ValueError(f"capacity={capacity} must be >= 1 remembered answer")
+        self.stop = stop
+        self._capacity = capacity
+        self._lock = threading.Lock()
+        # fingerprint -> {(length of prompt + generation, digest of those ids)}, oldest first.
+        self._answers: OrderedDict[bytes, set[tuple[int, bytes]]] = OrderedDict()
+        self._size = 0
+        self._counts = DivergenceCounts()
+
+    def remember(self, answer: ChatMessage, prompt: Sequence[int], generation: Sequence[int]):
+        """Record an answer this server sent: `prompt` and `generation` are its ids."""
+        history = (len(prompt) + len(generation), _ids_digest([*prompt, *generation]))
+        key = answer_fingerprint(answer)
+        with self._lock:
+            known = self._answers.setdefault(key, set())
+            self._answers.move_to_end(key)
+            if history not in known:
+                known.add(history)
+                self._size += 1
+            while self._size > self._capacity:
+                _, forgotten = self._answers.popitem(last=False)
+                self._size -= len(forgotten)
+
+    def check(self, messages: Sequence[ChatMessage], prompt: Sequence[int]) -> Verdict:
+        """Whether `prompt` (the request's rendered ids) extends the answer its history ends
+        with; a divergence is counted, and counted as stopped when the watch stops them."""
+        last = next((m for m in reversed(messages) if m.role == "assistant"), None)
+        if last is None:
+            return Verdict.EXTENDS  # a first turn extends nothing and cannot diverge
+        with self._lock:
+            histories = tuple(self._answers.get(answer_fingerprint(last), ()))
+        if not histories:
+            return Verdict.UNKNOWN
+        digests = {length: _ids_digest(prompt[:length]) for length, _ in histories}
+        if any(length <= len(prompt) and digests[length] == d for length, d in histories):
+            return Verdict.EXTENDS
+        with self._lock:
+            self._counts = DivergenceCounts(
+                self._counts.detected + 1, self._counts.stopped + int(self.stop)
+            )
+        return Verdict.DIVERGED
+
+    def counts(self) -> DivergenceCounts:
+        with self._lock:
+            return self._counts

@@ -1,0 +1,106 @@
+"""`DivergenceWatch` on its own: what it remembers, what it calls a divergence, what it forgets.
+The policy server's use of it over HTTP is tested in test_policy_server.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from gymrl.generation.divergence_watch import DivergenceCounts, DivergenceWatch, Verdict
+from nemo_gym_ext.wire import ChatMessage
+
+USER = ChatMessage(role="user", content="Guess my number.")
+TOOL = ChatMessage(role="tool", content='{"hint": "higher"}', tool_call_id="call-1")
+
+
+def answer(text: str, *calls: tuple[str, str]) -> ChatMessage:
+    return ChatMessage.model_validate(
+        {
+            "role": "assistant",
+            "content": text,
+            "tool_calls": [
+                {"id": f"call-{i}", "function": {"name": name, "arguments": arguments}}
+                for i, (name, arguments) in enumerate(calls)
+            ]
+            or None,
+        }
+    )
+
+
+GUESS = answer("", ("guess", '{"n": 50}'))
+PROMPT, GENERATION = [1, 2, 3, 4], [10, 11, 12]
+
+
+def watching(**settings) -> DivergenceWatch:
+    watch = DivergenceWatch(**({"capacity": 16, "stop": False} | settings))
+    watch.remember(GUESS, PROMPT, GENERATION)
+    return watch
+
+
+def test_a_prompt_that_starts_with_the_answers_ids_extends_it():
+    watch = watching()
+    assert watch.check([USER, GUESS, TOOL], [*PROMPT, *GENERATION, 20, 21]) is Verdict.EXTENDS
+    assert watch.counts() == DivergenceCounts()
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        [*PROMPT, 10, 99, 12, 20],  # the generation re-encoded into other ids
+        [1, 2, 9, 4, *GENERATION, 20],  # an earlier message edited
+        [*PROMPT, 10, 11],  # shorter than what was seen
+    ],
+    ids=["generation", "history", "short"],
+)
+@pytest.mark.parametrize("stop", [False, True])
+def test_any_other_prompt_is_a_divergence_counted_as_stopped_when_stopping(prompt, stop):
+    watch = watching(stop=stop)
+    assert watch.check([USER, GUESS, TOOL], prompt) is Verdict.DIVERGED
+    assert watch.counts() == DivergenceCounts(detected=1, stopped=int(stop))
+
+
+def test_the_answer_is_known_by_text_and_tool_calls_not_by_call_ids_or_reasoning():
+    watch = watching()
+    sent_back = ChatMessage.model_validate(
+        {
+            "role": "assistant",
+            "content": None,
+            "reasoning_content": "binary search",
+            "tool_calls": [
+                {"id": "renamed", "function": {"name": "guess", "arguments": '{"n": 50}'}}
+            ],
+        }
+    )
+    assert watch.check([USER, sent_back, TOOL], [1, 2, 3]) is Verdict.DIVERGED
+    edited = answer("", ("guess", '{"n":50}'))
+    assert watch.check([USER, edited, TOOL], [1, 2, 3]) is Verdict.UNKNOWN
+
+
+def test_episodes_sharing_an_answer_each_extend_their_own_history():
+    watch = watching()
+    other_prompt = [7, 8, 9]
+    watch.remember(GUESS, other_prompt, GENERATION)
+    assert watch.check([USER, GUESS], [*other_prompt, *GENERATION]) is Verdict.EXTENDS
+    assert watch.check([USER, GUESS], [*PROMPT, *GENERATION]) is Verdict.EXTENDS
+    assert watch.check([USER, GUESS], [7, 8, 0, *GENERATION]) is Verdict.DIVERGED
+
+
+def test_a_first_turn_cannot_diverge_and_an_unknown_answer_is_not_a_divergence():
+    watch = watching(stop=True)
+    assert watch.check([USER], [1, 2]) is Verdict.EXTENDS
+    assert watch.check([USER, answer("never said"), TOOL], [1, 2]) is Verdict.UNKNOWN
+    assert watch.counts() == DivergenceCounts()
+
+
+def test_the_oldest_answers_are_forgotten_beyond_the_capacity():
+    watch = DivergenceWatch(capacity=2, stop=False)
+    replies = [answer(f"reply {i}") for i in range(3)]
+    for i, reply in enumerate(replies):
+        watch.remember(reply, [i], [100 + i])
+    assert watch.check([USER, replies[0]], [5]) is Verdict.UNKNOWN
+    assert watch.check([USER, replies[1]], [5]) is Verdict.DIVERGED
+    assert watch.check([USER, replies[2]], [2, 102, 7]) is Verdict.EXTENDS
+
+
+def test_a_capacity_below_one_is_refused():
+    with pytest.raises(ValueError, match="capacity=0"):
+        DivergenceWatch(capacity=0, stop=False)
