@@ -520,7 +520,7 @@ def _real_sglang_checkpoint() -> Path:
     if not torch.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU (SGLang runs on CUDA)")
     if importlib.util.find_spec("sglang") is None:
-        pytest.skip("sglang is not installed (the sglang role: envs/sglang.txt, docs/cluster.md)")
+        pytest.skip("sglang is not installed (the sglang role: locks/sglang.txt, docs/cluster.md)")
     from gymrl.model.loading import ensure_smollm2_checkpoint
 
     try:
