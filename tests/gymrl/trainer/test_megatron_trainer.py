@@ -363,7 +363,7 @@ _TRANSFORMER_IMPL = (
 def tiny_trainer(tmp_path_factory):
     import os
 
-    from gymrl.cluster.ports import free_port
+    from nemo_gym_ext.ports import free_port
 
     config, folder, hf_model = _tiny_megatron_setup(tmp_path_factory)
     env = distributed_env(0, 1, "127.0.0.1", free_port())
