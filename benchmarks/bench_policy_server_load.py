@@ -10,6 +10,9 @@ resident memory is sampled every half second, to see that it stays bounded over 
     python benchmarks/bench_policy_server_load.py        # SmolLM2-135M, 256 clients, 60 s
     python benchmarks/bench_policy_server_load.py --model tiny --duration-s 20
 
+The engine runs with the schema's defaults (`TorchGenerationConfig`), so the bench measures what a
+run serves; `--max-batch-size` overrides the batch, as `generation.max_batch_size` does.
+
 `tests/gymrl/generation/test_policy_server_load.py` runs `run_load` for one round of 256 clients
 on a tiny model, so the checks themselves are tested.
 """
@@ -45,6 +48,7 @@ from nemo_gym_ext.http_server import serve_in_thread
 
 KEY = "load-test"
 MODEL_CACHE_DIR = PolicyConfig.model_fields["model_cache_dir"].default
+GENERATION = TorchGenerationConfig()  # the schema's defaults
 MODEL = "policy"
 
 
@@ -152,7 +156,13 @@ def _check(response: httpx.Response, nonce: str, tokenizer) -> str | None:
     return None
 
 
-def serve_policy(model_name: str, threads: int, cache_dir: Path):
+def serve_policy(
+    model_name: str,
+    threads: int,
+    cache_dir: Path,
+    *,
+    max_batch_size: int = GENERATION.max_batch_size,
+):
     """The policy server on loopback with the torch engine; returns (running server, tokenizer)."""
     torch.set_num_threads(threads)
     checkpoint = ensure_smollm2_checkpoint(cache_dir)
@@ -165,11 +175,11 @@ def serve_policy(model_name: str, threads: int, cache_dir: Path):
         model = load_pretrained(checkpoint, dtype=torch.float32)
     engine = TorchGenerationEngine(
         model,
-        max_batch_size=64,
+        max_batch_size=max_batch_size,
         eos_token_ids=[eos_token_id(tokenizer)],
         seed=0,
         compute_dtype="auto",
-        prefill_token_budget=TorchGenerationConfig().prefill_token_budget,
+        prefill_token_budget=GENERATION.prefill_token_budget,
     )
     # SmolLM2's format as conf/policy/smollm2_135m.yaml configures it.
     chat_format = ChatFormat(
@@ -195,9 +205,12 @@ def main() -> None:
     parser.add_argument("--duration-s", type=float, default=60.0)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-batch-size", type=int, default=GENERATION.max_batch_size)
     parser.add_argument("--cache-dir", type=Path, default=Path(MODEL_CACHE_DIR).expanduser())
     args = parser.parse_args()
-    server, tokenizer = serve_policy(args.model, args.threads, args.cache_dir)
+    server, tokenizer = serve_policy(
+        args.model, args.threads, args.cache_dir, max_batch_size=args.max_batch_size
+    )
     try:
         report = asyncio.run(
             run_load(
@@ -212,7 +225,7 @@ def main() -> None:
         server.close(timeout_s=120.0)  # a batch still decoding for a client that gave up
     print(
         f"{args.model}, {args.clients} clients, {args.duration_s:g} s, max_tokens "
-        f"{args.max_tokens}, {args.threads} torch threads"
+        f"{args.max_tokens}, {args.threads} torch threads, batches of up to {args.max_batch_size}"
     )
     print(report.summary())
     for failure in report.failures[:5]:

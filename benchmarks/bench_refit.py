@@ -7,8 +7,13 @@ loopback stand-ins (`tests/gymrl/generation/sglang_standin.py`) either way:
   (`/update_weights_from_disk`), the previous version is deleted;
 * broadcast: `SGLangEngine.begin_refit`, `WeightSender.send` (the 0.5.23 protocol: session,
   buckets of `--bucket-mib` each sent as one flattened gloo broadcast, session end),
-  `SGLangEngine.end_refit`; then one refit with the read-back check (`WeightCheck`, 8 rows of the
-  first and last tensor of each kind from every stand-in), whose extra seconds are its cost.
+  `SGLangEngine.end_refit`; then one refit with the read-back check (`WeightCheck` at the config's
+  defaults: `generation.refit.verify_rows` rows of the first and last tensor of each kind from
+  every stand-in), whose extra seconds are its cost.
+
+Both senders are the trainer's own (`gymrl.generation.refit.weight_sender`), from a
+`RefitConfig` at its defaults but for the bucket size and the check, so the bench measures what
+a run sends.
 
 Each refit includes the pause, flush and continue calls. The first broadcast refit forms the
 group and is reported apart; broadcast calls, update calls and bytes are counted by the sender.
@@ -28,11 +33,25 @@ from pathlib import Path
 import torch
 from sglang_standin import make_standin
 
+from gymrl.config.schema import RefitConfig
+from gymrl.generation.refit import weight_sender
 from gymrl.generation.sglang_engine import SGLangEngine
-from gymrl.generation.weight_check import WeightCheck
 from gymrl.generation.weight_sync import WeightSender
 from gymrl.model.loading import ensure_smollm2_checkpoint, load_pretrained
 from nemo_gym_ext.http_server import serve_in_thread
+
+
+def _sender(urls: list[str], bucket_bytes: int, *, verify_weights: bool) -> WeightSender:
+    """The trainer's sender over gloo to stand-ins of TP 1, which hold the fp32 weights as sent."""
+    refit = RefitConfig(bucket_bytes=bucket_bytes, verify_weights=verify_weights)
+    return weight_sender(
+        urls,
+        [1] * len(urls),
+        refit,
+        master_address="127.0.0.1",
+        backend="gloo",
+        served_dtype="float32",
+    )
 
 
 def main() -> None:
@@ -62,33 +81,18 @@ def main() -> None:
                 start = time.perf_counter()
                 engine.update_weights(weights, version)
                 disk.append(time.perf_counter() - start)
-            sender = WeightSender(
-                urls,
-                [1] * len(urls),
-                master_address="127.0.0.1",
-                backend="gloo",
-                bucket_bytes=args.bucket_mib << 20,
-                timeout_s=600.0,
-            )
+            unchecked = _sender(urls, args.bucket_mib << 20, verify_weights=False)
             broadcast = []
             for version in range(args.repeats + 1, 2 * args.repeats + 2):
                 start = time.perf_counter()
                 engine.begin_refit()
-                sender.send(weights.items(), version)
+                unchecked.send(weights.items(), version)
                 engine.end_refit(version)
                 broadcast.append(time.perf_counter() - start)
             refits = len(broadcast)
-            calls, updates = sender.broadcasts / refits, sender.update_calls / refits
-            sender.close()
-            checked = WeightSender(
-                urls,
-                [1] * len(urls),
-                master_address="127.0.0.1",
-                backend="gloo",
-                bucket_bytes=args.bucket_mib << 20,
-                timeout_s=600.0,
-                check=WeightCheck(every=0, rows=8, served_dtype=None, timeout_s=60.0),
-            )
+            calls, updates = unchecked.broadcasts / refits, unchecked.update_calls / refits
+            unchecked.close()
+            checked = _sender(urls, args.bucket_mib << 20, verify_weights=True)
             version = 2 * args.repeats + 2
             engine.begin_refit()
             checked.send(weights.items(), version)  # forms its group, then reads back

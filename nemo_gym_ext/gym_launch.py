@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-import socket
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ import httpx
 import yaml
 
 from nemo_gym_ext.config import SERVER_KINDS
+from nemo_gym_ext.ports import NoFreePortError, free_port_in_range
 from nemo_gym_ext.processes import ChildProcess
 
 GYM_VENV_TARGET = "make gym-venv"
@@ -133,18 +133,6 @@ def deployment_config(
     return config
 
 
-def free_port_in_range(host: str, low: int, high: int) -> int:
-    """The first port in [low, high) nothing listens on, for the head server."""
-    for port in range(low, high):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            try:
-                probe.bind((host, port))
-            except OSError:
-                continue
-            return port
-    raise GymStartError(f"no free port in [{low}, {high}) on {host} for the Gym head server")
-
-
 def shard_port_range(index: int, shards: int, port_range: tuple[int, int]) -> tuple[int, int]:
     """Shard `index`'s slice of `port_range`, so that shards on one node never share ports."""
     low, high = port_range
@@ -229,7 +217,11 @@ def start_deployment(
     timeout_s: float,
 ) -> GymDeployment:
     """Launch one shard's deployment and return it once ready (stopped again if it is not)."""
-    head_port = free_port_in_range(host, *port_range)
+    try:
+        head_port = free_port_in_range(host, *port_range)
+    except NoFreePortError as error:
+        # A shard that cannot start: the recipe prints it without a traceback.
+        raise GymStartError(f"{error} for the Gym head server") from error
     config = deployment_config(
         gym_config,
         policy=policy,

@@ -25,11 +25,11 @@ from typing import Any
 import httpx
 
 from gymrl.cluster.placement import RolePlacement, actor_options
-from gymrl.cluster.ports import free_port
 from gymrl.config.context import sglang_model_overrides
 from gymrl.config.schema import PolicyConfig, SGLangGenerationConfig
 from gymrl.generation.sglang_engine import SGLangError, SGLangTimeoutError
 from gymrl.generation.weight_sync import WEIGHT_SYNC_NCCL_ENV
+from nemo_gym_ext.ports import free_port
 from nemo_gym_ext.processes import ChildProcess
 
 ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"

@@ -59,8 +59,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
-from gymrl.cluster.ports import free_port
 from gymrl.generation.weight_check import WeightCheck, WeightSamples
+from nemo_gym_ext.ports import free_port
 
 Backend = Literal["nccl", "gloo"]
 FLATTENED_BUCKET = "flattened_bucket"

@@ -4,6 +4,7 @@ process it started (by process group), on success and on failure. A stand-in `ng
 
 import copy
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -20,10 +21,11 @@ from nemo_gym_ext.gym_launch import (
     PolicyEndpoint,
     agent_urls,
     deployment_config,
-    free_port_in_range,
     link_server_venvs,
     shard_port_range,
+    start_deployment,
 )
+from nemo_gym_ext.ports import free_port_in_range
 
 POLICY = PolicyEndpoint("http://10.0.0.1:8000/v1", "run-key", "SmolLM2-135M-Instruct")
 
@@ -138,6 +140,23 @@ def test_every_shipped_server_gets_gyms_own_venv(tmp_path):
 def test_shards_get_disjoint_port_ranges():
     ranges = [shard_port_range(i, 3, (20000, 29000)) for i in range(3)]
     assert ranges == [(20000, 23000), (23000, 26000), (26000, 29000)]
+
+
+def test_a_shard_range_with_no_free_port_is_a_start_error(tmp_path):
+    """Reported like any shard that cannot start (the recipe prints it without a traceback)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        with pytest.raises(GymStartError, match=r"no free port .* for the Gym head server"):
+            start_deployment(
+                {},
+                policy=POLICY,
+                venv=tmp_path / "venv",
+                work_dir=tmp_path / "w",
+                host="127.0.0.1",
+                port_range=(port, port + 1),
+                timeout_s=1,
+            )
 
 
 def test_a_missing_venv_names_the_make_target(tmp_path):

@@ -12,7 +12,6 @@ import torch
 
 from gymrl.algo.trajectory import Trajectory
 from gymrl.cluster.placement import RolePlacement, actor_options
-from gymrl.cluster.ports import free_port
 from gymrl.cluster.ray_calls import wait_for
 from gymrl.config.schema import RecipeConfig, RefitConfig
 from gymrl.generation.weight_sync import WEIGHT_SYNC_NCCL_ENV
@@ -24,6 +23,7 @@ from gymrl.trainer.megatron.arguments import (
 )
 from gymrl.trainer.megatron.distributed import distributed_env
 from gymrl.trainer.megatron.worker import NOTHING_TRAINED, MegatronPolicyTrainer
+from nemo_gym_ext.ports import free_port
 
 
 def _node_address() -> tuple[str, int]:

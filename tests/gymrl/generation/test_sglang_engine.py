@@ -18,7 +18,6 @@ import torch
 from safetensors.torch import load_file
 from sglang_standin import WEIGHT_OFFSET, make_standin
 
-from gymrl.cluster.ports import free_port
 from gymrl.config.schema import PolicyConfig, SGLangGenerationConfig
 from gymrl.generation import sglang_engine
 from gymrl.generation.sglang_engine import (
@@ -34,6 +33,7 @@ from gymrl.generation.sglang_servers import (
 )
 from gymrl.generation.types import GenerationRequest, SamplingParams
 from nemo_gym_ext.http_server import serve_in_thread
+from nemo_gym_ext.ports import free_port
 
 
 @pytest.fixture
@@ -520,7 +520,7 @@ def _real_sglang_checkpoint() -> Path:
     if not torch.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU (SGLang runs on CUDA)")
     if importlib.util.find_spec("sglang") is None:
-        pytest.skip("sglang is not installed (the sglang role: envs/sglang.txt, docs/cluster.md)")
+        pytest.skip("sglang is not installed (the sglang role: locks/sglang.txt, docs/cluster.md)")
     from gymrl.model.loading import ensure_smollm2_checkpoint
 
     try:

@@ -330,8 +330,8 @@ def test_the_group_meets_a_member_built_the_way_sglang_builds_its_end():
     "<device>/"). The trainer's end must rendezvous on the same keys."""
     from torch.distributed import distributed_c10d as c10d
 
-    from gymrl.cluster.ports import free_port
     from gymrl.generation.weight_sync import broadcast, join_weight_update_group
+    from nemo_gym_ext.ports import free_port
 
     port = free_port()
     received: dict[str, torch.Tensor] = {}

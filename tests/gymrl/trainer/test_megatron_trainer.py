@@ -318,7 +318,7 @@ def _tiny_megatron_setup(tmp_path_factory):
     if not torch.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU (Megatron-core runs on CUDA)")
     if importlib.util.find_spec("megatron.bridge") is None:
-        pytest.skip("megatron-core / megatron-bridge are not installed (envs/megatron.txt)")
+        pytest.skip("megatron-core / megatron-bridge are not installed (locks/megatron.txt)")
     from gymrl.model.loading import build_tiny_llama, ensure_smollm2_checkpoint, load_tokenizer
 
     try:
@@ -363,7 +363,7 @@ _TRANSFORMER_IMPL = (
 def tiny_trainer(tmp_path_factory):
     import os
 
-    from gymrl.cluster.ports import free_port
+    from nemo_gym_ext.ports import free_port
 
     config, folder, hf_model = _tiny_megatron_setup(tmp_path_factory)
     env = distributed_env(0, 1, "127.0.0.1", free_port())
@@ -497,7 +497,7 @@ def test_megatron_arguments_bind_to_the_real_signatures(swe_config):
     import dataclasses
     import inspect
 
-    pytest.importorskip("megatron.bridge", reason="not installed (envs/megatron.txt)")
+    pytest.importorskip("megatron.bridge", reason="not installed (locks/megatron.txt)")
     from megatron.bridge.models.gpt_provider import GPTModelProvider
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallelConfig

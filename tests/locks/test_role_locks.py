@@ -1,7 +1,7 @@
-"""The role environments (envs/<role>.txt): exact, mutually consistent pins per role.
+"""The role environments (locks/<role>.txt): exact, mutually consistent pins per role.
 
 Offline tests read the locks and pyproject.toml. Tests marked `registry` resolve each role again
-against the package registry for its GPU platform (envs/resolve.py, uv), which needs the network:
+against the package registry for its GPU platform (locks/resolve.py, uv), which needs the network:
 CI runs them (`python -m pytest -m registry`, about 70 s with the conflict case).
 """
 
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load_resolve():
-    spec = importlib.util.spec_from_file_location("envs_resolve", ROOT / "envs" / "resolve.py")
+    spec = importlib.util.spec_from_file_location("locks_resolve", ROOT / "locks" / "resolve.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
@@ -52,7 +52,7 @@ def test_the_extras_exact_pins_are_the_locks(role):
         name = resolve.normalize(requirement.name)
         assert name in pins, f"{role}: {name} is required but not locked"
         assert requirement.specifier.contains(pins[name], prereleases=True), (
-            f"{role}: envs/{role}.txt pins {name}=={pins[name]}, pyproject wants {requirement}"
+            f"{role}: locks/{role}.txt pins {name}=={pins[name]}, pyproject wants {requirement}"
         )
 
 
@@ -83,8 +83,8 @@ def test_read_pins_refuses_ranges_and_duplicates():
 def test_compare_names_every_gap_between_lock_and_resolution():
     problems = resolve.compare("sglang", "3.12", {"a": "1", "stale": "2"}, {"a": "1", "new": "4"})
     assert problems == [
-        "sglang (Python 3.12): new==4 is resolved but not pinned in envs/sglang.txt",
-        "sglang (Python 3.12): stale==2 is pinned in envs/sglang.txt but nothing needs it",
+        "sglang (Python 3.12): new==4 is resolved but not pinned in locks/sglang.txt",
+        "sglang (Python 3.12): stale==2 is pinned in locks/sglang.txt but nothing needs it",
     ]
 
 

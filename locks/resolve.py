@@ -2,12 +2,12 @@
 
 The roles conflict (SGLang pins transformers 5.19.0, Megatron-Bridge caps it at 5.12.1, the torch
 engine needs 5.20 or newer), so each runs in its own interpreter, installed from the recipe's
-pyproject extra for that role and constrained by that role's lock, envs/<role>.txt:
+pyproject extra for that role and constrained by that role's lock, locks/<role>.txt:
 
-    pip install -c envs/<role>.txt -e '.[<extras>]'
+    pip install -c locks/<role>.txt -e '.[<extras>]'
 
-    python envs/resolve.py lock [ROLE ...]    write the locks (keeps every pin still allowed)
-    python envs/resolve.py check [ROLE ...]   resolve again and compare with the locks
+    python locks/resolve.py lock [ROLE ...]    write the locks (keeps every pin still allowed)
+    python locks/resolve.py check [ROLE ...]   resolve again and compare with the locks
 
 Both resolve with uv for the role's target (CPython version, manylinux x86-64 platform), wheels
 only except the source distributions the role names, so a machine without a GPU proves what a GPU
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ENVS = ROOT / "envs"
+LOCKS = ROOT / "locks"
 
 _PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;#]+)\s*$")
 
@@ -49,7 +49,7 @@ class Role:
 
     @property
     def lock_path(self) -> Path:
-        return ENVS / f"{self.name}.txt"
+        return LOCKS / f"{self.name}.txt"
 
 
 # hydra-core's antlr4-python3-runtime 4.9.3 has no wheel; it is pure Python.
@@ -121,12 +121,12 @@ def compare(role: str, python: str, locked: dict[str, str], resolved: dict[str, 
     (a pinned version cannot differ: the lock is the resolver's constraints)."""
     where = f"{role} (Python {python})"
     problems = [
-        f"{where}: {name}=={version} is resolved but not pinned in envs/{role}.txt"
+        f"{where}: {name}=={version} is resolved but not pinned in locks/{role}.txt"
         for name, version in sorted(resolved.items())
         if name not in locked
     ]
     problems += [
-        f"{where}: {name}=={version} is pinned in envs/{role}.txt but nothing needs it"
+        f"{where}: {name}=={version} is pinned in locks/{role}.txt but nothing needs it"
         for name, version in sorted(locked.items())
         if name not in resolved
     ]
@@ -160,7 +160,7 @@ def compile_role(role: Role, python: str, output: Path, constraints: Path | None
         "--only-binary",
         ":all:",
         "--custom-compile-command",
-        f"python envs/resolve.py lock {role.name}",
+        f"python locks/resolve.py lock {role.name}",
         "--output-file",
         str(output),
     ]
@@ -185,7 +185,7 @@ def _header(role: Role) -> str:
     return (
         f"# Role `{role.name}`: {role.summary}.\n"
         f"# Exact pins for CPython {' and '.join(role.pythons)}, Linux x86-64, {glibc}.\n"
-        f"# Install: pip install -c envs/{role.name}.txt -e '.[{extras}]'\n"
+        f"# Install: pip install -c locks/{role.name}.txt -e '.[{extras}]'\n"
         f"# Built from source on install: {', '.join(role.sdists)}\n"
         '# (docs/cluster.md, "Role environments", says how).\n'
         "# Written by `make envs-lock`; `make envs-check` proves it resolves.\n"
@@ -205,7 +205,7 @@ def lock(role: Role) -> None:
 
 
 def check(role: Role, lock_file: Path | None = None) -> None:
-    """Resolve the role with its lock (default: envs/<role>.txt) as constraints for each of its
+    """Resolve the role with its lock (default: locks/<role>.txt) as constraints for each of its
     Pythons; raise on a failed resolution or any difference from the lock."""
     lock_file = lock_file or role.lock_path
     locked = read_pins(lock_file.read_text())
@@ -220,7 +220,7 @@ def check(role: Role, lock_file: Path | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Lock or check the role environments (envs/).")
+    parser = argparse.ArgumentParser(description="Lock or check the role environments (locks/).")
     parser.add_argument("action", choices=("lock", "check"))
     parser.add_argument("roles", nargs="*", help=f"some of {', '.join(ROLES)} (default: all)")
     args = parser.parse_args(argv)
