@@ -409,8 +409,23 @@ class WeightSender:
             timeout=self._timeout_s if timeout_s is None else timeout_s,
         )
 
+    def _post_session(self, url: str, payload: dict[str, Any]) -> httpx.Response:
+        """A session call (begin or end), sent once more on a fresh connection when the
+        connection broke before any answer (a reset, a close): after a failed refit, the
+        sockets of the group it tore down close while new connections open (seen on a loaded
+        machine as "Connection reset by peer" on the next begin). A second begin that the
+        server already took is refused with its message, never a hang."""
+        try:
+            return self._post(url, payload)
+        except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError):
+            return self._post(url, payload)
+
     def _call_all(self, route: str, payload: Callable[[int], dict[str, Any]]) -> None:
-        self._await(route, self._start_all(route, payload), None, what="session")
+        calls = [
+            self._pool.submit(self._post_session, f"{url}{route}", payload(index))
+            for index, url in enumerate(self._urls)
+        ]
+        self._await(route, calls, None, what="session")
 
     def _end_session(self, *, quiet: bool) -> None:
         try:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import socket
+import struct
 import threading
 import time
 
@@ -251,6 +254,53 @@ def test_a_server_refusing_a_bucket_fails_the_refit_at_once_and_the_group_is_reb
         assert state_a.weight_version == state_b.weight_version == "2"
     finally:
         sender.close()
+
+
+class _ResetOnce:
+    """A server on loopback that resets its first connection after reading the request (as a
+    socket closed under a request does) and refuses every later one with a message."""
+
+    def __init__(self):
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(10.0)
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self.connections = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        with contextlib.suppress(OSError):
+            while True:
+                connection, _ = self._listener.accept()
+                with connection:
+                    connection.recv(65536)
+                    self.connections += 1
+                    if self.connections == 1:  # RST instead of FIN: close with linger 0
+                        connection.setsockopt(
+                            socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                        )
+                        continue
+                    body = b'{"success": false, "message": "the second attempt arrived"}'
+                    connection.sendall(
+                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                        b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+                    )
+
+    def close(self):
+        self._listener.close()
+
+
+def test_a_session_call_whose_connection_breaks_is_sent_once_more():
+    """A reset before any answer is not the server's verdict: the begin goes once more on a
+    new connection, and what the server then says is the error."""
+    server = _ResetOnce()
+    sender = _sender([server.url])
+    try:
+        with pytest.raises(WeightSyncError, match="the second attempt arrived"):
+            sender.send(_state_dict().items(), version=1)
+        assert server.connections >= 2
+    finally:
+        sender.close()
+        server.close()
 
 
 def test_weights_are_read_back_after_the_first_refit(standins):
