@@ -1,16 +1,22 @@
 """The policy server under load: N concurrent loopback clients, the torch engine, a bounded time.
 
-Each client loops until the deadline, sending a chat completion whose user message carries a
-nonce unique to the request (`client-<c>-request-<i>`). Every answer is checked: HTTP 200, a full
-`ChatCompletion`, a token bundle of consistent lengths, and a prompt that decodes to the client's
-own nonce (no answer delivered to the wrong caller); every completion id must be unique (none
-duplicated) and every request must get exactly one answer (none lost). The server process's
-resident memory is sampled every half second, to see that it stays bounded over the run.
+The clients run in a process of their own (asyncio's loop, httpx), so that they take neither the
+server's GIL nor its event loop: what is measured is the server. Each client loops until the
+deadline, sending a chat completion whose user message carries a nonce unique to the request
+(`client-<c>-request-<i>`). Every answer is checked: HTTP 200, a full `ChatCompletion`, a token
+bundle of consistent lengths, and a prompt that decodes to the client's own nonce (no answer
+delivered to the wrong caller); every completion id must be unique (none duplicated) and every
+request must get exactly one answer (none lost). The server process's resident memory is sampled
+every half second, to see that it stays bounded over the run.
 
     python benchmarks/bench_policy_server_load.py        # SmolLM2-135M, 256 clients, 60 s
     python benchmarks/bench_policy_server_load.py --model tiny --duration-s 20
+    python benchmarks/bench_policy_server_load.py --model tiny --loop asyncio --http h11
 
-`tests/gymrl/generation/test_policy_server_load.py` runs `run_load` for one round of 256 clients
+`--loop` and `--http` choose uvicorn's event loop and HTTP parser for the server (default: what
+every server of the project gets, uvicorn's "auto": uvloop and httptools where they import).
+
+`tests/gymrl/generation/test_policy_server_load.py` runs this script for one round of 256 clients
 on a tiny model, so the checks themselves are tested.
 """
 
@@ -18,9 +24,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
+import multiprocessing
 import statistics
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +56,7 @@ from nemo_gym_ext.http_server import serve_in_thread
 KEY = "load-test"
 MODEL_CACHE_DIR = PolicyConfig.model_fields["model_cache_dir"].default
 MODEL = "policy"
+SERVER_DEFAULTS = inspect.signature(serve_in_thread).parameters
 
 
 @dataclass
@@ -83,15 +94,6 @@ async def run_load(
     finishes the request it is in; at least one request each)."""
     report, seen_ids = LoadReport(), set()
     deadline = time.monotonic() + duration_s
-    sampling = threading.Event()
-
-    def sample_memory() -> None:
-        process = psutil.Process()
-        while not sampling.wait(0.5):
-            report.rss_mb.append(process.memory_info().rss / 2**20)
-
-    sampler = threading.Thread(target=sample_memory, daemon=True)
-    sampler.start()
 
     async def client(number: int, http: httpx.AsyncClient) -> None:
         index = 0
@@ -132,9 +134,38 @@ async def run_load(
     ) as http:
         await asyncio.gather(*(client(number, http) for number in range(clients)))
     report.wall_s = time.monotonic() - started
-    sampling.set()
-    sampler.join()
     return report
+
+
+def run_clients(
+    base_url: str, cache_dir: Path, *, clients: int, duration_s: float, max_tokens: int
+) -> LoadReport:
+    """`run_load` in this process, with the tokenizer that checks the answers loaded here: the
+    body of the client process."""
+    tokenizer = load_tokenizer(ensure_smollm2_checkpoint(cache_dir))
+    return asyncio.run(
+        run_load(base_url, tokenizer, clients=clients, duration_s=duration_s, max_tokens=max_tokens)
+    )
+
+
+@contextmanager
+def sampled_rss() -> Iterator[list[float]]:
+    """This process's resident memory in MB, every 0.5 s while the block runs."""
+    samples: list[float] = []
+    sampling = threading.Event()
+
+    def sample_memory() -> None:
+        process = psutil.Process()
+        while not sampling.wait(0.5):
+            samples.append(process.memory_info().rss / 2**20)
+
+    sampler = threading.Thread(target=sample_memory, daemon=True)
+    sampler.start()
+    try:
+        yield samples
+    finally:
+        sampling.set()
+        sampler.join()
 
 
 def _check(response: httpx.Response, nonce: str, tokenizer) -> str | None:
@@ -152,8 +183,8 @@ def _check(response: httpx.Response, nonce: str, tokenizer) -> str | None:
     return None
 
 
-def serve_policy(model_name: str, threads: int, cache_dir: Path):
-    """The policy server on loopback with the torch engine; returns (running server, tokenizer)."""
+def serve_policy(model_name: str, threads: int, cache_dir: Path, *, loop: str, http: str):
+    """The policy server on loopback with the torch engine, on uvicorn's `loop` and `http`."""
     torch.set_num_threads(threads)
     checkpoint = ensure_smollm2_checkpoint(cache_dir)
     tokenizer = load_tokenizer(checkpoint)
@@ -185,7 +216,7 @@ def serve_policy(model_name: str, threads: int, cache_dir: Path):
         max_context_tokens=2048,
         request_timeout_s=600,
     )
-    return serve_in_thread(app), tokenizer
+    return serve_in_thread(app, loop=loop, http=http)
 
 
 def main() -> None:
@@ -196,23 +227,26 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cache-dir", type=Path, default=Path(MODEL_CACHE_DIR).expanduser())
+    parser.add_argument(
+        "--loop", choices=["auto", "asyncio", "uvloop"], default=SERVER_DEFAULTS["loop"].default
+    )
+    parser.add_argument(
+        "--http", choices=["auto", "h11", "httptools"], default=SERVER_DEFAULTS["http"].default
+    )
     args = parser.parse_args()
-    server, tokenizer = serve_policy(args.model, args.threads, args.cache_dir)
+    server = serve_policy(args.model, args.threads, args.cache_dir, loop=args.loop, http=args.http)
+    # A fresh interpreter for the clients: forking would copy the server's threads' locks.
+    spawn = multiprocessing.get_context("spawn")
+    load = {"clients": args.clients, "duration_s": args.duration_s, "max_tokens": args.max_tokens}
     try:
-        report = asyncio.run(
-            run_load(
-                f"{server.url}/v1",
-                tokenizer,
-                clients=args.clients,
-                duration_s=args.duration_s,
-                max_tokens=args.max_tokens,
-            )
-        )
+        with sampled_rss() as server_rss_mb, spawn.Pool(1) as pool:
+            report = pool.apply(run_clients, (f"{server.url}/v1", args.cache_dir), load)
     finally:
         server.close(timeout_s=120.0)  # a batch still decoding for a client that gave up
+    report.rss_mb = server_rss_mb
     print(
         f"{args.model}, {args.clients} clients, {args.duration_s:g} s, max_tokens "
-        f"{args.max_tokens}, {args.threads} torch threads"
+        f"{args.max_tokens}, {args.threads} torch threads, loop {args.loop}, http {args.http}"
     )
     print(report.summary())
     for failure in report.failures[:5]:
