@@ -7,7 +7,8 @@ deadline, sending a chat completion whose user message carries a nonce unique to
 bundle of consistent lengths, and a prompt that decodes to the client's own nonce (no answer
 delivered to the wrong caller); every completion id must be unique (none duplicated) and every
 request must get exactly one answer (none lost). The server process's resident memory is sampled
-every half second, to see that it stays bounded over the run.
+every half second, to see that it stays bounded over the run, and its CPU time is reported per
+answered request: on a shared machine it drifts less than throughput does.
 
     python benchmarks/bench_policy_server_load.py        # SmolLM2-135M, 256 clients, 60 s
     python benchmarks/bench_policy_server_load.py --model tiny --duration-s 20
@@ -69,6 +70,7 @@ class LoadReport:
     duplicate_ids: int = 0
     wall_s: float = 0.0
     rss_mb: list[float] = field(default_factory=list)
+    server_cpu_s: float = float("nan")
 
     def summary(self) -> str:
         latencies = sorted(self.latencies_s)
@@ -82,6 +84,8 @@ class LoadReport:
             f"{self.generated_tokens / self.wall_s:.1f} generated tokens/s "
             f"over {self.wall_s:.1f} s\n"
             f"latency p50 {p50:.2f} s, p99 {p99:.2f} s, max {max(latencies, default=0):.2f} s\n"
+            f"server process CPU {self.server_cpu_s:.1f} s, "
+            f"{1000 * self.server_cpu_s / max(self.answered, 1):.1f} ms per answered request\n"
             f"server process RSS: start {rss[0]:.0f} MB, peak {max(rss):.0f} MB, "
             f"end {rss[-1]:.0f} MB"
         )
@@ -168,6 +172,12 @@ def sampled_rss() -> Iterator[list[float]]:
         sampler.join()
 
 
+def _cpu_s() -> float:
+    """User and system CPU seconds of this process alone (not of its children)."""
+    times = psutil.Process().cpu_times()
+    return times.user + times.system
+
+
 def _check(response: httpx.Response, nonce: str, tokenizer) -> str | None:
     if response.status_code != 200:
         return f"HTTP {response.status_code}: {response.text[:200]}"
@@ -238,12 +248,14 @@ def main() -> None:
     # A fresh interpreter for the clients: forking would copy the server's threads' locks.
     spawn = multiprocessing.get_context("spawn")
     load = {"clients": args.clients, "duration_s": args.duration_s, "max_tokens": args.max_tokens}
+    cpu_s_at_start = _cpu_s()
     try:
         with sampled_rss() as server_rss_mb, spawn.Pool(1) as pool:
             report = pool.apply(run_clients, (f"{server.url}/v1", args.cache_dir), load)
     finally:
         server.close(timeout_s=120.0)  # a batch still decoding for a client that gave up
     report.rss_mb = server_rss_mb
+    report.server_cpu_s = _cpu_s() - cpu_s_at_start
     print(
         f"{args.model}, {args.clients} clients, {args.duration_s:g} s, max_tokens "
         f"{args.max_tokens}, {args.threads} torch threads, loop {args.loop}, http {args.http}"
