@@ -8,7 +8,7 @@ bundle of consistent lengths, and a prompt that decodes to the client's own nonc
 delivered to the wrong caller); every completion id must be unique (none duplicated) and every
 request must get exactly one answer (none lost). The server process's resident memory is sampled
 every half second, to see that it stays bounded over the run, and its CPU time is reported per
-answered request: on a shared machine it drifts less than throughput does.
+answered request: what the server itself spends, apart from the time it waits for a core.
 
     python benchmarks/bench_policy_server_load.py        # SmolLM2-135M, 256 clients, 60 s
     python benchmarks/bench_policy_server_load.py --model tiny --duration-s 20
