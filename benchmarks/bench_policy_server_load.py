@@ -1,19 +1,26 @@
 """The policy server under load: N concurrent loopback clients, the torch engine, a bounded time.
 
-Each client loops until the deadline, sending a chat completion whose user message carries a
-nonce unique to the request (`client-<c>-request-<i>`). Every answer is checked: HTTP 200, a full
-`ChatCompletion`, a token bundle of consistent lengths, and a prompt that decodes to the client's
-own nonce (no answer delivered to the wrong caller); every completion id must be unique (none
-duplicated) and every request must get exactly one answer (none lost). The server process's
-resident memory is sampled every half second, to see that it stays bounded over the run.
+The clients run in a process of their own (asyncio's loop, httpx), so that they take neither the
+server's GIL nor its event loop: what is measured is the server. Each client loops until the
+deadline, sending a chat completion whose user message carries a nonce unique to the request
+(`client-<c>-request-<i>`). Every answer is checked: HTTP 200, a full `ChatCompletion`, a token
+bundle of consistent lengths, and a prompt that decodes to the client's own nonce (no answer
+delivered to the wrong caller); every completion id must be unique (none duplicated) and every
+request must get exactly one answer (none lost). The server process's resident memory is sampled
+every half second, to see that it stays bounded over the run, and its CPU time is reported per
+answered request: what the server itself spends, apart from the time it waits for a core.
 
     python benchmarks/bench_policy_server_load.py        # SmolLM2-135M, 256 clients, 60 s
     python benchmarks/bench_policy_server_load.py --model tiny --duration-s 20
+    python benchmarks/bench_policy_server_load.py --model tiny --loop asyncio --http h11
 
 The engine runs with the schema's defaults (`TorchGenerationConfig`), so the bench measures what a
 run serves; `--max-batch-size` overrides the batch, as `generation.max_batch_size` does.
 
-`tests/gymrl/generation/test_policy_server_load.py` runs `run_load` for one round of 256 clients
+`--loop` and `--http` choose uvicorn's event loop and HTTP parser for the server (default: what
+every server of the project gets, uvicorn's "auto": uvloop and httptools where they import).
+
+`tests/gymrl/generation/test_policy_server_load.py` runs this script for one round of 256 clients
 on a tiny model, so the checks themselves are tested.
 """
 
@@ -21,9 +28,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
+import multiprocessing
 import statistics
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,6 +61,7 @@ KEY = "load-test"
 MODEL_CACHE_DIR = PolicyConfig.model_fields["model_cache_dir"].default
 GENERATION = TorchGenerationConfig()  # the schema's defaults
 MODEL = "policy"
+SERVER_DEFAULTS = inspect.signature(serve_in_thread).parameters
 
 
 @dataclass
@@ -62,6 +74,7 @@ class LoadReport:
     duplicate_ids: int = 0
     wall_s: float = 0.0
     rss_mb: list[float] = field(default_factory=list)
+    server_cpu_s: float = float("nan")
 
     def summary(self) -> str:
         latencies = sorted(self.latencies_s)
@@ -75,6 +88,8 @@ class LoadReport:
             f"{self.generated_tokens / self.wall_s:.1f} generated tokens/s "
             f"over {self.wall_s:.1f} s\n"
             f"latency p50 {p50:.2f} s, p99 {p99:.2f} s, max {max(latencies, default=0):.2f} s\n"
+            f"server process CPU {self.server_cpu_s:.1f} s, "
+            f"{1000 * self.server_cpu_s / max(self.answered, 1):.1f} ms per answered request\n"
             f"server process RSS: start {rss[0]:.0f} MB, peak {max(rss):.0f} MB, "
             f"end {rss[-1]:.0f} MB"
         )
@@ -87,15 +102,6 @@ async def run_load(
     finishes the request it is in; at least one request each)."""
     report, seen_ids = LoadReport(), set()
     deadline = time.monotonic() + duration_s
-    sampling = threading.Event()
-
-    def sample_memory() -> None:
-        process = psutil.Process()
-        while not sampling.wait(0.5):
-            report.rss_mb.append(process.memory_info().rss / 2**20)
-
-    sampler = threading.Thread(target=sample_memory, daemon=True)
-    sampler.start()
 
     async def client(number: int, http: httpx.AsyncClient) -> None:
         index = 0
@@ -136,9 +142,44 @@ async def run_load(
     ) as http:
         await asyncio.gather(*(client(number, http) for number in range(clients)))
     report.wall_s = time.monotonic() - started
-    sampling.set()
-    sampler.join()
     return report
+
+
+def run_clients(
+    base_url: str, cache_dir: Path, *, clients: int, duration_s: float, max_tokens: int
+) -> LoadReport:
+    """`run_load` in this process, with the tokenizer that checks the answers loaded here: the
+    body of the client process."""
+    tokenizer = load_tokenizer(ensure_smollm2_checkpoint(cache_dir))
+    return asyncio.run(
+        run_load(base_url, tokenizer, clients=clients, duration_s=duration_s, max_tokens=max_tokens)
+    )
+
+
+@contextmanager
+def sampled_rss() -> Iterator[list[float]]:
+    """This process's resident memory in MB, every 0.5 s while the block runs."""
+    samples: list[float] = []
+    sampling = threading.Event()
+
+    def sample_memory() -> None:
+        process = psutil.Process()
+        while not sampling.wait(0.5):
+            samples.append(process.memory_info().rss / 2**20)
+
+    sampler = threading.Thread(target=sample_memory, daemon=True)
+    sampler.start()
+    try:
+        yield samples
+    finally:
+        sampling.set()
+        sampler.join()
+
+
+def _cpu_s() -> float:
+    """User and system CPU seconds of this process alone (not of its children)."""
+    times = psutil.Process().cpu_times()
+    return times.user + times.system
 
 
 def _check(response: httpx.Response, nonce: str, tokenizer) -> str | None:
@@ -161,9 +202,11 @@ def serve_policy(
     threads: int,
     cache_dir: Path,
     *,
+    loop: str,
+    http: str,
     max_batch_size: int = GENERATION.max_batch_size,
 ):
-    """The policy server on loopback with the torch engine; returns (running server, tokenizer)."""
+    """The policy server on loopback with the torch engine, on uvicorn's `loop` and `http`."""
     torch.set_num_threads(threads)
     checkpoint = ensure_smollm2_checkpoint(cache_dir)
     tokenizer = load_tokenizer(checkpoint)
@@ -195,7 +238,7 @@ def serve_policy(
         max_context_tokens=2048,
         request_timeout_s=600,
     )
-    return serve_in_thread(app), tokenizer
+    return serve_in_thread(app, loop=loop, http=http)
 
 
 def main() -> None:
@@ -207,25 +250,36 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-batch-size", type=int, default=GENERATION.max_batch_size)
     parser.add_argument("--cache-dir", type=Path, default=Path(MODEL_CACHE_DIR).expanduser())
-    args = parser.parse_args()
-    server, tokenizer = serve_policy(
-        args.model, args.threads, args.cache_dir, max_batch_size=args.max_batch_size
+    parser.add_argument(
+        "--loop", choices=["auto", "asyncio", "uvloop"], default=SERVER_DEFAULTS["loop"].default
     )
+    parser.add_argument(
+        "--http", choices=["auto", "h11", "httptools"], default=SERVER_DEFAULTS["http"].default
+    )
+    args = parser.parse_args()
+    server = serve_policy(
+        args.model,
+        args.threads,
+        args.cache_dir,
+        loop=args.loop,
+        http=args.http,
+        max_batch_size=args.max_batch_size,
+    )
+    # A fresh interpreter for the clients: forking would copy the server's threads' locks.
+    spawn = multiprocessing.get_context("spawn")
+    load = {"clients": args.clients, "duration_s": args.duration_s, "max_tokens": args.max_tokens}
+    cpu_s_at_start = _cpu_s()
     try:
-        report = asyncio.run(
-            run_load(
-                f"{server.url}/v1",
-                tokenizer,
-                clients=args.clients,
-                duration_s=args.duration_s,
-                max_tokens=args.max_tokens,
-            )
-        )
+        with sampled_rss() as server_rss_mb, spawn.Pool(1) as pool:
+            report = pool.apply(run_clients, (f"{server.url}/v1", args.cache_dir), load)
     finally:
         server.close(timeout_s=120.0)  # a batch still decoding for a client that gave up
+    report.rss_mb = server_rss_mb
+    report.server_cpu_s = _cpu_s() - cpu_s_at_start
     print(
         f"{args.model}, {args.clients} clients, {args.duration_s:g} s, max_tokens "
-        f"{args.max_tokens}, {args.threads} torch threads, batches of up to {args.max_batch_size}"
+        f"{args.max_tokens}, {args.threads} torch threads, loop {args.loop}, http {args.http}, "
+        f"batches of up to {args.max_batch_size}"
     )
     print(report.summary())
     for failure in report.failures[:5]:

@@ -201,13 +201,19 @@ def serve_in_thread(
     start_timeout_s: float = 30.0,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
+    loop: str = "auto",
+    http: str = "auto",
 ):
     """Start `app` with uvicorn on `host:port` (0 = a free port) and return once it accepts.
 
     Bodies above `max_body_bytes` get 413; beyond `max_concurrency` requests in progress, 503
-    (:class:`RequestLimits`)."""
+    (:class:`RequestLimits`). `loop` and `http` are uvicorn's: "auto" takes uvloop's event loop
+    and httptools' parser, dependencies of this project, where they import (asyncio's and h11
+    otherwise); the load benchmark names them to measure one against the other."""
     limited = RequestLimits(app, max_body_bytes=max_body_bytes, max_concurrency=max_concurrency)
-    config = uvicorn.Config(limited, host=host, port=port, log_level="warning", lifespan="on")
+    config = uvicorn.Config(
+        limited, host=host, port=port, log_level="warning", lifespan="on", loop=loop, http=http
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name=f"uvicorn-{host}", daemon=True)
     thread.start()

@@ -1,9 +1,11 @@
-"""Serving an app on loopback: start, answer, stop; shutdown cancellations are not errors."""
+"""Serving an app on loopback: start, answer, stop, on the event loop and HTTP parser asked for;
+shutdown cancellations are not errors."""
 
 import asyncio
 import logging
 
 import httpx
+import pytest
 from fastapi import FastAPI
 
 from nemo_gym_ext.http_server import serve_in_thread
@@ -55,6 +57,34 @@ def test_requests_cancelled_by_shutdown_are_not_logged_as_errors():
     real_failure, broken_startup = collect.records
     assert real_failure.exc_info[0] is RuntimeError
     assert broken_startup.getMessage().endswith("ValueError: broken startup")
+
+
+async def _which_loop_and_parser(scope, receive, send) -> None:
+    """A bare ASGI app answering with the modules of its event loop and of uvicorn's protocol
+    (its `send` is a method of the protocol's request cycle; nothing between wraps it)."""
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    loop = type(asyncio.get_running_loop()).__module__
+    parser = type(send.__self__).__module__.rsplit(".", 1)[-1]
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": f"{loop} {parser}".encode()})
+
+
+@pytest.mark.parametrize(
+    ("loop", "http", "expected"),
+    [
+        # What every server of the project gets: uvloop and httptools are its dependencies.
+        ("auto", "auto", "uvloop httptools_impl"),
+        # The load benchmark's baseline.
+        ("asyncio", "h11", "asyncio.unix_events h11_impl"),
+    ],
+)
+def test_the_server_runs_on_the_loop_and_parser_it_was_given(loop, http, expected):
+    with serve_in_thread(_which_loop_and_parser, loop=loop, http=http) as server:
+        assert httpx.get(server.url, timeout=5).text == expected
 
 
 def _echo_app(delay_s: float = 0.0) -> FastAPI:
