@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from nemo_gym_ext.keep_alive import SERVER_KEEP_ALIVE_S
 from nemo_gym_ext.retry import RETRY_AFTER_S
 
 LOOPBACK = "127.0.0.1"
@@ -206,13 +207,21 @@ def serve_in_thread(
 ):
     """Start `app` with uvicorn on `host:port` (0 = a free port) and return once it accepts.
 
-    Bodies above `max_body_bytes` get 413; beyond `max_concurrency` requests in progress, 503
-    (:class:`RequestLimits`). `loop` and `http` are uvicorn's: "auto" takes uvloop's event loop
-    and httptools' parser, dependencies of this project, where they import (asyncio's and h11
-    otherwise); the load benchmark names them to measure one against the other."""
+        Bodies above `max_body_bytes` get 413; beyond `max_concurrency` requests in progress, 503
+        (:class:`RequestLimits`). `loop` and `http` are uvicorn's: "auto" takes uvloop's event loop
+        and httptools' parser, dependencies of this project, where they import (asyncio's and h11
+        otherwise); the load benchmark names them to measure one against the other. Idle connections
+    are kept `SERVER_KEEP_ALIVE_S` (:mod:`nemo_gym_ext.keep_alive`)."""
     limited = RequestLimits(app, max_body_bytes=max_body_bytes, max_concurrency=max_concurrency)
     config = uvicorn.Config(
-        limited, host=host, port=port, log_level="warning", lifespan="on", loop=loop, http=http
+        limited,
+        host=host,
+        port=port,
+        log_level="warning",
+        lifespan="on",
+        loop=loop,
+        http=http,
+        timeout_keep_alive=SERVER_KEEP_ALIVE_S,  # outlives the clients' pools (keep_alive.py)
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name=f"uvicorn-{host}", daemon=True)

@@ -25,6 +25,7 @@ import httpx
 
 from nemo_gym_ext.config import NemoGymPostprocessConfig
 from nemo_gym_ext.json_body import JSON_HEADERS, dumps_json
+from nemo_gym_ext.keep_alive import CLIENT_KEEPALIVE_EXPIRY_S
 from nemo_gym_ext.postprocess import Decode, postprocess_gym_result, row_id_of
 from nemo_gym_ext.result_json import loads_result
 from nemo_gym_ext.retry import backoff_s, retry_after_s
@@ -111,7 +112,10 @@ class RolloutCollector:
         self._slots = asyncio.Semaphore(settings.max_concurrent_rollouts)
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(settings.run_timeout_s, connect=10.0),
-            limits=httpx.Limits(max_connections=settings.max_concurrent_rollouts),
+            limits=httpx.Limits(
+                max_connections=settings.max_concurrent_rollouts,
+                keepalive_expiry=CLIENT_KEEPALIVE_EXPIRY_S,
+            ),
         )
 
     @property

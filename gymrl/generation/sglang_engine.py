@@ -71,6 +71,7 @@ from gymrl.config.schema import SGLangGenerationConfig
 from gymrl.generation.routing import PrefixRouter, Routing
 from gymrl.generation.types import FinishReason, GenerationOutput, GenerationRequest
 from gymrl.run.atomic import atomic_folder
+from nemo_gym_ext.keep_alive import CLIENT_KEEPALIVE_EXPIRY_S
 
 MAX_RESUMES = 8
 # Refusals of /flush_cache after a pause last while aborted requests leave the scheduler.
@@ -206,7 +207,11 @@ class SGLangEngine:
         self._thread.start()
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(request_timeout_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+            limits=httpx.Limits(
+                max_connections=None,
+                max_keepalive_connections=None,
+                keepalive_expiry=CLIENT_KEEPALIVE_EXPIRY_S,
+            ),
         )
 
     @classmethod

@@ -60,6 +60,7 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
 from gymrl.generation.weight_check import WeightCheck, WeightSamples
+from nemo_gym_ext.keep_alive import CLIENT_KEEPALIVE_EXPIRY_S
 from nemo_gym_ext.ports import free_port
 
 Backend = Literal["nccl", "gloo"]
@@ -247,7 +248,9 @@ class WeightSender:
         self._group_name = ""
         # One thread per server for its HTTP call, plus one for the rendezvous.
         self._pool = ThreadPoolExecutor(max_workers=len(self._urls) + 1, thread_name_prefix="refit")
-        self._client = httpx.Client(timeout=timeout_s)
+        self._client = httpx.Client(
+            timeout=timeout_s, limits=httpx.Limits(keepalive_expiry=CLIENT_KEEPALIVE_EXPIRY_S)
+        )
         self._refits = 0
         # For the benchmark and metrics: tensor bytes, broadcast calls, update calls so far.
         self.bytes_sent = 0
@@ -411,10 +414,10 @@ class WeightSender:
 
     def _post_session(self, url: str, payload: dict[str, Any]) -> httpx.Response:
         """A session call (begin or end), sent once more on a fresh connection when the
-        connection broke before any answer (a reset, a close): after a failed refit, the
-        sockets of the group it tore down close while new connections open (seen on a loaded
-        machine as "Connection reset by peer" on the next begin). A second begin that the
-        server already took is refused with its message, never a hang."""
+        connection broke before any answer (a server that closed or restarted while the pooled
+        connection sat idle: seen on a loaded machine as "Connection reset by peer" on the begin
+        after a failed refit). A second begin that the server already took is refused with its
+        message, never a hang."""
         try:
             return self._post(url, payload)
         except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError):

@@ -48,6 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from nemo_gym_ext.http_server import refuse_invalid_requests_safely
 from nemo_gym_ext.json_body import JSON_HEADERS, dumps_json
+from nemo_gym_ext.keep_alive import CLIENT_KEEPALIVE_EXPIRY_S
 from nemo_gym_ext.retry import RETRY_AFTER_S, retry_after_s
 from nemo_gym_ext.wire import (
     WITHHELD_FINISH_REASON,
@@ -317,7 +318,11 @@ def make_agent_app(agent: ToolAgent) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # Many episodes run at once; httpx's default pool (100 connections) would make the
         # excess wait for a free connection, so the bound here is only a safety net.
-        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+        limits = httpx.Limits(
+            max_connections=1024,
+            max_keepalive_connections=256,
+            keepalive_expiry=CLIENT_KEEPALIVE_EXPIRY_S,
+        )
         async with httpx.AsyncClient(limits=limits) as client:
             app.state.client = client
             yield

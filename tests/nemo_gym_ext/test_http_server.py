@@ -3,12 +3,15 @@ shutdown cancellations are not errors."""
 
 import asyncio
 import logging
+import socket
+import time
 
 import httpx
 import pytest
 from fastapi import FastAPI
 
 from nemo_gym_ext.http_server import serve_in_thread
+from nemo_gym_ext.keep_alive import CLIENT_KEEPALIVE_EXPIRY_S, SERVER_KEEP_ALIVE_S
 from nemo_gym_ext.retry import RETRY_AFTER_S
 
 
@@ -27,6 +30,30 @@ def test_serves_on_a_free_loopback_port_and_stops():
         raise AssertionError("the server still answers after close()")
     except httpx.ConnectError:
         pass
+
+
+def test_an_idle_connection_outlives_the_pools_of_common_clients():
+    """uvicorn's own 5 s would close a connection that httpx (5 s) or aiohttp (15 s) may reuse
+    at that moment, losing the request: ours stays open past both (nemo_gym_ext.keep_alive)."""
+    app = FastAPI()
+
+    @app.get("/ping")
+    def ping():
+        return {"ok": True}
+
+    with (
+        serve_in_thread(app) as server,
+        socket.create_connection(
+            ("127.0.0.1", int(server.url.rsplit(":", 1)[1])), timeout=5
+        ) as connection,
+    ):
+        connection.sendall(b"GET /ping HTTP/1.1\r\nhost: test\r\n\r\n")
+        assert b'{"ok":true}' in connection.recv(4096)
+        time.sleep(6.0)  # past uvicorn's default keep-alive
+        connection.setblocking(False)
+        with pytest.raises(BlockingIOError):  # nothing to read: not closed (b"") by the server
+            connection.recv(1, socket.MSG_PEEK)
+    assert SERVER_KEEP_ALIVE_S > 15 > CLIENT_KEEPALIVE_EXPIRY_S
 
 
 def test_requests_cancelled_by_shutdown_are_not_logged_as_errors():
