@@ -138,7 +138,7 @@ def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
 
     torch splits a large host copy over its OpenMP threads, which meet at a barrier after each
     tensor; while the previous bucket is on the wire, gloo's threads hold the cores those
-    threads wait for. On 2 shared cores that made the copy of 621 MiB take 1.4-2.8 s against
+    threads wait for. On 2 shared cores that made the copy of 621 MiB take 0.5-2.8 s against
     0.1-0.3 s on one thread, which copies as fast as two there (memory-bound).
     """
     if target.device.type == "cpu" and source.device.type == "cpu":
