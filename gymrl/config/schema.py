@@ -283,7 +283,10 @@ class RefitConfig(Strict):
         gt=0,
         description="Largest bucket of tensors (one dtype) sent in one update call as one flat "
         "broadcast (SGLang's flattened_bucket format); a larger tensor travels alone. Each "
-        "server holds one bucket besides its model, the trainer's rank 0 one flattened copy.",
+        "server holds one bucket besides its model; the trainer's rank 0 two staging buffers of "
+        "this size, one on the wire while the next bucket is copied into the other (kept "
+        "between refits when it sends from the CPU). Over gloo on CPU, 64 MiB to 1 GiB "
+        "measured alike (benchmarks/README.md, issue 19).",
     )
     timeout_s: float = Field(
         default=600.0,

@@ -31,8 +31,16 @@ server that does not answer fails it at `timeout_s`. After any failure the group
 every server (`/destroy_weights_update_group`) and the trainer's end is aborted, so the next refit
 connects afresh. Buckets go one at a time: SGLang serialises update calls behind one lock in
 arrival order, and two calls in flight to one server could be served in the other order than
-their broadcasts, so a bucket's call is posted only once the previous one was answered; the next
-bucket is cut while the current one is on the wire.
+their broadcasts, so a bucket's call is posted only once the previous one was answered. While a
+bucket is on the wire, the next one is taken from the caller's weights (a Megatron trainer
+exports it then) and flattened into the other of two staging buffers, so copying overlaps
+sending.
+
+The staging buffers are kept from bucket to bucket, and on the CPU from refit to refit: a fresh
+host buffer is faulted in page by page on first write, which cost more than the copy itself in
+the gloo measurements (benchmarks/README.md, issue 19). On a GPU they are released
+after each refit: the caching allocator hands the same memory back to the next one, and in
+between training can use it.
 
 The trainer's end (:func:`join_weight_update_group`) is a TCP store at its address and a backend
 process group made directly on it, so it is separate from any default process group the trainer
@@ -54,6 +62,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import httpx
+import numpy as np
 import orjson
 import torch
 import torch.distributed as dist
@@ -102,14 +111,41 @@ class Bucket:
             "weight_version": str(version),
         }
 
-    def flattened(self, device: str) -> torch.Tensor:
-        """The bucket as one byte tensor, tensors back to back in order: SGLang's
-        `FlattenedTensorBucket` layout, which the server cuts back by names, dtypes and shapes.
-        One dtype per bucket keeps every tensor's offset aligned to its element size."""
-        parts = [
-            t.detach().to(device).contiguous().view(-1).view(torch.uint8) for t in self.tensors
-        ]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+    def flattened(self, staging: torch.Tensor) -> torch.Tensor:
+        """The bucket as one byte tensor on `staging`'s device, tensors back to back in order:
+        SGLang's `FlattenedTensorBucket` layout, which the server cuts back by names, dtypes and
+        shapes. One dtype per bucket keeps every tensor's offset aligned to its element size.
+
+        Several tensors are copied into the front of `staging` (a byte tensor of at least
+        `nbytes`, which the sender reuses for bucket after bucket); a lone tensor is sent as its
+        own bytes, without a copy, and may be larger than `staging`."""
+        if len(self.tensors) == 1:
+            return _as_bytes(self.tensors[0].detach().to(staging.device))
+        flat = staging[: self.nbytes]
+        offset = 0
+        for tensor in self.tensors:
+            data = _as_bytes(tensor.detach())
+            _copy(flat[offset : offset + data.numel()], data)
+            offset += data.numel()
+        return flat
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().view(-1).view(torch.uint8)
+
+
+def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
+    """`target[:] = source`; between host tensors one thread's memcpy (numpy's, without the GIL).
+
+    torch splits a large host copy over its OpenMP threads, which meet at a barrier after each
+    tensor; while the previous bucket is on the wire, gloo's threads hold the cores those
+    threads wait for. On 2 shared cores that made the copy of 621 MiB take 0.5-2.8 s against
+    0.1-0.3 s on one thread, which copies as fast as two there (memory-bound).
+    """
+    if target.device.type == "cpu" and source.device.type == "cpu":
+        np.copyto(target.numpy(), source.numpy())
+    else:
+        target.copy_(source)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -246,6 +282,8 @@ class WeightSender:
         self._check = check
         self._group: Any = None
         self._group_name = ""
+        # Two byte buffers of bucket_bytes, used in turn (see the module docstring).
+        self._staging: list[torch.Tensor | None] = [None, None]
         # One thread per server for its HTTP call, plus one for the rendezvous.
         self._pool = ThreadPoolExecutor(max_workers=len(self._urls) + 1, thread_name_prefix="refit")
         self._client = httpx.Client(
@@ -282,6 +320,9 @@ class WeightSender:
             self._disconnect()
             self._end_session(quiet=True)
             raise
+        finally:
+            if self._device != "cpu":
+                self._staging = [None, None]  # back to the caching allocator until next time
         self._end_session(quiet=False)
         self._refits += 1
         if samples is not None and self._check is not None:
@@ -297,26 +338,46 @@ class WeightSender:
     ) -> None:
         if self._group is None:
             self._connect()
-        for bucket in buckets(named, self._bucket_bytes):
+        plan = buckets(named, self._bucket_bytes)
+        slot = 0
+        current = self._cut(plan, slot)
+        while current is not None:
+            bucket, flat = current
             if samples is not None:
                 samples.offer(bucket.names, bucket.tensors)
-            self._send_bucket(bucket, version)
+            calls, work = self._start_bucket(bucket, flat, version)
+            slot = 1 - slot
+            following = self._cut(plan, slot)  # while this bucket is on the wire
+            self._await("/update_weights_from_distributed", calls, work, what=bucket.names[0])
+            self.broadcasts += 1
+            self.update_calls += len(self._urls)
+            self.bytes_sent += bucket.nbytes
+            current = following
 
-    def _send_bucket(self, bucket: Bucket, version: int) -> None:
-        flat = bucket.flattened(self._device)
+    def _start_bucket(
+        self, bucket: Bucket, flat: torch.Tensor, version: int
+    ) -> tuple[list[Future[httpx.Response]], Any]:
+        """Post the bucket's update call to every server and start its broadcast."""
         payload = bucket.payload(group_name=self._group_name, version=version)
         calls = self._start_all("/update_weights_from_distributed", lambda _: payload)
         try:
-            work = start_broadcast(self._group, flat)
+            return calls, start_broadcast(self._group, flat)
         except Exception as error:
             raise WeightSyncError(
                 f"broadcasting a bucket of {len(bucket.names)} tensors ({bucket.names[0]}...) "
                 f"failed to start: {error}"
             ) from error
-        self._await("/update_weights_from_distributed", calls, work, what=bucket.names[0])
-        self.broadcasts += 1
-        self.update_calls += len(self._urls)
-        self.bytes_sent += bucket.nbytes
+
+    def _cut(self, plan: Iterator[Bucket], slot: int) -> tuple[Bucket, torch.Tensor] | None:
+        """The next bucket of `plan` and its bytes in staging buffer `slot`; None at the end."""
+        bucket = next(plan, None)
+        if bucket is None:
+            return None
+        staging = self._staging[slot]
+        if staging is None:
+            staging = torch.empty(self._bucket_bytes, dtype=torch.uint8, device=self._device)
+            self._staging[slot] = staging
+        return bucket, bucket.flattened(staging)
 
     def _connect(self) -> None:
         port = free_port()

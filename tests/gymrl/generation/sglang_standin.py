@@ -33,7 +33,11 @@ It reproduces the behaviours of the pinned server the engine must cope with (rea
   name in the order given or, with `load_format: "flattened_bucket"`, one byte buffer cut back
   into tensors (`FlattenedTensorBucket`), and records what came (`received`),
   `/destroy_weights_update_group` leaves the group. Update calls run one at a time behind one
-  lock (SGLang's writer lock), each once no request runs.
+  lock (SGLang's writer lock), each once no request runs. SGLang takes each bucket's buffer from
+  the CUDA caching allocator, which hands the same memory back refit after refit; the stand-in
+  keeps one buffer per bucket layout for the same reason, since a fresh host buffer would be
+  faulted in page by page on every refit, a cost no GPU server pays (on this project's CPU
+  machine it doubled the stand-in's receive time, benchmarks/README.md, issue 19).
 * **`load_weights` skips names the model does not know** and still reports success: with
   `model_weights` the stand-in's model has exactly those tensors (received values are copied in,
   cast to the model's dtype); without it the model takes whatever arrives.
@@ -260,6 +264,9 @@ class StandInState:
         self.received: list[list[tuple[str, str, list[int]]]] = []  # per update call
         self.skipped: list[str] = []  # names load_weights did not know
         self.groups: dict[str, Any] = {}
+        # A flattened bucket's receive buffer, by its (names, dtypes, shapes); without
+        # `model_weights` the model's tensors are views of these.
+        self.bucket_buffers: dict[tuple[Any, ...], torch.Tensor] = {}
         self.session_open = False
         self.update_lock = asyncio.Lock()  # SGLang's writer lock: one update at a time
         self.requests: list[tuple[str, Any]] = []  # (route, JSON body) of every request
@@ -510,7 +517,7 @@ def make_standin(
             dtypes = [getattr(torch, dtype) for dtype in req.dtypes]
             if req.load_format == FLATTENED_BUCKET:
                 received = await asyncio.to_thread(
-                    _receive_flattened, group, req.names, dtypes, req.shapes
+                    _receive_flattened, group, req.names, dtypes, req.shapes, state.bucket_buffers
                 )
             elif req.load_format is None:
                 buffers = [
@@ -577,15 +584,24 @@ def make_standin(
 
 
 def _receive_flattened(
-    group: Any, names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[list[int]]
+    group: Any,
+    names: Sequence[str],
+    dtypes: Sequence[torch.dtype],
+    shapes: Sequence[list[int]],
+    buffers: dict[tuple[Any, ...], torch.Tensor],
 ) -> list[tuple[str, torch.Tensor]]:
-    """`FlattenedTensorBucket.empty` + one broadcast + `reconstruct_tensors`."""
+    """`FlattenedTensorBucket.empty` + one broadcast + `reconstruct_tensors`, into the buffer
+    kept for this layout (made on its first use). A layout's buffer is reused only by the same
+    names, so the views the model holds of an earlier bucket are never overwritten by another."""
     offsets = [0]
     for dtype, shape in zip(dtypes, shapes, strict=True):
         if offsets[-1] % dtype.itemsize:
             raise ValueError(f"Unaligned received tensor: byte offset {offsets[-1]}, {dtype}")
         offsets.append(offsets[-1] + torch.Size(shape).numel() * dtype.itemsize)
-    flat = torch.empty(offsets[-1], dtype=torch.uint8)
+    layout = (tuple(names), tuple(dtypes), tuple(tuple(shape) for shape in shapes))
+    flat = buffers.get(layout)
+    if flat is None:
+        flat = buffers[layout] = torch.empty(offsets[-1], dtype=torch.uint8)
     broadcast(group, [flat])
     return [
         (name, flat[start:end].view(dtype).reshape(shape))

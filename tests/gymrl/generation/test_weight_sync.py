@@ -102,13 +102,22 @@ def test_bucket_payload_is_a_flattened_bucket_that_leaves_the_flush_to_the_engin
     }
 
 
-def test_a_flattened_bucket_is_the_tensors_bytes_back_to_back():
+def test_a_flattened_bucket_is_the_tensors_bytes_back_to_back_in_the_staging_buffer():
     a, b = torch.arange(6.0).reshape(2, 3), torch.tensor([7.0, 8.0])
     [bucket] = buckets([("a", a), ("b", b)], bucket_bytes=1 << 10)
-    flat = bucket.flattened("cpu")
+    staging = torch.full((1 << 10,), 255, dtype=torch.uint8)
+    flat = bucket.flattened(staging)
     assert flat.dtype == torch.uint8 and flat.numel() == 8 * 4
+    assert flat.data_ptr() == staging.data_ptr()  # copied into the reused buffer, no new one
     assert torch.equal(flat[:24].view(torch.float32).reshape(2, 3), a)
     assert torch.equal(flat[24:].view(torch.float32), b)
+
+
+def test_a_lone_tensor_is_sent_as_its_own_bytes_even_beyond_the_staging_buffer():
+    big = torch.arange(64.0)  # 256 bytes, alone in its bucket
+    [bucket] = buckets([("big", big)], bucket_bytes=64)
+    flat = bucket.flattened(torch.empty(64, dtype=torch.uint8))
+    assert flat.data_ptr() == big.data_ptr() and flat.numel() == 256
 
 
 # ------------------------------------------------------------------------------- against servers
@@ -150,6 +159,35 @@ def test_servers_end_with_the_trainers_weights_in_order_and_version(standins):
     finally:
         sender.close()
     assert all(not state.groups and not state.session_open for _, state in servers)
+
+
+def test_the_next_bucket_is_cut_while_the_previous_one_is_on_the_wire(standins):
+    """The caller's weights are taken one bucket ahead: a Megatron export of bucket k+1 and its
+    copy into the other staging buffer overlap bucket k's broadcast."""
+    [(url, state)] = standins(1)
+    sender = _sender([url], bucket_bytes=600)  # 4 buckets, as in the test above
+    finished_when_taken: dict[str, int] = {}
+
+    def exported():
+        for name, tensor in _state_dict().items():
+            finished_when_taken[name] = sender.broadcasts
+            yield name, tensor
+
+    try:
+        sender.send(exported(), version=1)
+    finally:
+        sender.close()
+    # Buckets: embed | q_proj | layernorm | up_proj + norm. A bucket is known to be complete
+    # when the first tensor of the next one arrives, so cutting bucket k+1 takes one tensor of
+    # k+2; sending each bucket before cutting the next would give 0, 0, 1, 2, 3.
+    assert finished_when_taken == {
+        "model.embed_tokens.weight": 0,
+        "model.layers.0.self_attn.q_proj.weight": 0,
+        "model.layers.0.input_layernorm.weight": 0,  # cutting bucket 2 while 1 is on the wire
+        "model.layers.0.mlp.up_proj.weight": 1,  # cutting bucket 3 while 2 is on the wire
+        "model.norm.weight": 2,  # cutting bucket 4 while 3 is on the wire
+    }
+    assert sender.broadcasts == 4 and len(state.received) == 4
 
 
 def test_every_update_runs_inside_a_weight_update_session(standins):
