@@ -149,6 +149,9 @@ def main() -> None:
             seed=args.seed,
             compute_dtype=args.compute_dtype,
             prefill_token_budget=TorchGenerationConfig().prefill_token_budget,
+            # Off: the repeats send the same prompts, which the cache would answer from memory;
+            # this measures the engine's own prefill and decoding against `generate`'s.
+            prefix_cache_tokens=0,
         )
         contenders: dict[str, Callable[[], int]] = {
             "generate": lambda p=prompts: run_generate(model, p, args.new_tokens, stop_ids),

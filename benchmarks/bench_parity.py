@@ -55,6 +55,7 @@ def figures_for(dtype: str, episodes: int, max_new_tokens: int) -> dict[str, flo
         seed=0,
         compute_dtype=policy.compute_dtype,
         prefill_token_budget=config.generation.prefill_token_budget,
+        prefix_cache_tokens=config.generation.prefix_cache_tokens,
     )
     texts = [
         tokenizer.apply_chat_template(

@@ -223,6 +223,7 @@ def serve_policy(
         seed=0,
         compute_dtype="auto",
         prefill_token_budget=GENERATION.prefill_token_budget,
+        prefix_cache_tokens=GENERATION.prefix_cache_tokens,
     )
     # SmolLM2's format as conf/policy/smollm2_135m.yaml configures it.
     chat_format = ChatFormat(

@@ -33,7 +33,7 @@ from gymrl.cluster.ray_session import start_ray
 from gymrl.config.compose import compose_raw
 from gymrl.experience.rows import RowStream, load_rows
 from gymrl.generation.api_key import resolve_api_key
-from gymrl.generation.torch_engine import EngineStep
+from gymrl.generation.torch_engine import EngineCounters, EngineStep
 from gymrl.model.policy import model_folder
 from gymrl.preflight.validate import validate_config
 from gymrl.roles.generation_server import start_generation_server
@@ -101,7 +101,10 @@ def main() -> None:
         wait_for(generation.actor.record_engine_timeline.remote(), timeout_s=60, what="timeline")
         first = time.monotonic()
         for step in range(args.steps):
+            before = wait_for(generation.actor.engine_counters.remote(), timeout_s=60, what="c")
             spans.extend(_one_step(config, rows, runner, timeout_s, step))
+            after = wait_for(generation.actor.engine_counters.remote(), timeout_s=60, what="c")
+            _report_counters(step, before, after)
         steps: list[EngineStep] = wait_for(
             generation.actor.engine_timeline.remote(), timeout_s=60, what="the timeline"
         )
@@ -130,6 +133,18 @@ def _one_step(config, rows, runner, timeout_s, step) -> list[tuple[float, float,
     return spans
 
 
+def _report_counters(step: int, before: EngineCounters, after: EngineCounters) -> None:
+    """What the engine computed in one step: prompt tokens prefilled and taken from the prefix
+    cache, decode steps, tokens generated."""
+    prefilled = after.prefill_tokens - before.prefill_tokens
+    reused = after.reused_tokens - before.reused_tokens
+    print(
+        f"step {step}: {prefilled} prompt tokens prefilled, {reused} reused from the prefix "
+        f"cache, {after.decode_steps - before.decode_steps} decode steps, "
+        f"{after.generated_tokens - before.generated_tokens} tokens generated"
+    )
+
+
 def _report(steps: list[EngineStep], spans: list[tuple[float, float, int]], count: int) -> None:
     for step in range(count):
         mine = [span for span in spans if span[2] == step]
@@ -139,10 +154,13 @@ def _report(steps: list[EngineStep], spans: list[tuple[float, float, int]], coun
         decodes = [s.decoded_rows for s in inside if s.decoded_rows]
         tokens = sum(s.admitted + s.decoded_rows for s in inside)
         wall = end - start
+        admitting = sum(s.end_s - s.start_s for s in inside if s.admitted)
         print(
             f"step {step}: {wall:.1f} s, engine busy {busy / wall:.0%}, "
             f"{sum(decodes) / max(len(decodes), 1):.1f} rows per decode step, "
-            f"{tokens / wall:.1f} tokens/s of wall time, {tokens / max(busy, 1e-9):.1f} per busy s"
+            f"{tokens / wall:.1f} tokens/s of wall time, "
+            f"{tokens / max(busy, 1e-9):.1f} per busy s, "
+            f"{admitting:.1f} s in iterations that prefilled"
         )
 
 

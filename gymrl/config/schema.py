@@ -264,6 +264,15 @@ class TorchGenerationConfig(Strict):
         description="Most prompt tokens packed into one prefill pass of the torch engine; longer "
         "prompts are prefilled in chunks, so one long prompt does not stall a batch's memory.",
     )
+    prefix_cache_tokens: int = Field(
+        default=16384,
+        ge=0,
+        description="Tokens of finished rows whose keys and values the torch engine keeps, so a "
+        "prompt that starts the same way (the episode's next turn; any episode's system prompt) "
+        "prefills only the rest (gymrl/generation/prefix_cache.py); least recently used beyond "
+        "this, all dropped at a refit; 0 = off. Memory: layers x 2 x kv_heads x head_dim x 4 "
+        "bytes per token (SmolLM2-135M: 46 KB, so 16384 tokens are about 750 MB).",
+    )
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     server: TorchModelServerConfig = Field(default_factory=TorchModelServerConfig)
 

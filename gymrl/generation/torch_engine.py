@@ -20,6 +20,9 @@ How requests run:
   dropped, and columns that are padding in every remaining row are cut off.
 - Keys and values are written into spare capacity instead of being concatenated, so a decoding
   step copies only the new token's keys and values, not the whole cache.
+- A finished row's keys and values are kept (`gymrl.generation.prefix_cache`): a later prompt
+  that starts with the same tokens (the episode's next turn, or any episode of the same task's
+  system prompt) prefills only what follows the shared prefix, attending to the kept part.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
 
+from gymrl.generation.prefix_cache import CachedPrefix, PrefixCache, plan_prefill
 from gymrl.generation.types import (
     EngineUnavailableError,
     FinishReason,
@@ -117,12 +121,14 @@ class EngineCounters:
     """Totals since the engine started, to tell where rollout time goes: seconds the loop spent
     computing (prefill and decode) rather than waiting for requests, decode steps and the rows
     they held (`decode_rows / decode_steps` is the mean batch occupancy), prompt tokens
-    prefilled and tokens generated."""
+    prefilled (computed), prompt tokens whose keys and values came from the prefix cache
+    instead, and tokens generated."""
 
     busy_s: float = 0.0
     decode_steps: int = 0
     decode_rows: int = 0
     prefill_tokens: int = 0
+    reused_tokens: int = 0
     generated_tokens: int = 0
 
 
@@ -154,6 +160,7 @@ class _Row:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    reused: int = 0  # leading prompt tokens whose keys/values came from the prefix cache
 
     def add(self, token: int, logprob: float) -> None:
         """Record a sampled token and whether it finishes the row."""
@@ -244,16 +251,36 @@ def _fail(future: Future[GenerationOutput], error: BaseException) -> None:
         future.set_exception(error)
 
 
-def _prefill_chunks(rows: Sequence[_Row], token_budget: int) -> Iterator[list[_Row]]:
-    """Consecutive groups of rows whose prompts together fit `token_budget` (a longer one alone)."""
-    chunk: list[_Row] = []
+@dataclass(frozen=True)
+class _Admission:
+    """A row to prefill and the cached prefix of its prompt, if any: only the rest is computed."""
+
+    row: _Row
+    prefix: CachedPrefix | None
+
+    @property
+    def reused(self) -> int:
+        return self.prefix.length if self.prefix else 0
+
+    @property
+    def fresh(self) -> list[int]:
+        return self.row.prompt[self.reused :]
+
+
+def _prefill_chunks(
+    admissions: Sequence[_Admission], token_budget: int
+) -> Iterator[list[_Admission]]:
+    """Consecutive admissions whose tokens to compute together fit `token_budget` (a longer
+    one alone)."""
+    chunk: list[_Admission] = []
     tokens = 0
-    for row in rows:
-        if chunk and tokens + len(row.prompt) > token_budget:
+    for admission in admissions:
+        size = len(admission.row.prompt) - admission.reused
+        if chunk and tokens + size > token_budget:
             yield chunk
             chunk, tokens = [], 0
-        chunk.append(row)
-        tokens += len(row.prompt)
+        chunk.append(admission)
+        tokens += size
     if chunk:
         yield chunk
 
@@ -336,14 +363,17 @@ class TorchGenerationEngine:
         eos_token_ids: Iterable[int] = (),
         seed: int = 0,
         prefill_token_budget: int,
+        prefix_cache_tokens: int,
         weight_version: int = 0,
         compute_dtype: ComputeDtype,
     ) -> None:
         """`eos_token_ids` end every request (on top of each request's own stop tokens); `seed`
         seeds the generator that draws a seed for every request that brings none;
         `prefill_token_budget` bounds how many prompt tokens are packed into one prefill pass
-        (its mask is quadratic in that number); `compute_dtype` is `policy.compute_dtype`
-        (`gymrl.model.precision`: the body under autocast, logits in the weights' dtype)."""
+        (its mask is quadratic in that number); `prefix_cache_tokens` bounds the finished rows'
+        tokens whose keys and values are kept for reuse (0: none); `compute_dtype` is
+        `policy.compute_dtype` (`gymrl.model.precision`: the body under autocast, logits in the
+        weights' dtype)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if prefill_token_budget < 1:
@@ -358,6 +388,7 @@ class TorchGenerationEngine:
         self._max_batch_size = max_batch_size
         self._eos_ids = frozenset(int(token) for token in eos_token_ids)
         self._prefill_token_budget = prefill_token_budget
+        self._prefix_cache = PrefixCache(prefix_cache_tokens)
         embeddings = model.get_input_embeddings()
         if not isinstance(embeddings, torch.nn.Embedding):
             raise ValueError(
@@ -432,6 +463,7 @@ class TorchGenerationEngine:
             with self._model_lock, torch.no_grad():
                 self._check_version(version)
                 self._model.load_state_dict(state_dict, strict=True)
+                self._prefix_cache.clear()  # computed by the old weights
                 self._version = version
         finally:
             with self._schedule:
@@ -547,6 +579,7 @@ class TorchGenerationEngine:
                     decoding = len(batch.rows)
                     if decoding:
                         self._decode_step(batch)
+                        self._keep_finished_caches(batch)
                     keep = [i for i, row in enumerate(batch.rows) if not self._answer_if_done(row)]
                 self._count(started, time.monotonic(), admitted, decoding)
         except BaseException as error:
@@ -588,7 +621,9 @@ class TorchGenerationEngine:
                 busy_s=c.busy_s + end - start,
                 decode_steps=c.decode_steps + bool(decoded_rows),
                 decode_rows=c.decode_rows + decoded_rows,
-                prefill_tokens=c.prefill_tokens + sum(len(row.prompt) for row in admitted),
+                prefill_tokens=c.prefill_tokens
+                + sum(len(row.prompt) - row.reused for row in admitted),
+                reused_tokens=c.reused_tokens + sum(row.reused for row in admitted),
                 generated_tokens=c.generated_tokens + len(admitted) + decoded_rows,
             )
 
@@ -626,39 +661,103 @@ class TorchGenerationEngine:
         return True
 
     def _prefill(self, rows: Sequence[_Row]) -> list[_Arrival]:
-        """Run the prompts of `rows` packed, sample each row's first token, return their caches."""
-        arrivals = []
-        for chunk in _prefill_chunks(rows, self._prefill_token_budget):
-            lengths = torch.tensor([len(row.prompt) for row in chunk], device=self._device)
-            ids = torch.tensor([t for row in chunk for t in row.prompt], device=self._device)
-            segment = torch.repeat_interleave(
-                torch.arange(len(chunk), device=self._device), lengths
-            )
-            ends = lengths.cumsum(0)
-            starts = ends - lengths
-            positions = torch.arange(len(ids), device=self._device) - starts[segment]
-            allowed = (segment[:, None] == segment[None, :]) & (
-                positions[:, None] >= positions[None, :]
-            )
-            layers = [_BufferedLayer() for _ in range(self._num_layers)]
-            logits = self._forward(
-                ids[None],
-                self._additive_mask(allowed[None, None]),
-                positions[None],
-                layers,
-                ends - 1,
-            )[0]
-            self._sample_into(chunk, logits)
-            cached = [layer.cached() for layer in layers]
-            for row, start, end in zip(chunk, starts.tolist(), ends.tolist(), strict=True):
-                arrivals.append(
-                    _Arrival(
-                        row,
-                        keys=[keys[0, :, start:end] for keys, _ in cached],
-                        values=[values[0, :, start:end] for _, values in cached],
-                    )
-                )
+        """Run the prompts of `rows` packed, sample each row's first token, return their caches.
+
+        A row whose prompt starts with a cached prefix computes only the rest: the chunk's
+        cached prefixes are laid side by side in front of its packed new tokens, and each new
+        token attends to its own row's prefix and to its row's earlier new tokens. Every
+        prefilled prompt goes to the prefix cache, and rows sharing a prefix with another row
+        of this batch wait for it to be cached (`plan_prefill`).
+        """
+        arrivals: list[_Arrival] = []
+        waiting = list(rows)
+        while waiting:
+            now, later = plan_prefill([row.prompt for row in waiting], self._prefix_cache)
+            admissions = [_Admission(waiting[index], prefix) for index, prefix in now]
+            for admission in admissions:
+                admission.row.reused = admission.reused
+            for chunk in _prefill_chunks(admissions, self._prefill_token_budget):
+                for arrival in self._prefill_chunk(chunk):
+                    self._prefix_cache.store(arrival.row.prompt, arrival.keys, arrival.values)
+                    arrivals.append(arrival)
+            waiting = [waiting[index] for index in later]
         return arrivals
+
+    def _prefill_chunk(self, chunk: Sequence[_Admission]) -> list[_Arrival]:
+        device = self._device
+        reused = torch.tensor([a.reused for a in chunk], device=device)
+        fresh = torch.tensor([len(a.fresh) for a in chunk], device=device)
+        rows_index = torch.arange(len(chunk), device=device)
+        ids = torch.tensor([t for a in chunk for t in a.fresh], device=device)
+        segment = torch.repeat_interleave(rows_index, fresh)
+        ends = fresh.cumsum(0)
+        starts = ends - fresh
+        positions = torch.arange(len(ids), device=device) - starts[segment] + reused[segment]
+        causal = (segment[:, None] == segment[None, :]) & (positions[:, None] >= positions[None, :])
+        prefix_owner = torch.repeat_interleave(rows_index, reused)
+        allowed = torch.cat([segment[:, None] == prefix_owner[None, :], causal], dim=1)
+        layers = self._layers_holding([a.prefix for a in chunk if a.prefix], len(ids))
+        logits = self._forward(
+            ids[None],
+            self._additive_mask(allowed[None, None]),
+            positions[None],
+            layers,
+            ends - 1,
+        )[0]
+        self._sample_into([a.row for a in chunk], logits)
+        cached = [layer.cached() for layer in layers]
+        offset = int(reused.sum())
+        arrivals = []
+        for admission, start, end in zip(chunk, starts.tolist(), ends.tolist(), strict=True):
+            fresh_keys = [keys[0, :, offset + start : offset + end] for keys, _ in cached]
+            fresh_values = [values[0, :, offset + start : offset + end] for _, values in cached]
+            prefix = admission.prefix
+            if prefix is not None:
+                fresh_keys = [
+                    torch.cat(pair, dim=1) for pair in zip(prefix.keys, fresh_keys, strict=True)
+                ]
+                fresh_values = [
+                    torch.cat(pair, dim=1) for pair in zip(prefix.values, fresh_values, strict=True)
+                ]
+            arrivals.append(_Arrival(admission.row, keys=fresh_keys, values=fresh_values))
+        return arrivals
+
+    def _layers_holding(self, prefixes: Sequence[CachedPrefix], room: int) -> list[_BufferedLayer]:
+        """One cache layer per model layer, holding `prefixes` side by side, with room for
+        `room` more tokens (empty layers, the model allocates, when there is no prefix)."""
+        if not prefixes:
+            return [_BufferedLayer() for _ in range(self._num_layers)]
+        length = sum(prefix.length for prefix in prefixes)
+        layers = []
+        for layer in range(self._num_layers):
+            buffers = []
+            for parts in ([p.keys[layer] for p in prefixes], [p.values[layer] for p in prefixes]):
+                heads, dim = parts[0].shape[0], parts[0].shape[-1]
+                buffer = parts[0].new_empty(1, heads, length + room, dim)
+                start = 0
+                for part in parts:
+                    buffer[0, :, start : start + part.shape[1]] = part
+                    start += part.shape[1]
+                buffers.append(buffer)
+            layers.append(_BufferedLayer(buffers[0], buffers[1], length))
+        return layers
+
+    def _keep_finished_caches(self, batch: _DecodeBatch) -> None:
+        """Hand the keys and values of the rows that just finished to the prefix cache: what
+        they cached is their prompt and every generated token but the last."""
+        finished = [i for i, row in enumerate(batch.rows) if row.finish_reason is not None]
+        if not finished:
+            return
+        width = batch.width
+        cached = [layer.cached() for layer in batch.layers]
+        for index in finished:
+            row = batch.rows[index]
+            begin = width - row.cached
+            self._prefix_cache.store(
+                row.prompt + row.token_ids[:-1],
+                [keys[index, :, begin:] for keys, _ in cached],
+                [values[index, :, begin:] for _, values in cached],
+            )
 
     def _decode_step(self, batch: _DecodeBatch) -> None:
         """Feed every row its last sampled token and sample the next one."""

@@ -438,12 +438,15 @@ class GRPORecipe:
         steps = after.decode_steps - before.decode_steps
         busy = after.busy_s - before.busy_s
         generated = after.generated_tokens - before.generated_tokens
+        reused = after.reused_tokens - before.reused_tokens
+        prompt_tokens = reused + after.prefill_tokens - before.prefill_tokens
         return metrics | {
             "perf/engine_busy_share": busy / (now - then),
             "perf/engine_rows_per_decode_step": (
                 (after.decode_rows - before.decode_rows) / steps if steps else math.nan
             ),
             "perf/engine_tokens_per_busy_s": generated / busy if busy else math.nan,
+            "perf/engine_prefix_reuse_share": reused / prompt_tokens if prompt_tokens else math.nan,
             "perf/generated_tokens_per_s": generated / (now - then),
         }
 

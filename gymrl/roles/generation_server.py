@@ -206,6 +206,7 @@ def build_torch_backend(
         seed=config.run.seed,
         compute_dtype=config.policy.compute_dtype,
         prefill_token_budget=generation.prefill_token_budget,
+        prefix_cache_tokens=generation.prefix_cache_tokens,
     )
     started.callback(engine.close)
     return EngineBackend(engine, tokenizer, local=engine)

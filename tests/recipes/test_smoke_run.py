@@ -61,6 +61,8 @@ def test_smoke_writes_one_record_per_step_with_per_agent_truncation(smoke_run):
         assert 1 <= record["perf/engine_rows_per_decode_step"] <= 16  # generation.max_batch_size
         assert record["perf/generated_tokens_per_s"] > 0
         assert record["perf/engine_tokens_per_busy_s"] > record["perf/generated_tokens_per_s"]
+        # Each turn's last token is always computed, so reuse never covers every prompt token.
+        assert 0 <= record["perf/engine_prefix_reuse_share"] < 1
         agents = {
             key.split("/")[1]
             for key in record

@@ -323,6 +323,7 @@ def _tiny_torch_engine(tokenizer, **settings):
         seed=0,
         compute_dtype="float32",
         prefill_token_budget=TorchGenerationConfig().prefill_token_budget,
+        prefix_cache_tokens=TorchGenerationConfig().prefix_cache_tokens,
         **settings,
     )
 
@@ -465,6 +466,7 @@ def test_real_torch_engine_two_turns_stay_contiguous(tokenizer, chat_format):
         seed=0,
         compute_dtype="float32",
         prefill_token_budget=TorchGenerationConfig().prefill_token_budget,
+        prefix_cache_tokens=TorchGenerationConfig().prefix_cache_tokens,
     )
     with served(engine, chat_format, default_max_tokens=6) as client:
         first = completion(client, USER_ONLY, seed=1)

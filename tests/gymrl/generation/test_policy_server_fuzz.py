@@ -53,6 +53,7 @@ def client(tokenizer, chat_format):
         seed=0,
         compute_dtype="float32",
         prefill_token_budget=TorchGenerationConfig().prefill_token_budget,
+        prefix_cache_tokens=TorchGenerationConfig().prefix_cache_tokens,
     )
     app = create_policy_server_app(
         engine,

@@ -60,6 +60,7 @@ def make_engine(model, **overrides) -> TorchGenerationEngine:
         "eos_token_ids": (),
         "compute_dtype": "float32",
         "prefill_token_budget": TorchGenerationConfig().prefill_token_budget,
+        "prefix_cache_tokens": TorchGenerationConfig().prefix_cache_tokens,
     } | overrides
     return TorchGenerationEngine(model, **settings)
 
@@ -448,3 +449,96 @@ def test_the_counters_add_up_what_the_engine_did(model, prompts):
     assert sum(s.admitted for s in timeline) == len(requests)
     assert all(a.end_s <= b.start_s for a, b in itertools.pairwise(timeline))
     assert engine.timeline() == []  # recording stopped
+
+
+def count_fed_tokens(model) -> tuple[list[int], torch.utils.hooks.RemovableHandle]:
+    """Tokens fed to the model per forward pass (a prefill pass feeds only what it computes)."""
+    fed: list[int] = []
+    handle = model.base_model.register_forward_pre_hook(
+        lambda _module, _args, kwargs: fed.append(kwargs["input_ids"].numel()), with_kwargs=True
+    )
+    return fed, handle
+
+
+def test_a_next_turn_prefills_only_what_follows_the_cached_turn(model, prompts):
+    """Turn 2's prompt is turn 1's prompt, its answer and new text: the engine reuses the keys
+    and values turn 1 computed and feeds the model only the rest, with the log-probabilities of
+    a full teacher-forced pass and the tokens an engine without the cache samples."""
+    engine = make_engine(model)
+    first = engine.generate([request(prompts[1], temperature=1.0, seed=1, max_new_tokens=6)])[0]
+    follow_up = first.prompt_token_ids + first.token_ids + prompts[3]
+    turn_two = request(follow_up, temperature=1.0, seed=2, max_new_tokens=6)
+    fed, handle = count_fed_tokens(model)
+    try:
+        second = engine.generate([turn_two])[0]
+    finally:
+        handle.remove()
+    cached = len(first.prompt_token_ids) + len(first.token_ids) - 1  # all but its last token
+    assert engine.counters().reused_tokens == cached
+    assert fed[0] == len(follow_up) - cached
+    expected = reference_logprobs(model, second, temperature=1.0)
+    torch.testing.assert_close(torch.tensor(second.logprobs), expected, atol=1e-4, rtol=0)
+    uncached = make_engine(model, prefix_cache_tokens=0).generate([turn_two])[0]
+    assert second.token_ids == uncached.token_ids
+
+
+def test_rows_with_different_cached_prefixes_prefill_in_one_pass(model, prompts):
+    """Two follow-ups of different cached turns and two fresh prompts are admitted together:
+    each new token must attend to its own row's prefix only (a mask letting it see another
+    row's prefix, or wrong positions, changes the log-probabilities)."""
+    engine = make_engine(model, max_batch_size=4)
+    firsts = engine.generate(
+        [request(p, max_new_tokens=4, seed=i) for i, p in enumerate(prompts[1:3])]
+    )
+    fresh = [prompts[0], prompts[3]]
+    follow_ups = [o.prompt_token_ids + o.token_ids + prompts[4] for o in firsts]
+    requests = [
+        request(p, temperature=0.7, max_new_tokens=5, seed=10 + i)
+        for i, p in enumerate(follow_ups + fresh)
+    ]
+    reused_before = engine.counters().reused_tokens
+    fed, handle = count_fed_tokens(model)
+    try:
+        outputs = engine.generate(requests)
+    finally:
+        handle.remove()
+    cached = sum(len(o.prompt_token_ids) + len(o.token_ids) - 1 for o in firsts)
+    assert engine.counters().reused_tokens - reused_before >= cached
+    assert fed[0] <= sum(len(p) for p in follow_ups + fresh) - cached  # one packed prefill
+    for output in outputs:
+        expected = reference_logprobs(model, output, temperature=0.7)
+        torch.testing.assert_close(torch.tensor(output.logprobs), expected, atol=1e-4, rtol=0)
+
+
+def test_a_refit_drops_the_cached_prefixes(tokenizer, prompts):
+    """Keys and values belong to the weights that computed them: after a refit a follow-up
+    prefills in full and matches the new weights."""
+    engine = make_engine(tiny_llama(tokenizer, seed=0))
+    first = engine.generate([request(prompts[1], max_new_tokens=4, seed=1)])[0]
+    new_model = tiny_llama(tokenizer, seed=1)
+    engine.update_weights(new_model.state_dict(), version=1)
+    follow_up = first.prompt_token_ids + first.token_ids + prompts[3]
+    second = engine.generate([request(follow_up, temperature=1.0, max_new_tokens=4, seed=2)])[0]
+    assert engine.counters().reused_tokens == 0
+    expected = reference_logprobs(new_model, second, temperature=1.0)
+    torch.testing.assert_close(torch.tensor(second.logprobs), expected, atol=1e-4, rtol=0)
+
+
+def test_a_group_admitted_together_computes_its_shared_prompt_once(model, prompts):
+    """Four episodes of one group start from one prompt: the first prefills it, the other three
+    wait for its keys and values and compute only their last token, sampling as if alone."""
+    shared = prompts[1] * 4  # long enough that waiting pays (plan_prefill's MIN_SHARED_GAIN)
+    requests = [request(shared, temperature=1.0, max_new_tokens=4, seed=i) for i in range(4)]
+    engine = make_engine(model, max_batch_size=4)
+    fed, handle = count_fed_tokens(model)
+    try:
+        outputs = engine.generate(requests)
+    finally:
+        handle.remove()
+    assert fed[:2] == [len(shared), 3]  # the leader, then the three others' last tokens
+    assert engine.counters().reused_tokens == 3 * (len(shared) - 1)
+    uncached = make_engine(model, prefix_cache_tokens=0, max_batch_size=4).generate(requests)
+    for output, alone in zip(outputs, uncached, strict=True):
+        assert output.token_ids == alone.token_ids
+        expected = reference_logprobs(model, output, temperature=1.0)
+        torch.testing.assert_close(torch.tensor(output.logprobs), expected, atol=1e-4, rtol=0)
