@@ -14,14 +14,15 @@ or imports it, and parses with `ast`:
 * `sglang/api/v1/api_types.py`'s `SamplingParams`, the schema `/generate` checks its
   `sampling_params` against (unknown keys rejected).
 
-It then runs the project's client through every call it makes (generation, a disk refit, a
-broadcast refit with the read-back check) against the stand-in, which records each request, and
-fails on a route the wheel lacks, a field its request type does not declare, or a required field
-left out; every route string in the client's modules must be in the wheel and in that run. The
-stand-in's routes and request models are checked against the same table, its
-weight-checker answers against the wheel's keys and wire types. When the pin moves,
-the failures list what changed. The download needs the network: marked `registry`, as CI runs
-(`.ci/run`); the wheel is cached under ~/.cache/gym-grpo-recipes/sglang-wheel/.
+It then runs the project's client through every call it makes (generation, a disk refit checked
+by the weights checker's snapshot, reset and compare, a broadcast refit with the read-back check
+and the checksums) against two stand-ins, which record each request, and fails on a route the
+wheel lacks, a field its request type does not declare, or a required field left out; every
+route string in the client's modules must be in the wheel and in that run. The stand-in's routes
+and request models are checked against the same table, its weight-checker answers against the
+wheel's keys and wire types. When the pin moves, the failures list what changed. The download
+needs the network: marked `registry`, as CI runs (`.ci/run`); the wheel is cached under
+~/.cache/gym-grpo-recipes/sglang-wheel/.
 """
 
 from __future__ import annotations
@@ -47,14 +48,20 @@ from gymrl.generation.sglang_engine import SGLangEngine
 from gymrl.generation.types import GenerationRequest, SamplingParams
 from gymrl.generation.weight_check import WeightCheck
 from gymrl.generation.weight_sync import WeightSender
+from gymrl.generation.weights_checker import ROUTE, WeightsChecker
 from nemo_gym_ext.http_server import serve_in_thread
 
 pytestmark = pytest.mark.registry
 
 ROOT = Path(__file__).resolve().parents[3]
 CACHE = Path("~/.cache/gym-grpo-recipes/sglang-wheel").expanduser()
-CLIENT_MODULES = ("sglang_engine.py", "sglang_servers.py", "weight_sync.py", "weight_check.py")
-ROUTE = "/weights_checker"
+CLIENT_MODULES = (
+    "sglang_engine.py",
+    "sglang_servers.py",
+    "weight_sync.py",
+    "weight_check.py",
+    "weights_checker.py",
+)
 # Fields every io_struct request inherits for SGLang's own IPC; a client never sends them.
 _IPC_FIELDS = {"rid", "http_worker_ipc"}
 
@@ -270,8 +277,9 @@ def problems_with(path: str, method: str, body, contract) -> list[str]:
 
 # ------------------------------------------------------------------------------ the project's calls
 def _recorded_calls(tmp_path: Path) -> list[tuple[str, dict | None]]:
-    """Every request the client sends in generation, a disk refit and a checked broadcast
-    refit, as the stand-in saw it."""
+    """Every request the client sends in generation, a disk refit of the weights the servers
+    started with (snapshot, reset, compare) and a broadcast refit (read back, checksums), as two
+    stand-ins saw them."""
     weights = {
         "model.embed_tokens.weight": torch.randn(8, 4),
         "model.layers.0.self_attn.q_proj.weight": torch.randn(4, 4),
@@ -280,32 +288,39 @@ def _recorded_calls(tmp_path: Path) -> list[tuple[str, dict | None]]:
     checkpoint = tmp_path / "checkpoint"
     checkpoint.mkdir()
     save_file(weights, str(checkpoint / "model.safetensors"))
-    app, state = make_standin(model_weights=weights)
-    server = serve_in_thread(app)
+    standins = [make_standin(model_weights=weights) for _ in range(2)]
+    servers = [serve_in_thread(app) for app, _ in standins]
+    urls = [server.url for server in servers]
+    checker = WeightsChecker(every=1, timeout_s=20.0, skip_tensors=("rotary_emb.inv_freq",))
     try:
-        with SGLangEngine([server.url], request_timeout_s=20.0, refit_timeout_s=20.0) as engine:
+        with SGLangEngine(
+            urls, request_timeout_s=20.0, refit_timeout_s=20.0, weights_checker=checker
+        ) as engine:
             request = GenerationRequest(
                 [1, 2, 3], SamplingParams(max_new_tokens=3, stop_token_ids=(9,), seed=4)
             )
             engine.generate([request])
-            engine.refit_from_disk(checkpoint, 1)
+            engine.refit_from_disk(checkpoint, 0)
             check = WeightCheck(every=0, rows=2, served_dtype=None, timeout_s=20.0)
             sender = WeightSender(
-                [server.url],
-                [1],
+                urls,
+                [1, 1],
                 master_address="127.0.0.1",
                 backend="gloo",
                 bucket_bytes=1 << 20,
                 timeout_s=20.0,
                 check=check,
             )
-            engine.begin_refit()
-            sender.send(weights.items(), 2)
-            engine.end_refit(2)
+            engine.begin_refit(1)
+            sender.send(weights.items(), 1)
+            engine.end_refit(1)
             sender.close()
     finally:
-        server.close()
-    return list(state.requests)
+        for server in servers:
+            server.close()
+    checked = [body["action"] for path, body in standins[0][1].requests if path == ROUTE]
+    assert checked == ["snapshot", "reset_tensors", "compare", "checksum"]
+    return [call for _, state in standins for call in state.requests]
 
 
 def test_the_project_calls_only_what_the_pinned_wheel_serves(contract, tmp_path):
