@@ -7,9 +7,10 @@ loopback stand-ins (`tests/gymrl/generation/sglang_standin.py`) either way:
   (`/update_weights_from_disk`), the previous version is deleted;
 * broadcast: `SGLangEngine.begin_refit`, `WeightSender.send` (the 0.5.23 protocol: session,
   buckets of `--bucket-mib` each sent as one flattened gloo broadcast, session end),
-  `SGLangEngine.end_refit`; then one refit with the read-back check (`WeightCheck` at the config's
-  defaults: `generation.refit.verify_rows` rows of the first and last tensor of each kind from
-  every stand-in), whose extra seconds are its cost.
+  `SGLangEngine.end_refit`; then one refit with the read-back check (`verify_method: read_back`,
+  `WeightCheck` at the config's defaults: `generation.refit.verify_rows` rows of the first and
+  last tensor of each kind from every stand-in), whose extra seconds are its cost. The engine has
+  no weights checker (the default method), whose cost is SGLang's GPU work, not the stand-ins'.
 
 Both senders are the trainer's own (`gymrl.generation.refit.weight_sender`), from a
 `RefitConfig` at its defaults but for the bucket size and the check, so the bench measures what
@@ -41,9 +42,11 @@ from gymrl.model.loading import ensure_smollm2_checkpoint, load_pretrained
 from nemo_gym_ext.http_server import serve_in_thread
 
 
-def _sender(urls: list[str], bucket_bytes: int, *, verify_weights: bool) -> WeightSender:
+def _sender(urls: list[str], bucket_bytes: int, *, read_back: bool) -> WeightSender:
     """The trainer's sender over gloo to stand-ins of TP 1, which hold the fp32 weights as sent."""
-    refit = RefitConfig(bucket_bytes=bucket_bytes, verify_weights=verify_weights)
+    refit = RefitConfig(
+        bucket_bytes=bucket_bytes, verify_weights=read_back, verify_method="read_back"
+    )
     return weight_sender(
         urls,
         [1] * len(urls),
@@ -81,20 +84,20 @@ def main() -> None:
                 start = time.perf_counter()
                 engine.update_weights(weights, version)
                 disk.append(time.perf_counter() - start)
-            unchecked = _sender(urls, args.bucket_mib << 20, verify_weights=False)
+            unchecked = _sender(urls, args.bucket_mib << 20, read_back=False)
             broadcast = []
             for version in range(args.repeats + 1, 2 * args.repeats + 2):
                 start = time.perf_counter()
-                engine.begin_refit()
+                engine.begin_refit(version)
                 unchecked.send(weights.items(), version)
                 engine.end_refit(version)
                 broadcast.append(time.perf_counter() - start)
             refits = len(broadcast)
             calls, updates = unchecked.broadcasts / refits, unchecked.update_calls / refits
             unchecked.close()
-            checked = _sender(urls, args.bucket_mib << 20, verify_weights=True)
+            checked = _sender(urls, args.bucket_mib << 20, read_back=True)
             version = 2 * args.repeats + 2
-            engine.begin_refit()
+            engine.begin_refit(version)
             checked.send(weights.items(), version)  # forms its group, then reads back
             engine.end_refit(version)
             check_s = checked.check_seconds

@@ -300,15 +300,28 @@ class RefitConfig(Strict):
     timeout_s: float = Field(
         default=600.0,
         gt=0,
-        description="Deadline of each weight-sync call: opening and closing the update session, "
-        "forming the group, each bucket. A server that refuses fails the refit at once.",
+        description="Deadline of each weight-sync call (opening and closing the update session, "
+        "forming the group, each bucket) and of each weight-check call. A server that refuses "
+        "fails the refit at once.",
     )
     verify_weights: bool = Field(
         default=True,
-        description="Read samples of the sent weights back from every server "
-        "(/get_weights_by_name: first and last tensor of each kind) and stop the run on a "
-        "mismatch. SGLang 0.5.23 can show weights of Llama-family models only, not Qwen2/Qwen3 "
-        "(dense or MoE): set false for those.",
+        description="Check after a refit that every server holds what the trainer sent, and stop "
+        "the run when one does not (SGLang's load_weights skips a name its model does not know "
+        "and still reports success); verify_method says how, verify_every when.",
+    )
+    verify_method: Literal["weights_checker", "read_back"] = Field(
+        default="weights_checker",
+        description="weights_checker: SGLang's POST /weights_checker, for every model class and "
+        "both transports. At the first refit of a fresh run, which sends the weights the servers "
+        "started from, each server snapshots its weights, randomises them, takes the refit and "
+        "compares: a tensor the refit did not write is still random and stops the run. The "
+        "snapshot is a copy of each GPU rank's weights in host memory, held from before the "
+        "first refit until its compare (Qwen3-30B-A3B at TP 4: about 15 GB per rank, 120 GB on "
+        "an 8-GPU node). Later due refits, and a resumed run's first, compare the servers' "
+        "weight checksums with each other (nothing to compare with one engine). read_back: "
+        "samples of the broadcast tensors read back with /get_weights_by_name; SGLang 0.5.23 "
+        "has it for Llama-family models only (not Qwen2/Qwen3), and transport nccl only.",
     )
     verify_every: int = Field(
         default=0,
@@ -319,8 +332,16 @@ class RefitConfig(Strict):
     verify_rows: int = Field(
         default=8,
         gt=0,
-        description="Leading rows of each sampled tensor read back (truncate_size); within the "
-        "rows of one tensor-parallel shard, which is what a server shows.",
+        description="read_back: leading rows of each sampled tensor read back (truncate_size); "
+        "within the rows of one tensor-parallel shard, which is what a server shows.",
+    )
+    verify_skip_tensors: tuple[str, ...] = Field(
+        default=(),
+        description="weights_checker: substrings of the names of server tensors to leave out "
+        "of the reset, the compare and the checksums (SGLang's skip_tensor_list), for a tensor "
+        "the server computes itself rather than loads. SGLang already leaves out rotary caches "
+        "and the tensors its layers mark; add a name here only when a check fails on a tensor "
+        "no checkpoint holds.",
     )
 
 

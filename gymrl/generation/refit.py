@@ -13,6 +13,12 @@
 A failure of any of them leaves the engines paused and raises: a run with servers on mixed
 weights must stop, not train on them. The trainer role (`gymrl.roles.trainer`) picks the
 transport; the trainer process calls :func:`weight_sender`.
+
+Where the weights are checked (`generation.refit.verify_weights`): with `verify_method:
+weights_checker` on the generation side, by the SGLang engine's `begin_refit` and `end_refit`,
+which both SGLang transports pass through (`gymrl.generation.weights_checker`); with `read_back`
+on the trainer side, by the `WeightSender` after a broadcast (`gymrl.generation.weight_check`).
+The torch engine loads the state dict itself and needs neither.
 """
 
 from __future__ import annotations
@@ -39,8 +45,9 @@ def weight_sender(
     backend: Backend,
     served_dtype: str,
 ) -> WeightSender:
-    """The trainer's rank 0 end of a broadcast refit, with the read-back check the config asks
-    for; `served_dtype` is the servers' (`policy.dtype`), which sampled weights are compared in."""
+    """The trainer's rank 0 end of a broadcast refit, with the read-back check when the config
+    asks for it (`verify_method: read_back`); `served_dtype` is the servers' (`policy.dtype`),
+    which sampled weights are compared in."""
     check = (
         WeightCheck(
             every=refit.verify_every,
@@ -48,7 +55,7 @@ def weight_sender(
             served_dtype=DTYPES[served_dtype],
             timeout_s=refit.timeout_s,
         )
-        if refit.verify_weights
+        if refit.verify_weights and refit.verify_method == "read_back"
         else None
     )
     return WeightSender(
@@ -70,9 +77,9 @@ def refit_through_object_store(generation: Any, version: int, weights: Any, wait
 def refit_by_broadcast(
     generation: Any, version: int, send: Callable[[list[str], list[int]], Any], wait: Wait
 ) -> None:
-    """Pause the SGLang servers, have the trainer's rank 0 `send` the weights to their URLs,
-    continue under `version`."""
-    wait(generation.begin_refit.remote(), "pausing the SGLang servers")
+    """Pause the SGLang servers for `version`, have the trainer's rank 0 `send` the weights to
+    their URLs, continue under `version`."""
+    wait(generation.begin_refit.remote(version), "pausing the SGLang servers")
     urls, tp_sizes = wait(generation.weight_sync_targets.remote(), "the SGLang server URLs")
     send(urls, tp_sizes)
     wait(generation.end_refit.remote(version), "resuming the SGLang servers")

@@ -19,6 +19,8 @@ The HTTP API used (SGLang 0.5.23, pinned exactly: `sglang/srt/entrypoints/http_s
 * `POST /pause_generation {"mode": "abort"}`, `POST /update_weights_from_disk {"model_path",
   "weight_version", "flush_cache": false}`, `POST /flush_cache`, `POST /continue_generation {}`:
   the refit sequence (the broadcast's own calls are `gymrl.generation.weight_sync`'s).
+* `POST /weights_checker {action, skip_tensor_list}`: the weight check around a refit,
+  `gymrl.generation.weights_checker`'s.
 * `GET /health_generate`: 200 once the server generates.
 
 **Log-probability semantics.** The project defines generation log-probabilities as those of the
@@ -35,7 +37,10 @@ weights to every server over a process group (`generation.refit.transport: nccl`
 :meth:`SGLangEngine.end_refit`, or each server loads a Hugging Face safetensors checkpoint from a
 shared filesystem with `/update_weights_from_disk` (`transport: disk`, :meth:`refit_from_disk`):
 one write plus parallel reads of the checkpoint per step, and no process group that must be
-rebuilt when an engine restarts.
+rebuilt when an engine restarts. Either way the refit runs between :meth:`begin_refit` and
+:meth:`end_refit`, which is where the weights are checked (`generation.refit.verify_method:
+weights_checker`, :class:`~gymrl.generation.weights_checker.WeightsChecker`): before anything is
+sent and after everything loaded, while no request runs.
 
 SGLang takes the weight-update lock only once no request holds it, and paused requests still
 hold it (a "retract" or "in_place" pause deadlocks the update), so generation is paused with
@@ -70,6 +75,7 @@ from safetensors.torch import save_file
 from gymrl.config.schema import SGLangGenerationConfig
 from gymrl.generation.routing import PrefixRouter, Routing
 from gymrl.generation.types import FinishReason, GenerationOutput, GenerationRequest
+from gymrl.generation.weights_checker import WeightsChecker, checker_for
 from gymrl.run.atomic import atomic_folder
 from nemo_gym_ext.keep_alive import CLIENT_KEEPALIVE_EXPIRY_S
 
@@ -177,9 +183,12 @@ class SGLangEngine:
         weight_version: int = 0,
         routing: Routing = "cache_aware",
         end_token_ids: Iterable[int] = (),
+        weights_checker: WeightsChecker | None = None,
     ) -> None:
         """`end_token_ids`: the model's own end ids, where the servers stop every request
-        whatever its stop ids (:func:`gymrl.model.tokens.model_end_token_ids`)."""
+        whatever its stop ids (:func:`gymrl.model.tokens.model_end_token_ids`).
+        `weights_checker`: the check each refit gets; None: none. The servers hold the weights
+        of `weight_version` when the engine starts."""
         if not server_urls:
             raise ValueError("SGLangEngine needs at least one server URL")
         if request_timeout_s <= 0 or refit_timeout_s <= 0:
@@ -193,6 +202,7 @@ class SGLangEngine:
         self._refit_dir = None if refit_dir is None else Path(refit_dir)
         self._end_ids = frozenset(int(token) for token in end_token_ids)
         self._version = weight_version
+        self._checker = weights_checker
         # Refits begun and completed; an abort while they differ, or after a later one began,
         # is a refit's.
         self._refits_started = 0
@@ -240,6 +250,7 @@ class SGLangEngine:
             refit_dir=refit_dir,
             routing=generation.routing,
             end_token_ids=end_token_ids,
+            weights_checker=checker_for(generation.refit),
         )
 
     @property
@@ -353,26 +364,36 @@ class SGLangEngine:
         """
         model_path = str(Path(path).resolve())
         with self._refit_lock:
-            self.begin_refit()
+            self.begin_refit(version)
             self._run(self._load_from_disk(model_path, version), self._refit_timeout_s + 5.0)
             self.end_refit(version)
 
-    def begin_refit(self) -> None:
-        """Pause every server for a weight update someone else sends (the trainer, by
-        broadcast: `gymrl.generation.weight_sync`); requests aborted by the pause are resumed
-        after :meth:`end_refit`. Holds the refit lock until then, on this thread."""
+    def begin_refit(self, version: int) -> None:
+        """Pause every server for weight `version`, which someone else sends (the trainer, by
+        broadcast: `gymrl.generation.weight_sync`), then have the weights checker prepare its
+        check; requests aborted by the pause are resumed after :meth:`end_refit`. Holds the
+        refit lock until then, on this thread."""
         self._refit_lock.acquire()
         try:
             with self._state_lock:
                 self._refits_started += 1
             self._run(self._on_all("/pause_generation", {"mode": "abort"}), self._request_timeout_s)
+            if self._checker is not None:
+                prepare = self._checker.before_refit(
+                    self._send, self._urls, resends_held_weights=version == self._version
+                )
+                self._run(prepare, self._checker.bound_s)
         except BaseException:
             self._refit_lock.release()
             raise
 
     def end_refit(self, version: int) -> None:
-        """Flush every server's prefix cache and continue generation under weight `version`."""
+        """Check the weights the refit loaded (a mismatch raises, generation stays paused), flush
+        every server's prefix cache and continue generation under weight `version`."""
         try:
+            if self._checker is not None:
+                check = self._checker.after_refit(self._send, self._urls, version)
+                self._run(check, self._checker.bound_s)
             self._run(self._resume(), 2 * self._request_timeout_s + FLUSH_DEADLINE_S)
             with self._state_lock:
                 self._version = version

@@ -1,4 +1,5 @@
-"""Weights checked where they land: samples of what the trainer sent, read back from SGLang.
+"""Weights checked where they land, the `read_back` method: samples of what the trainer sent,
+read back from SGLang.
 
 SGLang's `load_weights` skips a name it does not know and still reports success
 (`sglang/srt/models/qwen3_moe.py` of 0.5.23), so an export whose names drift from the server's
@@ -12,7 +13,10 @@ naming the server, the tensor and both checksums.
 
 SGLang 0.5.23 implements `/get_weights_by_name` only for some model classes (Llama, Granite, OPT,
 Exaone4, EmbeddingGemma2; not Qwen2/Qwen3 nor their MoE variants): for the others every read
-fails, and the check says so and how to turn it off (`generation.refit.verify_weights`).
+fails, and the check says so and names the method that works for them,
+`generation.refit.verify_method: weights_checker` (`gymrl.generation.weights_checker`, the
+default). Samples are taken from the broadcast, so this method checks `transport: nccl` refits
+only.
 """
 
 from __future__ import annotations
@@ -38,7 +42,13 @@ TENSOR_KINDS: tuple[tuple[str, re.Pattern[str]], ...] = (
 
 
 class WeightMismatchError(RuntimeError):
-    """A server holds other values than the trainer sent, or cannot show a tensor it was sent."""
+    """A server holds other values than the trainer sent, or a check of them could not run."""
+
+
+def refit_due(refit_index: int, every: int) -> bool:
+    """Whether refit number `refit_index` (0 = the first) is checked: the first, then every
+    `every`-th after it (`generation.refit.verify_every`; 0: the first only)."""
+    return refit_index == 0 or (every > 0 and refit_index % every == 0)
 
 
 def tensor_kind(name: str) -> str | None:
@@ -91,8 +101,11 @@ class WeightCheck:
 
     def samples(self, refit_index: int) -> WeightSamples | None:
         """A collector for refit number `refit_index` (0 = the first), or None if not due."""
-        due = refit_index == 0 or (self.every > 0 and refit_index % self.every == 0)
-        return WeightSamples(self.rows, self.served_dtype) if due else None
+        return (
+            WeightSamples(self.rows, self.served_dtype)
+            if refit_due(refit_index, self.every)
+            else None
+        )
 
     def verify(self, client: httpx.Client, urls: Sequence[str], samples: WeightSamples) -> None:
         for url in urls:
@@ -126,6 +139,6 @@ class WeightCheck:
                 f"{response.status_code}: {response.text[:300]!r}): it does not hold a tensor of "
                 "that name, or its model class has no get_weights_by_name (SGLang 0.5.23: only "
                 "Llama, Granite, OPT, Exaone4, EmbeddingGemma2); for such models set "
-                "generation.refit.verify_weights=false"
+                "generation.refit.verify_method=weights_checker"
             )
         return torch.tensor(orjson.loads(response.content), dtype=torch.float32)

@@ -108,10 +108,12 @@ def _generation_line(config: RecipeConfig) -> str:
     keep = "keeps" if generation.server.honor_prompt_token_ids else "re-tokenises, ignoring"
     server = f"server {keep} client token ids"
     if isinstance(generation, SGLangGenerationConfig):
+        refit = generation.refit
+        checked = f"checked by {refit.verify_method}" if refit.verify_weights else "unchecked"
         return (
             f"sglang: {generation.num_engines} engine(s) x TP {generation.tensor_parallel_size} "
             f"(EP {generation.expert_parallel_size}) = {generation_gpus(config)} GPUs; "
-            f"refit over {generation.refit.transport}; {server}"
+            f"refit over {refit.transport}, {checked}; {server}"
         )
     device = _torch_device(config, generation_gpus(config))
     return (

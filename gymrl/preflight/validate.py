@@ -413,6 +413,17 @@ def _generation_issues(generation: Any, total_gpus: int) -> list[ConfigIssue]:
                 "lower generation.num_engines or raise cluster.num_nodes / cluster.gpus_per_node",
             )
         )
+    refit = generation.refit
+    if refit.verify_weights and refit.verify_method == "read_back" and refit.transport == "disk":
+        issues.append(
+            ConfigIssue(
+                "generation.refit.verify_method",
+                refit.verify_method,
+                "read_back compares samples of the tensors a broadcast sent; a disk refit "
+                "(generation.refit.transport=disk) sends none, so no refit would be checked",
+                "use verify_method=weights_checker (the default), or transport=nccl",
+            )
+        )
     return issues
 
 

@@ -153,9 +153,9 @@ class GenerationServer:
         engine = self._servers("weight sync by broadcast")
         return engine.server_urls, [self._tp_size] * len(engine.server_urls)
 
-    def begin_refit(self) -> None:
-        """Pause the SGLang servers while the trainer broadcasts weights to them."""
-        self._servers("weight sync by broadcast").begin_refit()
+    def begin_refit(self, version: int) -> None:
+        """Pause the SGLang servers while the trainer broadcasts weight `version` to them."""
+        self._servers("weight sync by broadcast").begin_refit(version)
 
     def end_refit(self, version: int) -> int:
         self._servers("weight sync by broadcast").end_refit(version)

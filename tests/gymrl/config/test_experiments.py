@@ -111,3 +111,15 @@ def test_the_plan_shows_the_trainers_start_up_deadline(overrides, deadline):
     config = validate_config(compose_raw(overrides))
     [training] = [line for line in render_plan(config, "out").splitlines() if "training" in line]
     assert training.endswith(f"; start-up deadline {deadline}")
+
+
+def test_the_flagship_runs_check_their_refits_with_the_weights_checker():
+    """Qwen models have no read-back in SGLang 0.5.23; the weights checker works for them."""
+    for experiment in ("swe_bench_30b", "math_1p5b"):
+        config = validate_config(compose_raw([f"+experiment={experiment}"]))
+        refit = config.generation.refit
+        assert refit.verify_weights and refit.verify_method == "weights_checker"
+        [generation] = [
+            line for line in render_plan(config, "out").splitlines() if "sglang:" in line
+        ]
+        assert "refit over nccl, checked by weights_checker;" in generation

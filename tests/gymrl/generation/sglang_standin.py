@@ -19,7 +19,7 @@ It reproduces the behaviours of the pinned server the engine must cope with (rea
   that passed the pause check before the flag was set is admitted and then aborted: with
   `pause_delay_s` the stand-in widens that window so a test can land a request in it.
 * **`/update_weights_from_disk`** waits for SGLang's writer lock (no request running) and loads
-  real safetensors files.
+  real safetensors files into the model, as `load_weights` does (below).
 * **`/flush_cache` refuses** (400, "Flush cache failed.") while the scheduler is not idle; with
   `flush_refusals` the first refusals happen even when it looks idle, as when aborted requests are
   still being released by the scheduler.
@@ -46,6 +46,16 @@ It reproduces the behaviours of the pinned server the engine must cope with (rea
   `/update_weights_from_disk` flushes by default.
 * **`/get_weights_by_name {name, truncate_size}`** answers the tensor's first `truncate_size`
   rows as float32 lists, or 400 `{"error": {"message": "Get parameter by name failed"}}`.
+* **`/weights_checker {action, allow_quant_error, skip_tensor_list, selector}`**
+  (`utils/weight_checker.py`, `tokenizer_control_mixin.check_weights`) over the model's tensors,
+  as one TP rank: `snapshot` copies them, `reset_tensors` fills them with random values,
+  `compare` checks them bit for bit against the snapshot, fails with "check tensor equality
+  failed:" and a `name=... max_abs_err=... mean_abs_err=... num_exceed=... expect=...
+  actual=...` line per differing tensor (and keeps the snapshot), or drops the snapshot;
+  `checksum` answers `ranks` (one `ChecksumInfo` dict) and `per_engine_checksum`. Names
+  containing a `skip_tensor_list` entry are left out of all four. The answer is `{success,
+  message}` plus the checksum's keys, status 400 when not successful; a compare without a
+  snapshot fails with SGLang's empty assertion message.
 * **Context length** (`TokenizerManager._validate_one_request`): a prompt of `context_length`
   tokens or more, or a prompt plus `max_new_tokens` beyond it, is refused with SGLang's messages
   in its error shape `{"error": {"message"}}`.
@@ -63,6 +73,7 @@ produced which token.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -185,6 +196,16 @@ class StandInDistributedUpdateReq(BaseModel):
     torch_empty_cache: bool = False
 
 
+class StandInCheckWeightsReq(BaseModel):
+    """`CheckWeightsReqInput`."""
+
+    model_config = ConfigDict(extra="forbid")
+    action: str = "checksum"
+    allow_quant_error: bool = False
+    skip_tensor_list: list[str] | None = None
+    selector: Literal["target", "draft", "all"] = "all"
+
+
 class StandInDestroyGroupReq(BaseModel):
     model_config = ConfigDict(extra="forbid")
     group_name: str = "weight_update_group"
@@ -263,6 +284,7 @@ class StandInState:
         }
         self.received: list[list[tuple[str, str, list[int]]]] = []  # per update call
         self.skipped: list[str] = []  # names load_weights did not know
+        self.snapshot: dict[str, torch.Tensor] | None = None  # /weights_checker's
         self.groups: dict[str, Any] = {}
         # A flattened bucket's receive buffer, by its (names, dtypes, shapes); without
         # `model_weights` the model's tensors are views of these.
@@ -438,7 +460,11 @@ def make_standin(
             return JSONResponse(
                 {"success": False, "message": f"no safetensors in {req.model_path}"}, 400
             )
-        state.loaded_tensors = sorted(name for file in files for name in load_file(str(file)))
+        loaded = [item for file in files for item in load_file(str(file)).items()]
+        state.loaded_tensors = sorted(name for name, _ in loaded)
+        failure = _load_weights(loaded)
+        if failure is not None:
+            return JSONResponse({"success": False, "message": failure}, 400)
         state.weight_version = req.weight_version or state.weight_version
         state.offset = WEIGHT_OFFSET * int(state.weight_version)
         if req.flush_cache and flush_refused():
@@ -566,6 +592,44 @@ def make_standin(
             return _error(400, "Get parameter by name failed")
         return tensor.to(torch.float32).tolist()[: req.truncate_size]
 
+    @app.api_route("/weights_checker", methods=["GET", "POST"])
+    async def check_weights(req: StandInCheckWeightsReq | None = None):
+        req = req or StandInCheckWeightsReq()
+        state.events.append(("weights_checker", req.action))
+        model = {} if req.selector == "draft" else state.weights  # it has no draft model
+        checked = {
+            name: tensor
+            for name, tensor in model.items()
+            if not any(pattern in name for pattern in req.skip_tensor_list or ())
+        }
+        body: dict[str, Any] = {"success": True, "message": "Success."}
+        if req.action == "snapshot":
+            state.snapshot = {name: tensor.clone() for name, tensor in model.items()}
+        elif req.action == "reset_tensors":
+            for tensor in checked.values():
+                tensor.copy_(_random_like(tensor))
+        elif req.action == "compare":
+            if state.snapshot is None:
+                return _failure("")  # the wheel's bare `assert`
+            if set(state.snapshot) != set(model):  # the wheel zips both with strict=True
+                return _failure("zip() argument 2 is longer than argument 1")
+            differing = [
+                _difference(name, state.snapshot[name], tensor)
+                for name, tensor in checked.items()
+                if not torch.equal(state.snapshot[name], tensor)
+            ]
+            if differing:
+                return _failure("check tensor equality failed:\n" + "\n".join(differing))
+            state.snapshot = None
+        elif req.action == "checksum":
+            rank = _checksum_info(checked)
+            body["ranks"] = [rank]
+            engine = hashlib.sha256(rank["per_gpu_checksum"].encode())
+            body["per_engine_checksum"] = engine.hexdigest()
+        else:
+            return _failure(f"Unsupported action={req.action!r}")
+        return body
+
     @app.post("/destroy_weights_update_group")
     async def destroy_group(req: StandInDestroyGroupReq):
         state.events.append(("destroy_group", req.group_name))
@@ -581,6 +645,49 @@ def make_standin(
         return PlainTextResponse("Cache flushed.\n")
 
     return app, state
+
+
+def _random_like(tensor: torch.Tensor) -> torch.Tensor:
+    """`reset_tensors`' values: uniform in [0, 1) for floating point, any value for integers."""
+    if tensor.dtype.is_floating_point:
+        return torch.rand(tensor.shape).to(tensor.dtype)
+    if tensor.dtype == torch.bool:
+        return torch.rand(tensor.shape) > 0.5
+    info = torch.iinfo(tensor.dtype)
+    return torch.randint(int(info.min), int(info.max), tensor.shape, dtype=tensor.dtype)
+
+
+def _difference(name: str, expect: torch.Tensor, actual: torch.Tensor) -> str:
+    """One line of a failed compare, in the wheel's words (`_check_tensors`)."""
+    errors = (actual.float() - expect.float()).abs()
+    return (
+        f"name={name} max_abs_err={errors.max().item()} mean_abs_err={errors.mean().item()} "
+        f"num_exceed={int((errors > 0).sum())} "
+        f"expect=raw(shape={tuple(expect.shape)} dtype={expect.dtype}) "
+        f"actual=raw(shape={tuple(actual.shape)} dtype={actual.dtype}) "
+    )
+
+
+def _checksum_info(tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """A `ChecksumInfo` of one TP rank: a digest per tensor, one over all of them (by name)."""
+    checksums = {name: _digest(tensor) for name, tensor in tensors.items()}
+    overall = hashlib.sha256()
+    for name in sorted(checksums):
+        overall.update(name.encode())
+        overall.update(checksums[name].encode())
+    placement = {"role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1}
+    placement |= {"pp_rank": 0, "pp_size": 1, "rank": 0, "size": 1}
+    return {
+        "checksums": checksums,
+        "per_gpu_checksum": overall.hexdigest(),
+        "parallelism_info": [placement],
+    }
+
+
+def _digest(tensor: torch.Tensor) -> str:
+    """16 hex digits of the tensor's bytes (the wheel's `tensor_hash`, formatted `016x`)."""
+    data = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    return hashlib.sha256(data).hexdigest()[:16]
 
 
 def _receive_flattened(

@@ -8,17 +8,21 @@ or imports it, and parses with `ast`:
 * the route table of `sglang/srt/entrypoints/http_server.py` (path, methods, the request type
   each handler takes),
 * the request types of `sglang/srt/managers/io_struct.py` (dataclasses and msgspec structs:
-  every field, and which have no default),
+  every field, and which have no default), and the wire types of the weight checker's answer
+  (`ChecksumInfo`, `ParallelismInfo`),
+* the keys `/weights_checker`'s handler puts in its answer,
 * `sglang/api/v1/api_types.py`'s `SamplingParams`, the schema `/generate` checks its
   `sampling_params` against (unknown keys rejected).
 
-It then runs the project's client through every call it makes (generation, a disk refit, a
-broadcast refit with the read-back check) against the stand-in, which records each request, and
-fails on a route the wheel lacks, a field its request type does not declare, or a required field
-left out; every route string in the client's modules must be in the wheel and in that run. The
-stand-in's routes and request models are checked against the same table. When the pin moves,
-the failures list what changed. The download needs the network: marked `registry`, as CI runs
-(`.ci/run`); the wheel is cached under ~/.cache/gym-grpo-recipes/sglang-wheel/.
+It then runs the project's client through every call it makes (generation, a disk refit checked
+by the weights checker's snapshot, reset and compare, a broadcast refit with the read-back check
+and the checksums) against two stand-ins, which record each request, and fails on a route the
+wheel lacks, a field its request type does not declare, or a required field left out; every
+route string in the client's modules must be in the wheel and in that run. The stand-in's routes
+and request models are checked against the same table, its weight-checker answers against the
+wheel's keys and wire types. When the pin moves, the failures list what changed. The download
+needs the network: marked `registry`, as CI runs (`.ci/run`); the wheel is cached under
+~/.cache/gym-grpo-recipes/sglang-wheel/.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from pydantic import BaseModel
@@ -43,13 +48,20 @@ from gymrl.generation.sglang_engine import SGLangEngine
 from gymrl.generation.types import GenerationRequest, SamplingParams
 from gymrl.generation.weight_check import WeightCheck
 from gymrl.generation.weight_sync import WeightSender
+from gymrl.generation.weights_checker import ROUTE, WeightsChecker
 from nemo_gym_ext.http_server import serve_in_thread
 
 pytestmark = pytest.mark.registry
 
 ROOT = Path(__file__).resolve().parents[3]
 CACHE = Path("~/.cache/gym-grpo-recipes/sglang-wheel").expanduser()
-CLIENT_MODULES = ("sglang_engine.py", "sglang_servers.py", "weight_sync.py", "weight_check.py")
+CLIENT_MODULES = (
+    "sglang_engine.py",
+    "sglang_servers.py",
+    "weight_sync.py",
+    "weight_check.py",
+    "weights_checker.py",
+)
 # Fields every io_struct request inherits for SGLang's own IPC; a client never sends them.
 _IPC_FIELDS = {"rid", "http_worker_ipc"}
 
@@ -124,24 +136,37 @@ def _type_name(annotation: ast.expr | None) -> str | None:
     return None
 
 
+def _route_path(decorator: ast.expr) -> str | None:
+    """The path of `@app.<verb>("/path", ...)`; None for another decorator."""
+    if (
+        isinstance(decorator, ast.Call)
+        and isinstance(decorator.func, ast.Attribute)
+        and isinstance(decorator.func.value, ast.Name)
+        and decorator.func.value.id == "app"
+        and decorator.args
+        and isinstance(first := decorator.args[0], ast.Constant)
+    ):
+        return str(first.value)
+    return None
+
+
+def _handlers(http_server: Path) -> typing.Iterator[ast.FunctionDef | ast.AsyncFunctionDef]:
+    for node in ast.walk(ast.parse(http_server.read_text())):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            yield node
+
+
 def read_routes(http_server: Path) -> dict[str, Route]:
     routes: dict[str, Route] = {}
-    for node in ast.walk(ast.parse(http_server.read_text())):
-        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-            continue
+    for node in _handlers(http_server):
         body_type = next(
             (name for arg in node.args.args if (name := _type_name(arg.annotation))), None
         )
         for decorator in node.decorator_list:
-            if not (
-                isinstance(decorator, ast.Call)
-                and isinstance(decorator.func, ast.Attribute)
-                and isinstance(decorator.func.value, ast.Name)
-                and decorator.func.value.id == "app"
-                and decorator.args
-                and isinstance(decorator.args[0], ast.Constant)
-            ):
+            path = _route_path(decorator)
+            if path is None:
                 continue
+            assert isinstance(decorator, ast.Call) and isinstance(decorator.func, ast.Attribute)
             verb = decorator.func.attr
             if verb == "api_route":
                 [methods] = [k.value for k in decorator.keywords if k.arg == "methods"]
@@ -149,8 +174,32 @@ def read_routes(http_server: Path) -> dict[str, Route]:
                 verbs = {str(ast.literal_eval(m)) for m in methods.elts}
             else:
                 verbs = {verb.upper()}
-            routes[str(decorator.args[0].value)] = Route(frozenset(verbs), body_type)
+            routes[path] = Route(frozenset(verbs), body_type)
     return routes
+
+
+def read_answer_keys(http_server: Path, path: str) -> frozenset[str]:
+    """The keys the handler of `path` can put in its answer: those of its dict literals and of
+    its `body["key"] = ...` assignments."""
+    for node in _handlers(http_server):
+        if path not in {_route_path(decorator) for decorator in node.decorator_list}:
+            continue
+        keys: set[str] = set()
+        for inner in ast.walk(node):
+            if isinstance(inner, ast.Dict):
+                keys |= {
+                    key.value
+                    for key in inner.keys
+                    if isinstance(key, ast.Constant) and isinstance(key.value, str)
+                }
+            elif (
+                isinstance(inner, ast.Subscript)
+                and isinstance(inner.ctx, ast.Store)
+                and isinstance(inner.slice, ast.Constant)
+            ):
+                keys.add(str(inner.slice.value))
+        return frozenset(keys)
+    raise AssertionError(f"the wheel has no handler for {path}")
 
 
 def read_request_types(*sources: Path) -> dict[str, RequestType]:
@@ -228,8 +277,9 @@ def problems_with(path: str, method: str, body, contract) -> list[str]:
 
 # ------------------------------------------------------------------------------ the project's calls
 def _recorded_calls(tmp_path: Path) -> list[tuple[str, dict | None]]:
-    """Every request the client sends in generation, a disk refit and a checked broadcast
-    refit, as the stand-in saw it."""
+    """Every request the client sends in generation, a disk refit of the weights the servers
+    started with (snapshot, reset, compare) and a broadcast refit (read back, checksums), as two
+    stand-ins saw them."""
     weights = {
         "model.embed_tokens.weight": torch.randn(8, 4),
         "model.layers.0.self_attn.q_proj.weight": torch.randn(4, 4),
@@ -238,32 +288,39 @@ def _recorded_calls(tmp_path: Path) -> list[tuple[str, dict | None]]:
     checkpoint = tmp_path / "checkpoint"
     checkpoint.mkdir()
     save_file(weights, str(checkpoint / "model.safetensors"))
-    app, state = make_standin(model_weights=weights)
-    server = serve_in_thread(app)
+    standins = [make_standin(model_weights=weights) for _ in range(2)]
+    servers = [serve_in_thread(app) for app, _ in standins]
+    urls = [server.url for server in servers]
+    checker = WeightsChecker(every=1, timeout_s=20.0, skip_tensors=("rotary_emb.inv_freq",))
     try:
-        with SGLangEngine([server.url], request_timeout_s=20.0, refit_timeout_s=20.0) as engine:
+        with SGLangEngine(
+            urls, request_timeout_s=20.0, refit_timeout_s=20.0, weights_checker=checker
+        ) as engine:
             request = GenerationRequest(
                 [1, 2, 3], SamplingParams(max_new_tokens=3, stop_token_ids=(9,), seed=4)
             )
             engine.generate([request])
-            engine.refit_from_disk(checkpoint, 1)
+            engine.refit_from_disk(checkpoint, 0)
             check = WeightCheck(every=0, rows=2, served_dtype=None, timeout_s=20.0)
             sender = WeightSender(
-                [server.url],
-                [1],
+                urls,
+                [1, 1],
                 master_address="127.0.0.1",
                 backend="gloo",
                 bucket_bytes=1 << 20,
                 timeout_s=20.0,
                 check=check,
             )
-            engine.begin_refit()
-            sender.send(weights.items(), 2)
-            engine.end_refit(2)
+            engine.begin_refit(1)
+            sender.send(weights.items(), 1)
+            engine.end_refit(1)
             sender.close()
     finally:
-        server.close()
-    return list(state.requests)
+        for server in servers:
+            server.close()
+    checked = [body["action"] for path, body in standins[0][1].requests if path == ROUTE]
+    assert checked == ["snapshot", "reset_tensors", "compare", "checksum"]
+    return [call for _, state in standins for call in state.requests]
 
 
 def test_the_project_calls_only_what_the_pinned_wheel_serves(contract, tmp_path):
@@ -316,9 +373,11 @@ def _standin_models() -> dict[str, tuple[frozenset[str], type[BaseModel] | None]
         hints = typing.get_type_hints(endpoint)
         model = next(
             (
-                hint
+                candidate
                 for name, hint in hints.items()
-                if name != "return" and isinstance(hint, type) and issubclass(hint, BaseModel)
+                if name != "return"
+                for candidate in (hint, *typing.get_args(hint))  # X, or X | None: optional body
+                if isinstance(candidate, type) and issubclass(candidate, BaseModel)
             ),
             None,
         )
@@ -360,3 +419,38 @@ def test_the_standin_serves_the_wheels_routes_with_its_request_types(contract):
                 for name in sorted(set(inner.model_fields) - sampling.fields)
             ]
     assert not found, f"against sglang=={sglang_pin()}:\n" + "\n".join(found)
+
+
+def test_the_standins_weights_checker_answers_in_the_wheels_shape(wheel_source, tmp_path):
+    """The keys the client reads (`success`, `message`, `per_engine_checksum`) and the checksum's
+    `ranks`, as the wheel's handler and wire types (`ChecksumInfo`, `ParallelismInfo`) make
+    them."""
+    srt = wheel_source / "sglang" / "srt"
+    keys = read_answer_keys(srt / "entrypoints" / "http_server.py", ROUTE)
+    assert {"success", "message", "ranks", "per_engine_checksum"} <= keys
+    wire = read_request_types(srt / "managers" / "io_struct.py")
+    app, _ = make_standin(model_weights={"model.norm.weight": torch.ones(4)})
+    server = serve_in_thread(app)
+    try:
+        with httpx.Client(timeout=20.0) as client:
+            answers = [
+                client.post(f"{server.url}{ROUTE}", json=body)
+                for body in (
+                    {"action": "checksum"},
+                    {"action": "snapshot"},
+                    {"action": "reset_tensors"},
+                    {"action": "compare"},
+                )
+            ]
+    finally:
+        server.close()
+    checksum, _, _, compare = answers
+    for answer in answers:
+        assert set(answer.json()) <= keys, answer.json()
+    assert compare.status_code == 400 and not compare.json()["success"]  # reset, not refitted
+    assert compare.json()["message"].startswith("check tensor equality failed:\nname=model.norm")
+    [rank] = checksum.json()["ranks"]
+    assert set(rank) == wire["ChecksumInfo"].fields
+    for placement in rank["parallelism_info"]:  # one per runner (`List[ParallelismInfo]`)
+        assert set(placement) == wire["ParallelismInfo"].fields
+    assert isinstance(checksum.json()["per_engine_checksum"], str)

@@ -216,7 +216,7 @@ def test_engine_pauses_around_the_broadcast_and_resumes_generation(standins):
         deadline = time.monotonic() + 10
         while state.tokens_sampled < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
-        engine.begin_refit()
+        engine.begin_refit(1)
         # The scheduler refuses flushes for a while after the pause: an update asking for one
         # would fail although its weights loaded; the engine's flush retries instead.
         sender.send(_state_dict().items(), version=1)

@@ -373,3 +373,21 @@ def test_eval_needs_k_samples_for_pass_at_k_and_a_temperature_for_several():
 
 def test_eval_k_must_be_positive():
     assert "k must be 1 or more" in _issues(["eval.pass_at_k=[0,1]"])["eval.pass_at_k"].problem
+
+
+def test_read_back_with_a_disk_refit_is_refused_since_nothing_would_be_checked():
+    disk = ["+experiment=math_1p5b", "generation.refit.transport=disk"]
+    read_back = "generation.refit.verify_method=read_back"
+    checked = [*disk, "generation.refit.verify_weights=true"]
+    issue = _issues([*checked, read_back])["generation.refit.verify_method"]
+    assert issue.value == "read_back" and "a disk refit" in issue.problem
+    assert issue.fix == "use verify_method=weights_checker (the default), or transport=nccl"
+    # The weights checker checks disk refits; an unchecked run has nothing to refuse.
+    validate_config(compose_raw(checked))
+    validate_config(compose_raw([*disk, read_back, "generation.refit.verify_weights=false"]))
+
+
+def test_an_unknown_verify_method_is_named_with_the_choices():
+    issues = _issues(["+experiment=math_1p5b", "generation.refit.verify_method=checksum"])
+    issue = issues["generation.refit.verify_method"]
+    assert issue.value == "checksum" and "weights_checker" in issue.problem + issue.fix
