@@ -3,6 +3,8 @@
     python benchmarks/bench_vs_trl.py   # issue 24: 12 x 4 groups
     python benchmarks/bench_vs_trl.py --steps 2 --groups 1 --val-rows 4    # a smoke test, minutes
     python benchmarks/bench_vs_trl.py --only trl --steps 2 --groups 1 --val-rows 4
+    python benchmarks/bench_vs_trl.py --only project --project-overrides grpo.async_enabled=true \
+        --out outputs/bench_vs_trl/table_async.json          # the async variant, project side
 
 The task is issue 24's: the built-in calculator environment only, SmolLM2-135M-Instruct, the
 project's `smollm2_tools` template, `+experiment=learn '~env.nemo_gym.agents.guess_number_agent'
@@ -62,6 +64,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("outputs/bench_vs_trl/table.json"))
     parser.add_argument("--skip-install", action="store_true", help="use .venv-trl as it is")
     parser.add_argument("--check-only", action="store_true", help="stop after the prompt check")
+    parser.add_argument(
+        "--project-overrides",
+        nargs="*",
+        default=[],
+        help="more recipe overrides for the project side only, e.g. grpo.async_enabled=true "
+        "(the async variant); use with --only project and its own --out",
+    )
     args = parser.parse_args()
     overrides = [
         *TASK_OVERRIDES,
@@ -85,13 +94,13 @@ def main() -> None:
         if args.check_only:
             return
     # A side run alone joins the other side's figures from an earlier run with the same settings.
-    results: dict[str, Any] = {"overrides": overrides}
+    results: dict[str, Any] = {"overrides": overrides, "project_overrides": args.project_overrides}
     if args.only != "both" and args.out.is_file():
         earlier = json.loads(args.out.read_text())
         if earlier.get("overrides") == overrides:
             results.update({k: v for k, v in earlier.items() if k in ("project", "trl")})
     if args.only in ("both", "project"):
-        results["project"] = run_project(overrides, work)
+        results["project"] = run_project([*overrides, *args.project_overrides], work)
     if args.only in ("both", "trl"):
         results["trl"] = run_trl(work / "trl_spec.json", work)
     sides = {name: results[name]["figures"] for name in ("project", "trl") if name in results}
