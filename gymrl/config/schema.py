@@ -408,13 +408,16 @@ class TorchTrainerConfig(Strict):
         "micro_batch_size sequences. Torch trainer only (Megatron packs its own way).",
     )
     max_packed_tokens: int = Field(
-        default=2048,
+        default=1024,
         gt=0,
         description="With prefix_packing, the most tree nodes (distinct prefix tokens) one "
-        "forward/backward packs; sequences are sorted so that those sharing a prefix are "
-        "packed together, and one longer than this is packed alone. Bounds memory, which "
-        "grows with the packed tokens (activations) and their square (the attention mask), "
-        "not with the number of sequences.",
+        "forward/backward packs: sequences are sorted so that those sharing a prefix are "
+        "packed together, then cut into micro-batches at this budget (a longer sequence is "
+        "packed alone). A token budget rather than a sequence count because memory grows with "
+        "the packed tokens, not with the sequences sharing them. Attention over the tree is "
+        "dense (an N x N mask), so a larger tree costs quadratically: on the embedded "
+        "calculator step (16 episodes, one 1,984-node tree) 1024 was the fastest and used the "
+        "least memory (benchmarks/README.md, 'Prefix packing').",
     )
     # One process loading a model that fits one device.
     start_timeout_s: TrainerStartTimeout = 300.0
