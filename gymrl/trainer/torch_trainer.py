@@ -30,6 +30,10 @@ from gymrl.run.checkpoint import TrainerState, capture_rng_state, load_checkpoin
 from gymrl.trainer.grpo_step import loss_normalizer, micro_batch_loss, reduce_loss_metrics
 from gymrl.trainer.prefix_packing import PrefixTree, pack_prefix_tree, prefix_chunks
 
+# The attention implementations that apply a custom 4D float mask as given (transformers passes
+# it through untouched); flash-attention kernels take padding masks only and would ignore it.
+_MASKED_ATTENTION = ("sdpa", "eager")
+
 
 class TorchPolicyTrainer:
     def __init__(
@@ -45,6 +49,13 @@ class TorchPolicyTrainer:
     ):
         """`compute_dtype` is `policy.compute_dtype` (`gymrl.model.precision`); resolved for the
         device the model is on when the trainer is built."""
+        attention = model.config._attn_implementation
+        if config.prefix_packing and attention not in _MASKED_ATTENTION:
+            raise ValueError(
+                f"trainer.prefix_packing=true needs attention that applies a 4D additive mask "
+                f"({' or '.join(_MASKED_ATTENTION)}); this model's attn_implementation is "
+                f"{attention!r}. Load it with sdpa, or set trainer.prefix_packing=false"
+            )
         self.model = model
         self._config = config
         self._loss = loss

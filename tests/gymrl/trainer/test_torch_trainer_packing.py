@@ -174,3 +174,11 @@ def test_a_packed_step_has_the_padded_steps_gradients(packing, loss):
         assert got_metrics[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
     if loss.kl_coef:
         assert want_metrics["kl"] > 1e-3
+
+
+def test_packing_refuses_attention_that_would_ignore_the_mask():
+    model = _model()
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match=r"attn_implementation is 'flash_attention_2'.*sdpa"):
+        _trainer(model, prefix_packing=True)
+    _trainer(model, prefix_packing=False)  # padding needs no custom mask
