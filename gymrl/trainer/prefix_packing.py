@@ -21,7 +21,7 @@ and the `[N, N]` mask is built without walking the tree.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -33,8 +33,8 @@ class PrefixTree:
     `token_ids`, `positions` and `subtree_end` are `[N]`: each node's token, its depth (the
     position of that token in every sequence through it) and one past the last node of its
     subtree. `token_index` is `[B, T]`: the node of token `t` of sequence `b`, in the order the
-    sequences were given, `T` the longest sequence; entries past a sequence's end are 0 (like
-    `gymrl.algo.trajectory.collate`'s padding, never a token of that sequence).
+    sequences were given, `T` the longest sequence (as in `gymrl.algo.trajectory.collate`);
+    entries past a sequence's end, where collate pads, are 0 and mean nothing.
     """
 
     token_ids: torch.Tensor
@@ -53,10 +53,10 @@ class PrefixTree:
 
     def to(self, device: torch.device) -> PrefixTree:
         return PrefixTree(
-            *(
-                tensor.to(device, non_blocking=True)
-                for tensor in (self.token_ids, self.positions, self.subtree_end, self.token_index)
-            )
+            **{
+                field.name: getattr(self, field.name).to(device, non_blocking=True)
+                for field in fields(self)
+            }
         )
 
 
