@@ -72,12 +72,31 @@ def masked_token_logprobs(
     hidden states that predict them (`hidden_states[:, t - 1]` for token t) saves that work.
     Same alignment and values as `sequence_logprobs(output_layer(hidden_states), ...)`.
     """
+    batch, length = input_ids.shape
+    rows = torch.arange(batch * length, device=input_ids.device).view(batch, length)
+    return gathered_token_logprobs(
+        hidden_states.flatten(0, 1), rows, output_layer, input_ids, loss_mask, temperature
+    )
+
+
+def gathered_token_logprobs(
+    hidden_states: torch.Tensor,
+    token_rows: torch.Tensor,
+    output_layer: torch.nn.Module,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    temperature: float,
+) -> torch.Tensor:
+    """:func:`masked_token_logprobs` for hidden states laid out in any order: `hidden_states`
+    is `[N, H]` and `token_rows[b, t]` is the row holding token `t` of sequence `b` (a padded
+    batch flattened, or the nodes of a prefix tree, `gymrl.trainer.prefix_packing`). Token t is
+    predicted by the row of token t - 1; result `[B, T]`, 0 where `loss_mask` is 0."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     predicts = torch.zeros_like(loss_mask, dtype=torch.bool)
     predicts[:, 1:] = loss_mask[:, 1:].bool()
     selected = predicts[:, 1:]
-    logits = output_layer(hidden_states[:, :-1][selected]).float()
+    logits = output_layer(hidden_states[token_rows[:, :-1][selected]]).float()
     if temperature != 1.0:
         logits = logits / temperature
     targets = input_ids[:, 1:][selected].unsqueeze(-1)

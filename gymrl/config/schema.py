@@ -423,7 +423,33 @@ class MegatronOptimizerConfig(OptimizerConfig):
 
 class TorchTrainerConfig(Strict):
     backend: Literal["torch"] = "torch"
-    micro_batch_size: int = Field(default=4, gt=0, description="Sequences per forward/backward.")
+    micro_batch_size: int = Field(
+        default=4,
+        gt=0,
+        description="Sequences per forward/backward when prefix_packing is off (with it on, "
+        "max_packed_tokens sizes micro-batches).",
+    )
+    prefix_packing: bool = Field(
+        default=True,
+        description="Pack each micro-batch's sequences as a prefix tree: a prefix shared by "
+        "several sequences (a system prompt, a group's question) is computed once, each token "
+        "attending to its ancestors through a 4D mask; same log-probabilities and gradients as "
+        "padding them side by side, to float rounding. Off: right-padded micro-batches of "
+        "micro_batch_size sequences. Needs sdpa or eager attention (how models load here). "
+        "Torch trainer only (the Megatron trainer batches its own way).",
+    )
+    max_packed_tokens: int = Field(
+        default=1024,
+        gt=0,
+        description="With prefix_packing, the most tree nodes (distinct prefix tokens) one "
+        "forward/backward packs: sequences are sorted so that those sharing a prefix are "
+        "packed together, then cut into micro-batches at this budget (a longer sequence is "
+        "packed alone). A token budget rather than a sequence count because memory grows with "
+        "the packed tokens, not with the sequences sharing them. Attention over the tree is "
+        "dense (an N x N mask), so a larger tree costs quadratically: on the embedded "
+        "calculator step (16 episodes, one 1,984-node tree) 1024 was the fastest and used the "
+        "least memory (benchmarks/README.md, 'Prefix packing').",
+    )
     # One process loading a model that fits one device.
     start_timeout_s: TrainerStartTimeout = 300.0
     optimizer: TorchOptimizerConfig = Field(default_factory=TorchOptimizerConfig)

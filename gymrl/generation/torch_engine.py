@@ -47,6 +47,7 @@ from gymrl.generation.types import (
     GenerationRequest,
     SamplingParams,
 )
+from gymrl.model.attention_mask import additive_mask
 from gymrl.model.precision import (
     ComputeDtype,
     body_autocast,
@@ -699,7 +700,7 @@ class TorchGenerationEngine:
         layers = self._layers_holding([a.prefix for a in chunk if a.prefix], len(ids))
         logits = self._forward(
             ids[None],
-            self._additive_mask(allowed[None, None]),
+            additive_mask(allowed[None, None], self._dtype),
             positions[None],
             layers,
             ends - 1,
@@ -767,7 +768,7 @@ class TorchGenerationEngine:
         last = torch.tensor([row.token_ids[-1] for row in batch.rows], device=self._device)
         logits = self._forward(
             last[:, None],
-            self._additive_mask(allowed[:, None, None, :]),
+            additive_mask(allowed[:, None, None, :], self._dtype),
             cached[:, None],
             batch.layers,
             1,
@@ -797,13 +798,6 @@ class TorchGenerationEngine:
         # many positions (0 = all), a tensor the positions it lists.
         kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         return self._output_layer(hidden[:, kept].to(self._dtype))
-
-    def _additive_mask(self, allowed: torch.Tensor) -> torch.Tensor:
-        """A 4D float mask, 0 where attending is allowed: both eager and SDPA attention take it."""
-        blocked = torch.finfo(self._dtype).min
-        return torch.zeros(allowed.shape, dtype=self._dtype, device=self._device).masked_fill_(
-            ~allowed, blocked
-        )
 
     def _sample_into(self, rows: Sequence[_Row], logits: torch.Tensor) -> None:
         """Sample one token for each row from `logits` `[len(rows), vocab]` and record it."""

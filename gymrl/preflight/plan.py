@@ -126,10 +126,12 @@ def _trainer_line(config: RecipeConfig) -> str:
     common = f"AdamW lr {trainer.optimizer.lr:g}; start-up deadline {trainer.start_timeout_s:g} s"
     if isinstance(trainer, TorchTrainerConfig):
         device = _torch_device(config, trainer_gpus(config))
-        return (
-            f"torch on {device} ({_matmuls(config)}), micro-batch "
-            f"{trainer.micro_batch_size}; {common}"
+        batches = (
+            f"prefix-packed micro-batches of up to {trainer.max_packed_tokens} tokens"
+            if trainer.prefix_packing
+            else f"micro-batch {trainer.micro_batch_size}"
         )
+        return f"torch on {device} ({_matmuls(config)}), {batches}; {common}"
     gpus = trainer_gpus(config)
     data_parallel = gpus // trainer.model_parallel_size
     return (

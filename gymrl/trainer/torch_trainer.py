@@ -1,9 +1,13 @@
 """The torch policy trainer: GRPO steps on a Hugging Face causal LM, on the CPU or one GPU.
 
-One optimizer step per call. The step's sequences are split into micro-batches of similar length
-(sorted, so little compute goes to padding); each micro-batch's loss is normalised by the token
-(or sequence) count of the whole step (`gymrl.trainer.grpo_step`), so the summed gradients equal
-the full-batch gradient. The trainer runs where its model is: the caller moves the model to a GPU
+One optimizer step per call. The step's sequences are split into micro-batches; each
+micro-batch's loss is normalised by the token (or sequence) count of the whole step
+(`gymrl.trainer.grpo_step`), so the summed gradients equal the full-batch gradient. With
+`trainer.prefix_packing` (the default) a micro-batch is a prefix tree of sequences that start
+alike (`gymrl.trainer.prefix_packing`): a prompt shared by a step's episodes is computed once,
+with the same log-probabilities and gradients as computing it for each. Without it, sequences of
+similar length are right-padded side by side (sorted, so little compute goes to padding). The
+trainer runs where its model is: the caller moves the model to a GPU
 (`gymrl.roles.actors.PolicyTrainerActor` does when the placement gives it one) and batches follow.
 """
 
@@ -17,12 +21,18 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from gymrl.algo.loss import masked_token_logprobs
+from gymrl.algo.loss import gathered_token_logprobs, masked_token_logprobs
 from gymrl.algo.trajectory import Trajectory, collate
 from gymrl.config.schema import LossConfig, TorchTrainerConfig
+from gymrl.model.attention_mask import additive_mask
 from gymrl.model.precision import ComputeDtype, body_autocast, resolve_compute_dtype
 from gymrl.run.checkpoint import TrainerState, capture_rng_state, load_checkpoint, save_checkpoint
 from gymrl.trainer.grpo_step import loss_normalizer, micro_batch_loss, reduce_loss_metrics
+from gymrl.trainer.prefix_packing import PrefixTree, pack_prefix_tree, prefix_chunks
+
+# The attention implementations that apply a custom 4D float mask as given (transformers passes
+# it through untouched); flash-attention kernels take padding masks only and would ignore it.
+_MASKED_ATTENTION = ("sdpa", "eager")
 
 
 class TorchPolicyTrainer:
@@ -39,6 +49,13 @@ class TorchPolicyTrainer:
     ):
         """`compute_dtype` is `policy.compute_dtype` (`gymrl.model.precision`); resolved for the
         device the model is on when the trainer is built."""
+        attention = model.config._attn_implementation
+        if config.prefix_packing and attention not in _MASKED_ATTENTION:
+            raise ValueError(
+                f"trainer.prefix_packing=true needs attention that applies a 4D additive mask "
+                f"({' or '.join(_MASKED_ATTENTION)}); this model's attn_implementation is "
+                f"{attention!r}. Load it with sdpa, or set trainer.prefix_packing=false"
+            )
         self.model = model
         self._config = config
         self._loss = loss
@@ -69,21 +86,20 @@ class TorchPolicyTrainer:
         ]
         if not trainable:
             raise ValueError("train_step got no trajectory with generated tokens to train on")
-        order = sorted(trainable, key=lambda i: len(trajectories[i].token_ids))
         normalizer = loss_normalizer(trajectories, self._loss.token_level_normalization)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         reports = []
-        size = self._config.micro_batch_size
-        for start in range(0, len(order), size):
-            chunk = order[start : start + size]
-            batch = collate(
-                [trajectories[i] for i in chunk],
-                advantages=advantages[chunk],
-                pad_token_id=self._pad_token_id,
+        for chunk in self._micro_batches(trajectories, trainable):
+            chosen = [trajectories[i] for i in chunk]
+            batch = collate(chosen, advantages=advantages[chunk], pad_token_id=self._pad_token_id)
+            tree = (
+                pack_prefix_tree([t.token_ids for t in chosen])
+                if self._config.prefix_packing
+                else None
             )
-            agents = [trajectories[i].agent for i in chunk]
-            loss, metrics = self._micro_batch_loss(batch, normalizer, agents)
+            agents = [t.agent for t in chosen]
+            loss, metrics = self._micro_batch_loss(batch, tree, normalizer, agents)
             loss.backward()
             reports.append(metrics)
         grad_norm = torch.nn.utils.clip_grad_norm_(
@@ -99,15 +115,36 @@ class TorchPolicyTrainer:
             "num_sequences": float(len(trainable)),
         }
 
+    def _micro_batches(
+        self, trajectories: Sequence[Trajectory], trainable: list[int]
+    ) -> list[list[int]]:
+        """The step's trainable trajectories (indices) in micro-batches: with prefix packing,
+        sequences that share a prefix side by side and at most `max_packed_tokens` tree nodes per
+        micro-batch; otherwise `micro_batch_size` sequences of similar length."""
+        if self._config.prefix_packing:
+            chunks = prefix_chunks(
+                [trajectories[i].token_ids for i in trainable], self._config.max_packed_tokens
+            )
+            return [[trainable[j] for j in chunk] for chunk in chunks]
+        order = sorted(trainable, key=lambda i: len(trajectories[i].token_ids))
+        size = self._config.micro_batch_size
+        return [order[start : start + size] for start in range(0, len(order), size)]
+
     def _micro_batch_loss(
-        self, batch: dict[str, torch.Tensor], normalizer: float, agents: list[str]
+        self,
+        batch: dict[str, torch.Tensor],
+        tree: PrefixTree | None,
+        normalizer: float,
+        agents: list[str],
     ) -> tuple[torch.Tensor, dict[str, float]]:
+        """`tree`: the batch's sequences packed as a prefix tree, or None to run them padded."""
         batch = {name: tensor.to(self._device, non_blocking=True) for name, tensor in batch.items()}
-        logprobs = self._logprobs(self.model, batch)
+        tree = tree.to(self._device) if tree is not None else None
+        logprobs = self._logprobs(self.model, batch, tree)
         reference = None
         if self._reference is not None:
             with torch.no_grad():
-                reference = self._logprobs(self._reference, batch)
+                reference = self._logprobs(self._reference, batch, tree)
         return micro_batch_loss(
             logprobs,
             batch,
@@ -117,25 +154,49 @@ class TorchPolicyTrainer:
             reference_logprobs=reference,
         )
 
-    def _logprobs(self, model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Log-probabilities of the generated tokens; the vocabulary projection runs only there."""
+    def _logprobs(
+        self, model: PreTrainedModel, batch: dict[str, torch.Tensor], tree: PrefixTree | None
+    ) -> torch.Tensor:
+        """Log-probabilities of the generated tokens, `[B, T]` like `batch`; the vocabulary
+        projection runs only there. With `tree`, the body runs once over its nodes, each
+        attending to its ancestors at its depth, and every token reads its node's hidden state."""
         output_layer = model.get_output_embeddings()
         if output_layer is None:
             raise ValueError(
                 f"{type(model).__name__} has no output layer (lm_head); the torch trainer trains "
                 "causal language models"
             )
-        with body_autocast(self._device, self._compute_dtype):
-            hidden = model.base_model(
-                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
-            ).last_hidden_state
-        return masked_token_logprobs(
-            hidden.to(model.dtype),
+        if tree is None:
+            hidden = self._hidden(
+                model, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+            )
+            return masked_token_logprobs(
+                hidden, output_layer, batch["input_ids"], batch["loss_mask"], self._temperature
+            )
+        # The mask in the dtype attention computes in, so autocast has nothing to convert
+        # and the layers share one copy of it.
+        mask = additive_mask(tree.visible()[None, None], self._compute_dtype or model.dtype)
+        hidden = self._hidden(
+            model,
+            input_ids=tree.token_ids[None],
+            attention_mask=mask,
+            position_ids=tree.positions[None],
+        )[0]
+        return gathered_token_logprobs(
+            hidden,
+            tree.token_index,
             output_layer,
             batch["input_ids"],
             batch["loss_mask"],
             self._temperature,
         )
+
+    def _hidden(self, model: PreTrainedModel, **inputs: torch.Tensor) -> torch.Tensor:
+        """The body's last hidden states under this trainer's autocast, in the weights' dtype
+        (the output layer and the log-softmax run outside autocast)."""
+        with body_autocast(self._device, self._compute_dtype):
+            hidden = model.base_model(**inputs).last_hidden_state
+        return hidden.to(model.dtype)
 
     @property
     def compute_dtype(self) -> str:

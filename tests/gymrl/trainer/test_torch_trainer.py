@@ -71,14 +71,14 @@ def test_micro_batches_give_the_full_batch_gradient(trainer, tokenizer):
     advantages = torch.tensor([0.5, -1.0, 2.0, -0.5, 1.0])
     trainer._config = TorchTrainerConfig(micro_batch_size=5)
     batch = collate(trajectories, advantages=advantages, pad_token_id=0)
-    loss, _ = trainer._micro_batch_loss(batch, 6.0, [t.agent for t in trajectories])
+    loss, _ = trainer._micro_batch_loss(batch, None, 6.0, [t.agent for t in trajectories])
     (full,) = torch.autograd.grad(loss, trainer.model.model.embed_tokens.weight)
     parts = []
     for chunk in ([0, 1], [2, 3], [4]):
         part = collate(
             [trajectories[i] for i in chunk], advantages=advantages[chunk], pad_token_id=0
         )
-        loss, _ = trainer._micro_batch_loss(part, 6.0, [trajectories[i].agent for i in chunk])
+        loss, _ = trainer._micro_batch_loss(part, None, 6.0, [trajectories[i].agent for i in chunk])
         parts.append(torch.autograd.grad(loss, trainer.model.model.embed_tokens.weight)[0])
     torch.testing.assert_close(sum(parts), full, rtol=1e-4, atol=1e-6)
 
