@@ -11,31 +11,12 @@ import time
 
 import pytest
 import torch
-from sglang_standin import WEIGHT_OFFSET, make_standin
+from sglang_standin import WEIGHT_OFFSET
 
 from gymrl.generation.sglang_engine import SGLangEngine
 from gymrl.generation.types import GenerationRequest, SamplingParams
 from gymrl.generation.weight_check import WeightCheck, WeightMismatchError, checksum
 from gymrl.generation.weight_sync import WeightSender, WeightSyncError, buckets
-from nemo_gym_ext.http_server import serve_in_thread
-
-
-@pytest.fixture
-def standins():
-    started = []
-
-    def start(count: int, **kwargs):
-        result = []
-        for _ in range(count):
-            app, state = make_standin(**kwargs)
-            server = serve_in_thread(app)
-            started.append(server)
-            result.append((server.url, state))
-        return result
-
-    yield start
-    for server in started:
-        server.close()
 
 
 def _state_dict() -> dict[str, torch.Tensor]:

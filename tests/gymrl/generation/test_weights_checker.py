@@ -19,24 +19,6 @@ from nemo_gym_ext.http_server import serve_in_thread
 RENAMED = "model.layers.0.self_attn.qkv_proj.weight"  # what the server's model calls q_proj
 
 
-@pytest.fixture
-def standins():
-    started = []
-
-    def start(count: int, **kwargs):
-        result = []
-        for _ in range(count):
-            app, state = make_standin(**kwargs)
-            server = serve_in_thread(app)
-            started.append(server)
-            result.append((server.url, state))
-        return result
-
-    yield start
-    for server in started:
-        server.close()
-
-
 def _weights(seed: int = 0) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return {
