@@ -61,9 +61,9 @@ class PrefixCache:
     def cached_tokens(self) -> int:
         return self._tokens
 
-    @property
-    def keeps_prefixes(self) -> bool:
-        return self._max_tokens > 0
+    def can_keep(self, length: int) -> bool:
+        """Whether a sequence of `length` tokens fits the budget (`store` keeps it)."""
+        return 0 < length <= self._max_tokens
 
     def longest_prefix(self, prompt: Sequence[int]) -> CachedPrefix | None:
         """The kept keys/values of `prompt`'s longest prefix shared with any entry, leaving at
@@ -94,7 +94,7 @@ class PrefixCache:
         the caller's buffers can be freed) as the cache of `tokens`. An entry that is a prefix of
         `tokens` is replaced by it; nothing is kept if `tokens` is a prefix of an entry already."""
         length = len(tokens)
-        if not 0 < length <= self._max_tokens:
+        if not self.can_keep(length):
             return
         new = np.asarray(tokens, dtype=np.int64)
         for entry_id, entry in list(self._entries.items()):
@@ -139,7 +139,8 @@ def plan_prefill(
     prompt is cold. Prefilled side by side, each would compute the shared part again. So a
     prompt that shares `MIN_SHARED_GAIN` more tokens with a prompt going now than with the
     cache waits; the engine stores what the first pass computed and the waiting prompts then
-    find it in the cache. The first prompt always goes, so every pass makes progress.
+    find it in the cache. The first prompt always goes, so every pass makes progress; only a
+    prompt the cache can keep is waited for, so a small budget never serialises the batch.
     """
     now: list[tuple[int, CachedPrefix | None]] = []
     later: list[int] = []
@@ -148,11 +149,12 @@ def plan_prefill(
         prefix = cache.longest_prefix(prompt)
         wanted = np.asarray(prompt[:-1], dtype=np.int64)
         shared = max((_common_prefix(other, wanted) for other in going), default=0)
-        if cache.keeps_prefixes and shared >= (prefix.length if prefix else 0) + MIN_SHARED_GAIN:
+        if shared >= (prefix.length if prefix else 0) + MIN_SHARED_GAIN:
             later.append(index)
             continue
         now.append((index, prefix))
-        going.append(np.asarray(prompt, dtype=np.int64))
+        if cache.can_keep(len(prompt)):
+            going.append(np.asarray(prompt, dtype=np.int64))
     return now, later
 
 

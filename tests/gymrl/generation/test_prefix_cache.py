@@ -98,3 +98,10 @@ def test_a_short_shared_prefix_or_no_cache_does_not_wait():
     long = list(range(MIN_SHARED_GAIN + 10))
     now, later = plan_prefill([[*long, 1], [*long, 2]], PrefixCache(max_tokens=0))
     assert later == [] and len(now) == 2
+
+
+def test_a_prompt_the_cache_cannot_keep_is_not_waited_for():
+    """With a budget smaller than the shared prompt, waiting would gain nothing: all go."""
+    long = list(range(MIN_SHARED_GAIN + 10))
+    now, later = plan_prefill([[*long, 1], [*long, 2]], PrefixCache(max_tokens=len(long)))
+    assert later == [] and len(now) == 2
