@@ -270,8 +270,10 @@ class TorchGenerationConfig(Strict):
         description="Tokens of finished rows whose keys and values the torch engine keeps, so a "
         "prompt that starts the same way (the episode's next turn; any episode's system prompt) "
         "prefills only the rest (gymrl/generation/prefix_cache.py); least recently used beyond "
-        "this, all dropped at a refit; 0 = off. Memory: layers x 2 x kv_heads x head_dim x 4 "
-        "bytes per token (SmolLM2-135M: 46 KB, so 16384 tokens are about 750 MB).",
+        "this, all dropped at a refit; 0 = off. Memory: layers x kv_heads x head_dim x (bytes "
+        "of a key + of a value) per token (SmolLM2-135M: 46 KB in float32, so 16384 tokens are "
+        "about 750 MB; under bfloat16 autocast keys stay float32 and values are bfloat16: 35 "
+        "KB, 560 MB).",
     )
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     server: TorchModelServerConfig = Field(default_factory=TorchModelServerConfig)
