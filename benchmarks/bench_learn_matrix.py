@@ -153,8 +153,9 @@ def run_figures(name: str, start: Mapping[str, float]) -> dict[str, Any] | None:
         "exit_s": driver.get("exit_s", math.nan),
         "load_average": driver.get("load_average", ""),
         "episodes": sum(r.get("rollout/episodes", 0) for r in records),
-        "dropped_groups": max(
-            (r.get("rollout/dropped_groups_total", 0) for r in records), default=0
+        "uniform_dropped": max((_sum_of(r, "/uniform_dropped_total") for r in records), default=0),
+        "uniform_over_budget": max(
+            (r.get("rollout/uniform_over_budget_total", 0) for r in records), default=0
         ),
         "masked_share": _mean_of(records, "/off_policy/masked_share"),
         "capped_share": _mean_of(records, "/off_policy/capped_share"),
@@ -162,6 +163,11 @@ def run_figures(name: str, start: Mapping[str, float]) -> dict[str, Any] | None:
             int(r["step"]): r["train/reward/mean"] for r in records if "train/reward/mean" in r
         },
     }
+
+
+def _sum_of(record: Mapping[str, Any], suffix: str) -> float:
+    """A counter summed over agents (`rollout/<agent>/...`)."""
+    return sum(v for k, v in record.items() if k.startswith("rollout/") and k.endswith(suffix))
 
 
 def _mean_of(records: Sequence[Mapping[str, Any]], suffix: str) -> float:
@@ -192,7 +198,7 @@ def variant_summary(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "train_min": statistics.fmean(r["train_min"] for r in runs),
         "rise_per_train_min": statistics.fmean(r["rise_per_train_min"] for r in runs),
         "episodes": statistics.fmean(r["episodes"] for r in runs),
-        "dropped_groups": statistics.fmean(r["dropped_groups"] for r in runs),
+        "uniform_dropped": statistics.fmean(r["uniform_dropped"] for r in runs),
         "masked_share": statistics.fmean(r["masked_share"] for r in runs),
         "capped_share": statistics.fmean(r["capped_share"] for r in runs),
     }
@@ -209,8 +215,9 @@ def format_tables(
         "",
         "| run | final | rise | "
         + " | ".join(f"{a} rise" for a in agents)
-        + " | train min | rise/min | episodes | dropped groups | masked share | exit |",
-        "|---|---:|---:|" + "---:|" * len(agents) + "---:|---:|---:|---:|---:|---:|",
+        + " | train min | rise/min | episodes | uniform groups dropped (over budget) "
+        "| masked share | capped share | exit |",
+        "|---|---:|---:|" + "---:|" * len(agents) + "---:|---:|---:|---:|---:|---:|---:|",
     ]
     for variant_runs in runs.values():
         for r in variant_runs:
@@ -219,7 +226,8 @@ def format_tables(
                 f"| {r['rise']:+.3f} | "
                 + " | ".join(f"{r['rise_per_agent'][a]:+.3f}" for a in agents)
                 + f" | {r['train_min']:.1f} | {r['rise_per_train_min']:+.4f} | {r['episodes']:.0f} "
-                f"| {r['dropped_groups']:.0f} | {r['masked_share']:.4f} | {r['exit_s']:.0f} s |"
+                f"| {r['uniform_dropped']:.0f} ({r['uniform_over_budget']:.0f}) "
+                f"| {r['masked_share']:.4f} | {r['capped_share']:.4f} | {r['exit_s']:.0f} s |"
             )
     lines += [
         "",

@@ -72,7 +72,15 @@ def test_a_run_rises_against_the_start_per_minute_of_training_without_validation
         "matrix_sync_ds_on_seed0",
         [
             _step(1, 60.0, **{"train/calculator_agent/off_policy/masked_share": 0.0}),
-            _step(2, 60.0, **{"rollout/dropped_groups_total": 3}),
+            _step(
+                2,
+                60.0,
+                **{
+                    "rollout/calculator_agent/uniform_dropped_total": 2,
+                    "rollout/guess_number_agent/uniform_dropped_total": 1,
+                    "rollout/uniform_over_budget_total": 1,
+                },
+            ),
             # The closing validation pass is part of the last step's wall time, not training.
             {**_step(3, 400.0), **_validation(3, 0.50, 0.35, 340.0)},
         ],
@@ -89,7 +97,8 @@ def test_a_run_rises_against_the_start_per_minute_of_training_without_validation
     )
     assert figures["rise_per_train_min"] == pytest.approx(0.075 / 3.0)
     assert figures["final_overall_stderr"] == pytest.approx(math.sqrt(0.04**2 + 0.03**2) / 2)
-    assert (figures["episodes"], figures["dropped_groups"], figures["exit_s"]) == (48, 3, 900.0)
+    assert (figures["episodes"], figures["exit_s"]) == (48, 900.0)
+    assert (figures["uniform_dropped"], figures["uniform_over_budget"]) == (3, 1)
 
 
 def test_an_unfinished_run_has_no_figures(bench):
@@ -111,7 +120,7 @@ def test_a_variant_counts_the_seeds_that_rose_per_agent(bench):
             "train_min": 10.0,
             "rise_per_train_min": rise / 10.0,
             "episodes": 192,
-            "dropped_groups": 0,
+            "uniform_dropped": 0,
             "masked_share": 0.0,
             "capped_share": 0.0,
         }
