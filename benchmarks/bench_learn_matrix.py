@@ -275,6 +275,7 @@ def draw(
                 capsize=4,
                 label=agent if x == 0 else None,
             )
+    left.set_xlim(-0.6, len(variants) - 0.4)
     left.set_xticks(range(len(variants)), variants, rotation=20, ha="right")
     left.set_ylabel("final validation reward (128 rows per agent, greedy)")
     left.set_title("final validation per seed (dots), mean and seed s.e.; start dotted")
