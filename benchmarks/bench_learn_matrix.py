@@ -215,7 +215,7 @@ def format_tables(
         "",
         "| run | final | rise | "
         + " | ".join(f"{a} rise" for a in agents)
-        + " | train min | rise/min | episodes | uniform groups dropped (over budget) "
+        + " | train min | rise/min | episodes trained | uniform groups dropped (over budget) "
         "| masked share | capped share | exit |",
         "|---|---:|---:|" + "---:|" * len(agents) + "---:|---:|---:|---:|---:|---:|---:|",
     ]
