@@ -161,7 +161,27 @@ def run_figures(name: str, start: Mapping[str, float]) -> dict[str, Any] | None:
         ),
         "masked_share": _mean_of(records, "/off_policy/masked_share"),
         "capped_share": _mean_of(records, "/off_policy/capped_share"),
+        "ratio_range": {
+            agent: (
+                min(_values_of(records, "/off_policy/ratio/min", agent), default=math.nan),
+                max(_values_of(records, "/off_policy/ratio/max", agent), default=math.nan),
+            )
+            for agent in agents_of(final)
+        },
+        "parity": first_step_parity(records),
     }
+
+
+def first_step_parity(records: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float]]:
+    """What the parity gate read at step 1, per agent (the engine's and the trainer's weights
+    are the same there): mean and largest |trainer - engine| log-probability, ratio std."""
+    first = next((r for r in records if r.get("step") == 1), {})
+    figures: dict[str, dict[str, float]] = {}
+    for key, value in first.items():
+        parts = key.split("/")
+        if parts[0] == "train" and parts[2:3] == ["off_policy"]:
+            figures.setdefault(parts[1], {})["/".join(parts[3:])] = value
+    return figures
 
 
 def _sum_of(record: Mapping[str, Any], suffix: str) -> float:
@@ -169,10 +189,17 @@ def _sum_of(record: Mapping[str, Any], suffix: str) -> float:
     return sum(v for k, v in record.items() if k.startswith("rollout/") and k.endswith(suffix))
 
 
+def _values_of(
+    records: Sequence[Mapping[str, Any]], suffix: str, agent: str | None = None
+) -> list[float]:
+    """Every step's value of a per-agent training metric (`train/<agent>/...`), of every agent
+    or of one."""
+    prefix = f"train/{agent}/" if agent else "train/"
+    return [v for r in records for k, v in r.items() if k.startswith(prefix) and k.endswith(suffix)]
+
+
 def _mean_of(records: Sequence[Mapping[str, Any]], suffix: str) -> float:
-    values = [
-        v for r in records for k, v in r.items() if k.startswith("train/") and k.endswith(suffix)
-    ]
+    values = _values_of(records, suffix)
     return statistics.fmean(values) if values else math.nan
 
 
@@ -242,6 +269,20 @@ def format_tables(
             f"({s['rise_seed_stderr']:.3f}, {s['rise_row_stderr']:.3f}) | {rose} | {per_agent} "
             f"| {s['train_min']:.1f} | {s['rise_per_train_min']:+.4f} |"
         )
+    lines += [
+        "",
+        "| run | agent | step 1: mean \\|trainer - engine\\| | max | ratio std "
+        "| every step: ratio min, max |",
+        "|---|---|---:|---:|---:|---|",
+    ]
+    for variant_runs in runs.values():
+        for r in variant_runs:
+            for agent, p in sorted(r["parity"].items()):
+                lines.append(
+                    f"| {r['run']} | {agent} | {p['logprob_diff/mean']:.4f} "
+                    f"| {p['logprob_diff/max']:.3f} | {p['ratio/std']:.4f} "
+                    f"| {r['ratio_range'][agent][0]:.3f}, {r['ratio_range'][agent][1]:.3f} |"
+                )
     return "\n".join(lines)
 
 

@@ -71,7 +71,16 @@ def test_a_run_rises_against_the_start_per_minute_of_training_without_validation
         bench,
         "matrix_sync_ds_on_seed0",
         [
-            _step(1, 60.0, **{"train/calculator_agent/off_policy/masked_share": 0.0}),
+            _step(
+                1,
+                60.0,
+                **{
+                    "train/calculator_agent/off_policy/masked_share": 0.0,
+                    "train/calculator_agent/off_policy/logprob_diff/mean": 0.015,
+                    "train/calculator_agent/off_policy/ratio/min": 0.8,
+                    "train/calculator_agent/off_policy/ratio/max": 1.2,
+                },
+            ),
             _step(
                 2,
                 60.0,
@@ -82,7 +91,10 @@ def test_a_run_rises_against_the_start_per_minute_of_training_without_validation
                 },
             ),
             # The closing validation pass is part of the last step's wall time, not training.
-            {**_step(3, 400.0), **_validation(3, 0.50, 0.35, 340.0)},
+            {
+                **_step(3, 400.0, **{"train/calculator_agent/off_policy/ratio/max": 1.5}),
+                **_validation(3, 0.50, 0.35, 340.0),
+            },
         ],
         exit_s=900.0,
     )
@@ -99,6 +111,10 @@ def test_a_run_rises_against_the_start_per_minute_of_training_without_validation
     assert figures["final_overall_stderr"] == pytest.approx(math.sqrt(0.04**2 + 0.03**2) / 2)
     assert (figures["episodes"], figures["exit_s"]) == (48, 900.0)
     assert (figures["uniform_dropped"], figures["uniform_over_budget"]) == (3, 1)
+    # The gate's figures are step 1's; the ratio's range is each agent's over every step.
+    assert figures["parity"]["calculator_agent"]["logprob_diff/mean"] == 0.015
+    assert figures["ratio_range"]["calculator_agent"] == (0.8, 1.5)
+    assert all(math.isnan(v) for v in figures["ratio_range"]["guess_number_agent"])
 
 
 def test_an_unfinished_run_has_no_figures(bench):
