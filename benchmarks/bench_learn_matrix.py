@@ -38,6 +38,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from gymrl.tracking.records import read_records
+
 REPO = Path(__file__).resolve().parents[1]
 OUTPUTS = REPO / "outputs"
 COMMON_OVERRIDES = (
@@ -70,7 +72,7 @@ def load_average() -> str:
 
 def read_metrics(name: str) -> list[dict[str, Any]]:
     path = OUTPUTS / name / "metrics.jsonl"
-    return [json.loads(line) for line in path.open()] if path.exists() else []
+    return read_records(path) if path.exists() else []
 
 
 def start_run(names: Sequence[str]) -> str | None:
