@@ -75,6 +75,12 @@ def read_metrics(name: str) -> list[dict[str, Any]]:
     return read_records(path) if path.exists() else []
 
 
+def matrix_runs_on_disk() -> list[str]:
+    """Every matrix run under outputs/, whatever seeds this invocation asks for: the shared
+    start pass may sit in a run of another seed (it is the very first run launched)."""
+    return sorted(path.name for path in OUTPUTS.glob("matrix_*_seed*") if path.is_dir())
+
+
 def start_run(names: Sequence[str]) -> str | None:
     """The first of `names` whose metrics hold a validation pass before step 1."""
     for name in names:
@@ -342,8 +348,7 @@ def draw(
 
 
 def summarise(variants: Sequence[str], seeds: Sequence[int], out: Path, picture: Path) -> None:
-    names = [run_name(v, s) for v in variants for s in seeds]
-    start_name = start_run([run_name(v, s) for v in VARIANTS for s in seeds] + names)
+    start_name = start_run(matrix_runs_on_disk())
     if start_name is None:
         raise SystemExit("no run of the matrix validated before step 1: run the matrix first")
     start = validation_passes(read_metrics(start_name))[0]
@@ -371,14 +376,13 @@ def main() -> None:
     parser.add_argument("--picture", type=Path, default=OUTPUTS / "learn_matrix" / "matrix.png")
     args = parser.parse_args()
     if not args.summarise_only:
-        all_names = [run_name(v, s) for v in VARIANTS for s in args.seeds]
         for seed in args.seeds:  # seed-major: a partial matrix still compares variants
             for variant in args.variants:
                 name = run_name(variant, seed)
                 if not args.rerun and (OUTPUTS / name / SIDECAR).exists():
                     print(f"[matrix] {name} ran already (--rerun runs it again)")
                     continue
-                launch(variant, seed, validate_at_start=start_run(all_names) is None)
+                launch(variant, seed, validate_at_start=start_run(matrix_runs_on_disk()) is None)
     summarise(args.variants, args.seeds, args.out, args.picture)
 
 
