@@ -238,6 +238,31 @@ def variant_summary(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     }
 
 
+def seed_of(name: str) -> int:
+    return int(name.rsplit("_seed", 1)[1])
+
+
+def paired_against(
+    baseline: Sequence[Mapping[str, Any]], runs: Sequence[Mapping[str, Any]]
+) -> dict[str, Any]:
+    """A variant's final overall reward minus the baseline's, seed by seed. Both runs of a seed
+    train on the same rows in the same order and validate on the same rows from one start, so
+    the difference cancels what the seed itself brings: its spread is the options' effect
+    plus sampling noise, and is what tells two options apart on few seeds."""
+    baseline_by_seed = {seed_of(r["run"]): r["final"]["overall"] for r in baseline}
+    differences = [
+        r["final"]["overall"] - baseline_by_seed[seed_of(r["run"])]
+        for r in runs
+        if seed_of(r["run"]) in baseline_by_seed
+    ]
+    return {
+        "seeds": len(differences),
+        "differences": differences,
+        "mean": statistics.fmean(differences) if differences else math.nan,
+        "stderr": _seed_stderr(differences),
+    }
+
+
 def format_tables(
     start: Mapping[str, float], runs: Mapping[str, list[dict[str, Any]]], summary: Mapping[str, Any]
 ) -> str:
@@ -276,6 +301,21 @@ def format_tables(
             f"| {variant} | {s['seeds']} | {s['final_overall']:.3f} | {s['rise']:+.3f} "
             f"({s['rise_seed_stderr']:.3f}, {s['rise_row_stderr']:.3f}) | {rose} | {per_agent} "
             f"| {s['train_min']:.1f} | {s['rise_per_train_min']:+.4f} |"
+        )
+    baseline = next(iter(runs), None)
+    lines += [
+        "",
+        f"| variant | seeds paired with {baseline} | final minus {baseline}, per seed | mean (s.e.) |",
+        "|---|---:|---|---:|",
+    ]
+    for variant, variant_runs in runs.items():
+        if variant == baseline:
+            continue
+        paired = paired_against(runs[baseline], variant_runs)
+        per_seed = ", ".join(f"{d:+.3f}" for d in paired["differences"])
+        lines.append(
+            f"| {variant} | {paired['seeds']} | {per_seed} "
+            f"| {paired['mean']:+.3f} ({paired['stderr']:.3f}) |"
         )
     lines += [
         "",

@@ -149,3 +149,22 @@ def test_a_variant_counts_the_seeds_that_rose_per_agent(bench):
     assert summary["rise_seed_stderr"] == pytest.approx(0.04 / math.sqrt(3))
     assert summary["rise_row_stderr"] == pytest.approx(math.sqrt(3 * 0.03**2) / 3)
     assert summary["rise_per_train_min"] == pytest.approx(0.006)
+
+
+def test_a_variant_is_paired_with_the_baseline_seed_by_seed(bench):
+    def run(name, final):
+        return {"run": name, "final": {"overall": final}}
+
+    baseline = [run("matrix_sync_ds_off_seed0", 0.40), run("matrix_sync_ds_off_seed1", 0.50)]
+    # Seed 2 has no baseline run to pair with, so it is left out rather than compared with
+    # another seed's figure.
+    other = [
+        run("matrix_async_token_mask_seed1", 0.45),
+        run("matrix_async_token_mask_seed0", 0.44),
+        run("matrix_async_token_mask_seed2", 0.90),
+    ]
+    paired = bench.paired_against(baseline, other)
+    assert paired["seeds"] == 2
+    assert paired["differences"] == pytest.approx([-0.05, 0.04])
+    assert paired["mean"] == pytest.approx(-0.005)
+    assert paired["stderr"] == pytest.approx(0.045)
