@@ -305,7 +305,8 @@ def format_tables(
     baseline = next(iter(runs), None)
     lines += [
         "",
-        f"| variant | seeds paired with {baseline} | final minus {baseline}, per seed | mean (s.e.) |",
+        f"| variant | seeds paired with {baseline} | final minus {baseline}, per seed "
+        "| mean (s.e.) |",
         "|---|---:|---|---:|",
     ]
     for variant, variant_runs in runs.items():
