@@ -246,8 +246,8 @@ def paired_against(
     baseline: Sequence[Mapping[str, Any]], runs: Sequence[Mapping[str, Any]]
 ) -> dict[str, Any]:
     """A variant's final overall reward minus the baseline's, seed by seed. Both runs of a seed
-    train on the same rows in the same order and validate on the same rows from one start, so
-    the difference cancels what the seed itself brings: its spread is the options' effect
+    draw their training rows from that seed and validate on the same rows from one start, so
+    the difference cancels much of what the seed itself brings: its spread is the options' effect
     plus sampling noise, and is what tells two options apart on few seeds."""
     baseline_by_seed = {seed_of(r["run"]): r["final"]["overall"] for r in baseline}
     differences = [
