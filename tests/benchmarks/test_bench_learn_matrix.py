@@ -168,3 +168,16 @@ def test_a_variant_is_paired_with_the_baseline_seed_by_seed(bench):
     assert paired["differences"] == pytest.approx([-0.05, 0.04])
     assert paired["mean"] == pytest.approx(-0.005)
     assert paired["stderr"] == pytest.approx(0.045)
+
+
+def test_the_start_pass_is_found_in_a_run_of_another_seed(bench):
+    # A later invocation for seeds 1 and 2 must not validate at start again: the shared pass
+    # sits in seed 0's run, and an unfinished folder or a run without it does not count.
+    _write_run(bench, "matrix_async_token_mask_seed1", [_step(1, 60.0)])
+    _write_run(bench, "matrix_sync_ds_off_seed0", [_validation(0, 0.3, 0.4, 300.0)])
+    (bench.OUTPUTS / "learn_matrix").mkdir()
+    assert bench.matrix_runs_on_disk() == [
+        "matrix_async_token_mask_seed1",
+        "matrix_sync_ds_off_seed0",
+    ]
+    assert bench.start_run(bench.matrix_runs_on_disk()) == "matrix_sync_ds_off_seed0"
