@@ -221,9 +221,11 @@ class ModelServerConfig(Strict):
     divergence_memory: int = Field(
         default=65536,
         gt=0,
-        description="Answers the server remembers to tell a diverged request (about 100 bytes "
+        description="Answers the server remembers to tell a diverged request (about 110 bytes "
         "each, oldest forgotten first). Keep it above the model calls in flight times two: a "
-        "forgotten answer's next request is not checked.",
+        "forgotten answer's next request is not checked, nor is one whose answer has the "
+        "text of a forgotten one (gymrl/generation/divergence_watch.py), so a small memory "
+        "misses divergences and never invents one.",
     )
 
 

@@ -18,8 +18,17 @@ the ids of any of them. A fingerprint nobody remembers (the client edited the tu
 was forgotten) is "unknown", never a divergence: the server only ever misses divergences, and
 the postprocessor still finds those.
 
-Memory is bounded: the oldest answers are forgotten first (`capacity`). Thread-safe: answers are
-remembered and requests checked on the server's render worker, counts read by the recipe.
+Memory is bounded: the oldest fingerprints are forgotten first (`capacity` answers in all). A
+forgotten fingerprint leaves a mark: once episode A's answer is forgotten, episode B may give the
+same text later, and A's next request then finds only B's ids under that fingerprint; judging it
+against them would invent a divergence. So a request whose prompt extends none of the remembered
+answers is a divergence only when no answer of that fingerprint was ever forgotten; otherwise it
+is unknown. The marks live in a fixed bitmap (`_FORGET_BITS_PER_ANSWER` bits per remembered
+answer, fingerprints hashed into it) that is never cleared, since a client may hold a forgotten
+answer for as long as it likes: a mark shared by two fingerprints and a long run that fills the
+bitmap only make more requests unknown, so detection degrades under memory pressure and never
+errs the other way. Thread-safe: answers are remembered and requests checked on the server's
+render worker, counts read by the recipe.
 """
 
 from __future__ import annotations
@@ -57,6 +66,11 @@ def answer_fingerprint(message: ChatMessage) -> bytes:
     return xxhash.xxh3_128_digest(orjson.dumps([message.text, calls]))
 
 
+# 8 bytes per remembered answer (about 100 bytes each): after forgetting about this many times
+# `capacity` distinct fingerprints, about 63% of the marks are set.
+_FORGET_BITS_PER_ANSWER = 64
+
+
 def _ids_digest(ids: Sequence[int]) -> bytes:
     return xxhash.xxh3_128_digest(array("q", ids).tobytes())
 
@@ -73,6 +87,8 @@ class DivergenceWatch:
         # fingerprint -> {(length of prompt + generation, digest of those ids)}, oldest first.
         self._answers: OrderedDict[bytes, set[tuple[int, bytes]]] = OrderedDict()
         self._size = 0
+        # Fingerprints of which an answer was forgotten (module docstring), hashed into bits.
+        self._forgotten = bytearray(capacity * _FORGET_BITS_PER_ANSWER // 8)
         self._counts = DivergenceCounts()
 
     def remember(self, answer: ChatMessage, prompt: Sequence[int], generation: Sequence[int]):
@@ -86,8 +102,10 @@ class DivergenceWatch:
                 known.add(history)
                 self._size += 1
             while self._size > self._capacity:
-                _, forgotten = self._answers.popitem(last=False)
+                forgotten_key, forgotten = self._answers.popitem(last=False)
                 self._size -= len(forgotten)
+                byte, bit = self._mark_of(forgotten_key)
+                self._forgotten[byte] |= bit
 
     def check(self, messages: Sequence[ChatMessage], prompt: Sequence[int]) -> Verdict:
         """Whether `prompt` (the request's rendered ids) extends the answer its history ends
@@ -95,18 +113,27 @@ class DivergenceWatch:
         last = next((m for m in reversed(messages) if m.role == "assistant"), None)
         if last is None:
             return Verdict.EXTENDS  # a first turn extends nothing and cannot diverge
+        key = answer_fingerprint(last)
+        byte, bit = self._mark_of(key)
         with self._lock:
-            histories = tuple(self._answers.get(answer_fingerprint(last), ()))
+            histories = tuple(self._answers.get(key, ()))
         if not histories:
             return Verdict.UNKNOWN
         digests = {length: _ids_digest(prompt[:length]) for length, _ in histories}
         if any(length <= len(prompt) and digests[length] == d for length, d in histories):
             return Verdict.EXTENDS
         with self._lock:
+            if self._forgotten[byte] & bit:
+                return Verdict.UNKNOWN  # the answer it ends with may be one we forgot
             self._counts = DivergenceCounts(
                 self._counts.detected + 1, self._counts.stopped + int(self.stop)
             )
         return Verdict.DIVERGED
+
+    def _mark_of(self, key: bytes) -> tuple[int, int]:
+        """(byte, bit mask) of a fingerprint's mark in the forgotten bitmap."""
+        index = int.from_bytes(key[:8], "little") % (len(self._forgotten) * 8)
+        return index // 8, 1 << (index % 8)
 
     def counts(self) -> DivergenceCounts:
         with self._lock:

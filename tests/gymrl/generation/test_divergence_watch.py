@@ -104,3 +104,25 @@ def test_the_oldest_answers_are_forgotten_beyond_the_capacity():
 def test_a_capacity_below_one_is_refused():
     with pytest.raises(ValueError, match="capacity=0"):
         DivergenceWatch(capacity=0, stop=False)
+
+
+def test_an_answer_forgotten_and_then_given_again_elsewhere_is_never_a_divergence():
+    """Episode A's answer is forgotten, then episode B gets the same text: A's next request must
+    be unknown (the watch no longer holds A's ids), not judged against B's ids."""
+    watch = DivergenceWatch(capacity=2, stop=True)
+    episode_a, episode_b = [1, 2, 3], [7, 8]
+    watch.remember(GUESS, episode_a, GENERATION)
+    for i in range(2):
+        watch.remember(answer(f"reply {i}"), [i], [100 + i])
+    watch.remember(GUESS, episode_b, GENERATION)
+    assert watch.check([USER, GUESS, TOOL], [*episode_a, *GENERATION, 20]) is Verdict.UNKNOWN
+    assert watch.check([USER, GUESS, TOOL], [*episode_b, *GENERATION, 20]) is Verdict.EXTENDS
+    assert watch.counts() == DivergenceCounts()
+
+
+def test_a_fingerprint_that_lost_one_of_its_answers_still_tells_other_divergences_apart():
+    """Forgetting marks what it forgot, nothing else: an answer never forgotten still diverges."""
+    watch = DivergenceWatch(capacity=2, stop=False)
+    for i in range(3):
+        watch.remember(answer(f"reply {i}"), [i], [100 + i])
+    assert watch.check([USER, answer("reply 2")], [9, 9]) is Verdict.DIVERGED
