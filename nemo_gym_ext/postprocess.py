@@ -41,6 +41,7 @@ SEGMENTS_FIELD = "noncontiguous_segments"
 SEGMENT_TOKENS_FIELD = "noncontiguous_segment_tokens"
 SEGMENTS_KEY = "segments"
 STOPPED_FLAG = "noncontiguous_stopped"
+WITHHELD_FLAG = "noncontiguous_withheld"
 MALFORMED_FLAG = "malformed_sample"
 TURNS_FIELD = "trainable_turns"
 GENERATED_TOKENS_FIELD = "generated_tokens"
@@ -165,6 +166,10 @@ def postprocess_gym_result(
     checked like a trainable turn and trains nothing, and a truncated episode's `full_result`
     holds `noncontiguous_stopped` (whether its generation ended at a withheld turn that
     diverged), so its per-agent mean is the share of divergent episodes the server stopped.
+    Every result of such a run holds `noncontiguous_withheld` (whether the episode ended at a
+    withheld turn at all), so an episode the server cut short is never taken for a whole one,
+    even where the postprocessor finds its history contiguous (the server and the postprocessor
+    disagree; its tokens are trained, its reward is the cut-short state's).
     Neither `row` nor `result` is mutated.
     """
     row_id = row_id_of(row, result)
@@ -178,7 +183,13 @@ def postprocess_gym_result(
     full_result[TURNS_FIELD] = 0
     full_result[GENERATED_TOKENS_FIELD] = 0
     # A result fed back in must not keep an earlier verdict.
-    verdicts = (DROPPED_TOKENS_FIELD, SEGMENTS_FIELD, SEGMENT_TOKENS_FIELD, STOPPED_FLAG)
+    verdicts = (
+        DROPPED_TOKENS_FIELD,
+        SEGMENTS_FIELD,
+        SEGMENT_TOKENS_FIELD,
+        STOPPED_FLAG,
+        WITHHELD_FLAG,
+    )
     for field in (*verdicts, *ALL_CAUSE_FIELDS):
         full_result.pop(field, None)
     overlong = full_result[OVERLONG_FLAG] = hit_token_limit(result)
@@ -189,6 +200,8 @@ def postprocess_gym_result(
     try:
         turns = _trainable_turns(result, agent, row_id)
         withheld = _withheld_turn(result, turns) if server_stops_divergences else None
+        if server_stops_divergences:
+            full_result[WITHHELD_FLAG] = withheld is not None
         (message_log, *tails), dropped, cause = _walk(
             turns, withheld, config, agent, row_id, vocab_size, decode
         )
@@ -251,7 +264,7 @@ def _walk(
     for turn, (item_index, prompt, generation, logprobs) in enumerate([*turns, *probe]):
         seen_len = len(previous_prompt) + len(previous_generation)
         if turn == len(turns) and _extends(prompt, previous_prompt, previous_generation):
-            break  # a withheld turn that extends the history: nothing diverged, nothing to add
+            break  # a withheld turn that extends the history: nothing to add (flagged withheld)
         if not _extends(prompt, previous_prompt, previous_generation):
             position = _first_difference(prompt, previous_prompt, previous_generation)
             cause = divergence_cause(turns[segment_start:turn], prompt, position, decode)

@@ -158,6 +158,13 @@ def test_noncontiguous_smoke_stopped_at_the_divergence_generates_no_tail(tmp_pat
         if key.startswith("train/") and key.endswith("/noncontiguous_stopped/mean")
     ]
     assert shares and max(shares) > 0.0
+    withheld = [
+        value
+        for r in records
+        for key, value in r.items()
+        if key.startswith("train/") and key.endswith("/noncontiguous_withheld/mean")
+    ]
+    assert withheld and max(withheld) > 0.0
     patterns = documented_patterns()
     keys = {key for record in records for key in record} - {"step"}
     assert not [k for k in keys if not any(p.match(k) for p in patterns)]
