@@ -31,7 +31,6 @@ from ray.util.placement_group import remove_placement_group
 
 from gymrl.algo.advantages import share_of_groups_with_variance
 from gymrl.algo.episodes import EpisodeRules
-from gymrl.algo.loss import finish_agent_statistics
 from gymrl.algo.trajectory import Trajectory
 from gymrl.cluster.placement import plan_placement, reserve
 from gymrl.cluster.ray_calls import wait_for
@@ -60,7 +59,7 @@ from gymrl.tracking.metrics_logger import build_logger
 from gymrl.tracking.plot import plot_run
 from gymrl.tracking.records import read_records
 from gymrl.trainer.grpo_step import agent_off_policy_metrics
-from gymrl.trainer.parity import ParityGateError, check_parity
+from gymrl.trainer.parity import PASSED_METRIC, ParityGateError, first_step_check
 from nemo_gym_ext.gym_launch import GymStartError, GymVenvMissingError, PolicyEndpoint, gym_launcher
 from nemo_gym_ext.metrics import per_agent_metrics
 from nemo_gym_ext.postprocess import MalformedGymResultError, NonContiguousEpisodeError
@@ -372,9 +371,17 @@ class GRPORecipe:
         )
         started = time.monotonic()
         self._trainer_ahead = True
-        train_metrics = self.trainer.train_step(trajectories, advantages)
+        parity = first_step_check(
+            self.config.grpo.parity_gate,
+            step=step,
+            first_step=self.first_step,
+            trajectories=trajectories,
+            compute_dtype=self.trainer.compute_dtype,
+        )
+        train_metrics = self.trainer.train_step(trajectories, advantages, parity)
         trained = time.monotonic() - started
-        parity = self._parity_gate(step, trajectories, train_metrics)
+        # The gate's verdict is its own key (parity/passed), not one of the trainer's.
+        checked = {} if parity is None else {PASSED_METRIC: train_metrics.pop(PASSED_METRIC)}
         refit_s = self._refit(step + 1)
         buffer_stats = self.buffer.stats()
         # Before `advance` lets the producer take the next step's rows: in sync mode exactly the
@@ -390,7 +397,7 @@ class GRPORecipe:
             step, groups, train_metrics, counts, self.config.generation.server.max_tokens_per_turn
         )
         metrics.update(self._engine_metrics())
-        metrics.update(parity)
+        metrics.update(checked)
         metrics.update(
             {
                 "timing/wait_for_batch_s": waited,
@@ -449,21 +456,6 @@ class GRPORecipe:
             "perf/engine_prefix_reuse_share": reused / prompt_tokens if prompt_tokens else math.nan,
             "perf/generated_tokens_per_s": generated / (now - then),
         }
-
-    def _parity_gate(
-        self, step: int, trajectories: Sequence[Trajectory], train_metrics: Mapping[str, float]
-    ) -> dict[str, float]:
-        """At the run's first step (this process's, also after a resume), check that trainer and
-        engine agreed on the batch (gymrl/trainer/parity.py); `parity/passed` is logged then."""
-        gate = self.config.grpo.parity_gate
-        if not gate.enabled or step != self.first_step:
-            return {}
-        stale = [t.group_id for t in trajectories if t.weight_version != step]
-        if stale:  # the producer starts after the first refit, so this cannot happen
-            raise RuntimeError(f"first-step groups {stale[:3]} come from other weights than {step}")
-        figures = finish_agent_statistics(train_metrics)
-        passed = check_parity(figures, gate, self.trainer.compute_dtype())
-        return {"parity/passed": float(passed)}
 
     def _wait_for_batch(self, step: int) -> list[RolloutGroup]:
         """The step's groups, waiting in short slices so a producer error surfaces at once."""

@@ -40,6 +40,7 @@ from gymrl.generation.weight_sync import WEIGHT_SYNC_NCCL_ENV, WeightSender
 from gymrl.model.policy import build_policy
 from gymrl.model.tokens import pad_token_id
 from gymrl.roles import OnCleanup
+from gymrl.trainer.parity import ParityCheck
 from gymrl.trainer.torch_trainer import TorchPolicyTrainer
 
 
@@ -79,8 +80,13 @@ class PolicyTrainerActor:
             compute_dtype=policy.compute_dtype,
         )
 
-    def train_step(self, trajectories: list[Trajectory], advantages: torch.Tensor) -> dict:
-        return self._trainer.train_step(trajectories, advantages)
+    def train_step(
+        self,
+        trajectories: list[Trajectory],
+        advantages: torch.Tensor,
+        parity: ParityCheck | None = None,
+    ) -> dict:
+        return self._trainer.train_step(trajectories, advantages, parity)
 
     def export_weights(
         self, dtypes: Mapping[str, torch.dtype] | None = None
@@ -118,7 +124,14 @@ class PolicyTrainerActor:
 
 
 class TrainerRole(Protocol):
-    def train_step(self, trajectories: list[Trajectory], advantages: torch.Tensor) -> dict: ...
+    def train_step(
+        self,
+        trajectories: list[Trajectory],
+        advantages: torch.Tensor,
+        parity: ParityCheck | None = None,
+    ) -> dict:
+        """One optimizer step; `parity` is checked before its update (gymrl.trainer.parity)."""
+        ...
 
     def refit(self, generation: Any, version: int) -> None: ...
 
@@ -171,8 +184,15 @@ class TorchTrainerRole:
             close_actor(self._actor)  # the recipe's cleanup never sees a role that did not start
             raise
 
-    def train_step(self, trajectories: list[Trajectory], advantages: torch.Tensor) -> dict:
-        return self._wait(self._actor.train_step.remote(trajectories, advantages), "a train step")
+    def train_step(
+        self,
+        trajectories: list[Trajectory],
+        advantages: torch.Tensor,
+        parity: ParityCheck | None = None,
+    ) -> dict:
+        return self._wait(
+            self._actor.train_step.remote(trajectories, advantages, parity), "a train step"
+        )
 
     def refit(self, generation: Any, version: int) -> None:
         if self._refit is not None and self._refit.transport == "nccl":
@@ -233,8 +253,13 @@ class MegatronTrainerRole:
             call_timeout_s=config.grpo.batch_timeout_s,
         )
 
-    def train_step(self, trajectories: list[Trajectory], advantages: torch.Tensor) -> dict:
-        return self._group.train_step(trajectories, advantages)
+    def train_step(
+        self,
+        trajectories: list[Trajectory],
+        advantages: torch.Tensor,
+        parity: ParityCheck | None = None,
+    ) -> dict:
+        return self._group.train_step(trajectories, advantages, parity)
 
     def refit(self, generation: Any, version: int) -> None:
         if self._refit.transport == "nccl":

@@ -6,15 +6,24 @@ temperature the trainer does not divide by, a chat template or tokenizer that di
 that did not reach the engine, a weight conversion that lost a layer. slime's CI rule is that the
 first step's KL is exactly 0; with different kernels (a torch engine against a torch trainer in
 bfloat16, SGLang against Megatron) it is not, so the gate compares the first step's figures per
-agent (`gymrl.algo.loss.finish_agent_statistics`, computed in the train step's own forward pass,
-before its update reaches the engine) against a tolerance chosen by compute dtype.
+agent (`gymrl.algo.loss.finish_agent_statistics`, computed in the train step's own forward pass)
+against a tolerance chosen by compute dtype.
+
+The trainer applies the gate (:class:`ParityCheck`) between the step's backward passes and its
+optimizer update: a failed gate with `on_failure=stop` leaves the weights as they were (no step
+taken on a batch the gate just called wrong, nothing to refit, a checkpoint still the run's
+start), and `warn` takes the step knowing it. :func:`first_step_check` says at which step the
+recipe hands the trainer a check.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
+from gymrl.algo.loss import finish_agent_statistics
+from gymrl.algo.trajectory import Trajectory
 from gymrl.config.schema import ParityGateConfig, ParityToleranceConfig
 
 log = logging.getLogger(__name__)
@@ -74,3 +83,44 @@ def check_parity(
         raise ParityGateError(message)
     log.warning(message)
     return False
+
+
+# The step metric a trainer adds when it applied a check (1.0 passed, 0.0 failed under `warn`).
+PASSED_METRIC = "parity/passed"
+
+
+@dataclass(frozen=True)
+class ParityCheck:
+    """The gate as a trainer applies it to a step's reduced loss metrics, before the update."""
+
+    gate: ParityGateConfig
+    compute_dtype: str
+
+    def __call__(self, step_metrics: Mapping[str, float]) -> bool:
+        """Whether the step's per-agent figures pass; raises `ParityGateError` with `stop`."""
+        figures = finish_agent_statistics(step_metrics)
+        return check_parity(figures, self.gate, self.compute_dtype)
+
+
+def first_step_check(
+    gate: ParityGateConfig,
+    *,
+    step: int,
+    first_step: int,
+    trajectories: Sequence[Trajectory],
+    compute_dtype: Callable[[], str],
+) -> ParityCheck | None:
+    """The check the trainer applies at `step`: only at this process's first step (also after a
+    resume), when the gate is on; None otherwise. Its trajectories must all come from the
+    weights of that step, the ones the trainer holds: otherwise trainer and engine differ by an
+    update, not by kernels, and the figures mean nothing. `compute_dtype` (the trainer's, asked
+    only when a check is made) picks the tolerance."""
+    if not gate.enabled or step != first_step:
+        return None
+    stale = sorted({t.group_id for t in trajectories if t.weight_version != step})
+    if stale:  # the producer starts after the first refit, so this would be a bug
+        raise RuntimeError(
+            f"parity gate: first-step groups {stale[:3]} come from other weights than version "
+            f"{step}, so trainer and engine cannot be compared on them"
+        )
+    return ParityCheck(gate, compute_dtype())

@@ -28,6 +28,7 @@ from gymrl.model.attention_mask import additive_mask
 from gymrl.model.precision import ComputeDtype, body_autocast, resolve_compute_dtype
 from gymrl.run.checkpoint import TrainerState, capture_rng_state, load_checkpoint, save_checkpoint
 from gymrl.trainer.grpo_step import loss_normalizer, micro_batch_loss, reduce_loss_metrics
+from gymrl.trainer.parity import PASSED_METRIC, ParityCheck, ParityGateError
 from gymrl.trainer.prefix_packing import PrefixTree, pack_prefix_tree, prefix_chunks
 
 # The attention implementations that apply a custom 4D float mask as given (transformers passes
@@ -79,8 +80,14 @@ class TorchPolicyTrainer:
         self.weight_version = 0
 
     def train_step(
-        self, trajectories: Sequence[Trajectory], advantages: torch.Tensor
+        self,
+        trajectories: Sequence[Trajectory],
+        advantages: torch.Tensor,
+        parity: ParityCheck | None = None,
     ) -> dict[str, float]:
+        """One optimizer step. `parity` (the run's first step) is applied after the backward
+        passes and before the update (`gymrl.trainer.parity`): a failed check that stops raises
+        with the weights untouched; its verdict is the metric `parity/passed`."""
         trainable = [
             i for i, t in enumerate(trajectories) if not t.is_masked and t.num_generated_tokens
         ]
@@ -102,6 +109,14 @@ class TorchPolicyTrainer:
             loss, metrics = self._micro_batch_loss(batch, tree, normalizer, agents)
             loss.backward()
             reports.append(metrics)
+        step_metrics = reduce_loss_metrics(reports)
+        checked = {}
+        if parity is not None:
+            try:
+                checked[PASSED_METRIC] = float(parity(step_metrics))
+            except ParityGateError:
+                self.optimizer.zero_grad(set_to_none=True)  # this batch is never trained on
+                raise
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), self._config.optimizer.max_grad_norm
         )
@@ -109,7 +124,8 @@ class TorchPolicyTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.weight_version += 1
         return {
-            **reduce_loss_metrics(reports),
+            **step_metrics,
+            **checked,
             "grad_norm": float(grad_norm),
             "lr": self.optimizer.param_groups[0]["lr"],
             "num_sequences": float(len(trainable)),

@@ -51,6 +51,9 @@ def smoke_run(tmp_path_factory):
 def test_smoke_writes_one_record_per_step_with_per_agent_truncation(smoke_run):
     records = read_metrics(smoke_run)
     assert [r["step"] for r in records] == [1, 2, 3]
+    # The parity gate checks the first step only, before its update, and it passed.
+    assert ["parity/passed" in r for r in records] == [True, False, False]
+    assert records[0]["parity/passed"] == 1.0
     for record in records:
         assert record["async/weight_version"] == record["step"]
         assert record["train/num_tokens"] > 0

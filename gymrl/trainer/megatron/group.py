@@ -23,6 +23,7 @@ from gymrl.trainer.megatron.arguments import (
 )
 from gymrl.trainer.megatron.distributed import distributed_env
 from gymrl.trainer.megatron.worker import NOTHING_TRAINED, MegatronPolicyTrainer
+from gymrl.trainer.parity import PASSED_METRIC, ParityCheck
 from nemo_gym_ext.ports import free_port
 
 
@@ -100,11 +101,16 @@ class MegatronTrainerGroup:
         return self._ray.get(calls, timeout=self._timeout)
 
     def train_step(
-        self, trajectories: Sequence[Trajectory], advantages: torch.Tensor
+        self,
+        trajectories: Sequence[Trajectory],
+        advantages: torch.Tensor,
+        parity: ParityCheck | None = None,
     ) -> dict[str, float]:
+        """One optimizer step on every rank; `parity` is checked by every rank on the step's
+        merged figures before the update (see the worker)."""
         shared_trajectories = self._ray.put(list(trajectories))
         shared_advantages = self._ray.put(advantages)
-        reports = self._all("train_step", shared_trajectories, shared_advantages)
+        reports = self._all("train_step", shared_trajectories, shared_advantages, parity)
         reporting = [report for report in reports if report]
         if not reporting:
             raise RuntimeError("no trainer rank reported metrics (no last pipeline stage?)")
@@ -114,6 +120,8 @@ class MegatronTrainerGroup:
         merged["num_sequences"] = sum(report["num_sequences"] for report in reporting)
         merged["grad_norm"] = reporting[0]["grad_norm"]  # global norm: the same on every rank
         merged["lr"] = reporting[0]["lr"]
+        if PASSED_METRIC in reporting[0]:  # every rank checked the same merged figures
+            merged[PASSED_METRIC] = reporting[0][PASSED_METRIC]
         return merged
 
     def compute_logprobs(self, trajectories: Sequence[Trajectory]) -> list[list[float] | None]:

@@ -40,6 +40,7 @@ from gymrl.trainer.megatron.checkpointing import (
 )
 from gymrl.trainer.megatron.distributed import DIST_TIMEOUT, local_rank_from_env
 from gymrl.trainer.megatron.logprobs import token_logprobs
+from gymrl.trainer.parity import PASSED_METRIC, ParityCheck, ParityGateError
 
 NOTHING_TRAINED = {"num_tokens": 0.0, "num_sequences": 0.0}
 
@@ -126,9 +127,13 @@ class MegatronPolicyTrainer:
 
     # ----------------------------------------------------------------------------- training
     def train_step(
-        self, trajectories: Sequence[Trajectory], advantages: torch.Tensor
+        self,
+        trajectories: Sequence[Trajectory],
+        advantages: torch.Tensor,
+        parity: ParityCheck | None = None,
     ) -> dict[str, float]:
-        """One optimizer step. Returns this rank's metrics (empty on non-reporting ranks)."""
+        """One optimizer step. Returns this rank's metrics (empty on non-reporting ranks).
+        `parity` is checked before the update (:meth:`_check_parity`)."""
         if advantages.shape != (len(trajectories),):
             raise ValueError(
                 f"advantages must have shape [{len(trajectories)}], got {list(advantages.shape)}"
@@ -151,6 +156,7 @@ class MegatronPolicyTrainer:
             chunk.zero_grad_buffer()
         self._optimizer.zero_grad()
         outputs = self._forward_backward(batches, self._loss_step, forward_only=False)
+        checked = {} if parity is None else self._check_parity(parity, outputs)
         update_successful, grad_norm, _ = self._optimizer.step()
         if not update_successful:  # only fp16 loss scaling skips steps; this trainer uses bf16
             raise RuntimeError("Megatron's optimizer skipped the update (inf/NaN gradients)")
@@ -169,7 +175,21 @@ class MegatronPolicyTrainer:
         )
         metrics["grad_norm"] = float(grad_norm)
         metrics["lr"] = float(self._optimizer.param_groups[0]["lr"])
-        return metrics
+        return metrics | checked
+
+    def _check_parity(self, parity: ParityCheck, outputs: list[Any]) -> dict[str, float]:
+        """Apply `parity` before the update. Every rank applies it to the same figures (the
+        reporting ranks' metrics gathered from all and merged), so either all ranks raise,
+        leaving the weights as they were, or all take the step."""
+        mine = reduce_loss_metrics(outputs) if outputs and self.is_reporting_rank() else None
+        everyone: list[dict[str, float] | None] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(everyone, mine)
+        step_metrics = reduce_loss_metrics([report for report in everyone if report])
+        try:
+            return {PASSED_METRIC: float(parity(step_metrics))}
+        except ParityGateError:
+            self._optimizer.zero_grad()  # this batch is never trained on
+            raise
 
     def compute_logprobs(self, trajectories: Sequence[Trajectory]) -> dict[int, list[float]]:
         """Current-policy log-probabilities of each trajectory's tokens (aligned like
