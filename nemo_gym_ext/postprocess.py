@@ -32,7 +32,7 @@ from typing import Any
 
 from nemo_gym_ext.config import NemoGymPostprocessConfig
 from nemo_gym_ext.overlong import OVERLONG_FLAG, hit_token_limit
-from nemo_gym_ext.wire import agent_name_of
+from nemo_gym_ext.wire import LOGPROB_TOLERANCE, agent_name_of
 
 TRUNCATED_FLAG = "noncontiguous_truncated"
 DROPPED_TURNS_FIELD = "noncontiguous_dropped_turns"
@@ -490,10 +490,10 @@ def _check_logprobs(logprobs: list[float], where: str) -> None:
         highest = max(logprobs)
     except TypeError as error:
         raise MalformedGymResultError(f"{where} holds a non-numeric value") from error
-    if math.isfinite(total) and highest <= 1e-4:
+    if math.isfinite(total) and highest <= LOGPROB_TOLERANCE:
         return
     for position, value in enumerate(logprobs):
-        if not math.isfinite(value) or value > 1e-4:
+        if not math.isfinite(value) or value > LOGPROB_TOLERANCE:
             raise MalformedGymResultError(
                 f"{where}[{position}] = {value!r}: a log-probability must be finite and <= 0"
             )

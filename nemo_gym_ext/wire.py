@@ -40,6 +40,11 @@ from pydantic import (
 )
 
 TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+# The largest log-probability taken for one: engines round log-softmax, so their own answers
+# may hold tiny positive values; anything above is not a log-probability.
+LOGPROB_TOLERANCE = 1e-4
+# OpenAI's range of sampling temperatures is [0, 2].
+MAX_TEMPERATURE = 2.0
 # OpenAI's finish reason for output the server withheld; the policy server answers a diverged
 # request with it under `generation.server.stop_on_divergence`, and clients end the episode.
 WITHHELD_FINISH_REASON = "content_filter"

@@ -24,6 +24,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from nemo_gym_ext.config import GymActorConfig
+from nemo_gym_ext.wire import MAX_TEMPERATURE
 
 
 class Strict(BaseModel):
@@ -246,8 +247,10 @@ class SamplingConfig(Strict):
     temperature: float = Field(
         default=1.0,
         gt=0,
-        description="Sampling temperature, stamped on every row so the "
-        "trainer recomputes log-probabilities at the temperature the sampler used.",
+        le=MAX_TEMPERATURE,
+        description="Sampling temperature (at most OpenAI's 2, as the policy server accepts), "
+        "stamped on every row so the trainer recomputes log-probabilities at the temperature "
+        "the sampler used.",
     )
     top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass.")
 
@@ -916,6 +919,7 @@ class GRPOConfig(Strict):
     val_temperature: float = Field(
         default=0.0,
         ge=0,
+        le=MAX_TEMPERATURE,
         description="Sampling temperature of validation episodes: 0 = greedy (top-p unused); "
         "above 0 samples with generation.sampling.top_p.",
     )
@@ -979,6 +983,7 @@ class EvalConfig(Strict):
     temperature: float | None = Field(
         default=None,
         ge=0,
+        le=MAX_TEMPERATURE,
         description="Sampling temperature of eval episodes; 0 = greedy (then num_samples must "
         "be 1). null = generation.sampling.temperature, the policy's training sampling; top-p "
         "is generation.sampling.top_p.",

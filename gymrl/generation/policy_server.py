@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import secrets
 import threading
 import time
@@ -42,7 +43,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, StrictInt, field_validator, model_validator
 from starlette.exceptions import HTTPException
 
 from gymrl.generation.chat_template import (
@@ -64,6 +65,8 @@ from nemo_gym_ext.http_server import describe_validation_errors
 from nemo_gym_ext.json_body import read_json_body
 from nemo_gym_ext.retry import retry_after_header
 from nemo_gym_ext.wire import (
+    LOGPROB_TOLERANCE,
+    MAX_TEMPERATURE,
     WITHHELD_FINISH_REASON,
     ChatChoice,
     ChatCompletion,
@@ -73,6 +76,7 @@ from nemo_gym_ext.wire import (
     ModelCard,
     ModelList,
     TokenLogprob,
+    ToolSpec,
     Usage,
 )
 
@@ -88,16 +92,26 @@ class PolicyServerRequest(ChatCompletionRequest):
     """A chat completion request, refusing what this server cannot honour.
 
     Refused: `stream`, `n > 1`, `top_logprobs`, `stop` strings and a forced `tool_choice`, each
-    with the fix; seeds outside [0, 2**64). Text that is not Unicode (lone surrogates, which
-    JSON can encode but the tokenizer cannot) is refused by the JSON parser: validate bodies with
-    `nemo_gym_ext.json_body`, as the server does. `parallel_tool_calls` is accepted and not
-    enforced: every parsed tool call is returned. `temperature` and `top_p` stay null when left
-    out, so that a training server can tell "not sent" from "sent at OpenAI's default"
-    (`gymrl.generation.sampling_parity`).
+    with the fix; seeds outside [0, 2**64); a boolean where a count or a seed belongs (JSON's
+    `true` is not 1); a temperature above OpenAI's 2; two tools of one name (the model could not
+    tell which one it calls); sent-back log-probabilities that are not finite and <= 0; a `tool`
+    message whose `tool_call_id` answers no call of an earlier assistant message. Text that is
+    not Unicode (lone surrogates, which JSON can encode but the tokenizer cannot) is refused by
+    the JSON parser: validate bodies with `nemo_gym_ext.json_body`, as the server does.
+    `parallel_tool_calls` is accepted and not enforced: every parsed tool call is returned.
+    `temperature` and `top_p` stay null when left out, so that a training server can tell "not
+    sent" from "sent at OpenAI's default" (`gymrl.generation.sampling_parity`). A `max_tokens`
+    beyond the context is not an error: generation stops at the context's end
+    (`finish_reason: "length"`), as vLLM does.
     """
 
-    temperature: float | None = Field(default=None, ge=0.0)
+    temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    seed: StrictInt | None = None
+    n: StrictInt = 1
+    top_logprobs: StrictInt | None = None
 
     @field_validator("stream")
     @classmethod
@@ -140,6 +154,40 @@ class PolicyServerRequest(ChatCompletionRequest):
         if value is not None and not 0 <= value < 2**64:
             raise ValueError(f"seed={value} is out of range; send an integer in [0, 2**64)")
         return value
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct_tool_names(cls, tools: list[ToolSpec] | None) -> list[ToolSpec] | None:
+        first: dict[str, int] = {}
+        for index, tool in enumerate(tools or ()):
+            earlier = first.setdefault(tool.function.name, index)
+            if earlier != index:
+                raise ValueError(
+                    f"tools[{index}] is named {tool.function.name!r} like tools[{earlier}]; "
+                    "give every tool its own name (the model calls a tool by name)"
+                )
+        return tools
+
+    @model_validator(mode="after")
+    def _history_as_the_server_answered_it(self) -> PolicyServerRequest:
+        calls: set[str] = set()
+        for index, message in enumerate(self.messages):
+            where = f"messages[{index}]"
+            for position, value in enumerate(message.generation_log_probs or ()):
+                if not (math.isfinite(value) and value <= LOGPROB_TOLERANCE):
+                    raise ValueError(
+                        f"{where}.generation_log_probs[{position}] = {value!r}: a "
+                        "log-probability is finite and <= 0; send the list back unchanged from "
+                        "the server's answer"
+                    )
+            calls.update(call.id for call in message.tool_calls or ())
+            if message.role == "tool" and message.tool_call_id not in calls:
+                raise ValueError(
+                    f"{where}.tool_call_id = {message.tool_call_id!r} answers no tool call of "
+                    "an earlier assistant message; send the assistant message with its "
+                    "tool_calls (ids as the server returned them) before the tool's answer"
+                )
+        return self
 
     @field_validator("tool_choice")
     @classmethod

@@ -155,3 +155,74 @@ def test_pathological_bodies_are_4xx_and_the_server_keeps_serving(client, name):
 
 def test_the_server_still_serves_after_the_fuzzing(client):
     _serves(client)
+
+
+# Requests the fuzzer and a review found answered 200: each is refused with a 400 naming the
+# field (the first words of the expected message are checked too).
+TOOL = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+CALL = {"id": "call-1", "type": "function", "function": {"name": "add", "arguments": "{}"}}
+NAMED_REFUSALS = {
+    "max_tokens_true": ({**VALID, "max_tokens": True}, "max_tokens"),
+    "max_completion_tokens_true": (
+        {**VALID, "max_completion_tokens": True},
+        "max_completion_tokens",
+    ),
+    "seed_false": ({**VALID, "seed": False}, "seed"),
+    "duplicate_tool_names": ({**VALID, "tools": [TOOL, TOOL]}, "tools"),
+    "temperature_1e308": ({**VALID, "temperature": 1e308}, "temperature"),
+    "positive_log_probs": (
+        {
+            **VALID,
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {
+                    "role": "assistant",
+                    "content": "x",
+                    "prompt_token_ids": [1, 2],
+                    "generation_token_ids": [3],
+                    "generation_log_probs": [0.5],
+                },
+                {"role": "user", "content": "again"},
+            ],
+        },
+        "generation_log_probs",
+    ),
+    "tool_answer_to_no_call": (
+        {
+            **VALID,
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                {"role": "tool", "content": "3", "tool_call_id": "call-7"},
+            ],
+        },
+        "tool_call_id",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NAMED_REFUSALS))
+def test_values_that_used_to_be_answered_are_refused_by_name(client, name):
+    body, field = NAMED_REFUSALS[name]
+    response = _post(client, body)
+    assert response.status_code == 400, response.text[:500]
+    _check(response, field)
+
+
+def test_a_tool_answer_to_an_earlier_call_and_a_max_tokens_beyond_the_context_are_served(client):
+    """The refusals above leave what is right alone: a tool message answering the call before
+    it, and a max_tokens far beyond the context, which is cut to the room left in it."""
+    answered = {
+        **VALID,
+        "tools": [TOOL],
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, "tool_calls": [CALL]},
+            {"role": "tool", "content": "3", "tool_call_id": "call-1"},
+        ],
+    }
+    assert _post(client, answered).status_code == 200
+    huge = _post(client, {**VALID, "max_tokens": 10**12})
+    assert huge.status_code == 200, huge.text[:300]
+    usage = huge.json()["usage"]
+    assert usage["total_tokens"] <= 256  # the server's max_context_tokens
