@@ -31,7 +31,18 @@ test-slow: gym-venv
 # ship 3.11 wheels instead of building newer ones from source. About 2-3 minutes, 1.5 GB.
 GYM_VENV ?= .venv-gym
 NEMO_GYM_VERSION := 0.7.0
+# Every Gym server runs in this venv, so an environment that needs packages of its own (its
+# requirements.txt, e.g. grl_sokoban's gymnasium and gym-sokoban) is named here:
+#   make gym-venv GYM_ENVS="grl_sokoban"
+# installs each one's requirements.txt (less its editable nemo-gym line) into the venv.
+GYM_ENVS ?=
 gym-venv: $(GYM_VENV)/.installed-$(NEMO_GYM_VERSION)
+	@for env in $(GYM_ENVS); do \
+	  site=$$($(GYM_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"); \
+	  requirements=$$site/resources_servers/$$env/requirements.txt; \
+	  test -f $$requirements || { echo "no Gym environment $$env ($$requirements)"; exit 1; }; \
+	  grep -v '^-e ' $$requirements | $(GYM_VENV)/bin/pip install --prefer-binary -r /dev/stdin || exit 1; \
+	done
 
 $(GYM_VENV)/.installed-$(NEMO_GYM_VERSION):
 	rm -rf $(GYM_VENV)

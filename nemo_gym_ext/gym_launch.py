@@ -181,7 +181,7 @@ class GymDeployment:
                 if code is not None:
                     raise GymStartError(
                         f"the Gym deployment exited with code {code} before it was ready; "
-                        f"its log ({self.log_path}) ends with:\n{self.log_tail()}"
+                        f"{self.log_excerpt()}"
                     )
                 with contextlib.suppress(httpx.HTTPError):
                     if client.get(f"{self.head_url}/readyz").status_code == 200:
@@ -189,13 +189,18 @@ class GymDeployment:
                 if time.monotonic() > deadline:
                     raise GymStartError(
                         f"the Gym deployment was not ready within env.gym.start_timeout_s="
-                        f"{timeout_s:g} s (head server {self.head_url}); raise the deadline or see "
-                        f"its log ({self.log_path}), which ends with:\n{self.log_tail()}"
+                        f"{timeout_s:g} s (head server {self.head_url}); raise the deadline or "
+                        f"see {self.log_excerpt()}"
                     )
                 time.sleep(_POLL_S)
 
-    def log_tail(self) -> str:
-        return self._process.log_tail()
+    def log_excerpt(self) -> str:
+        """What of the log explains a failed start: its first error (a server that failed at
+        import; the launcher's shutdown noise ends the log), else its tail."""
+        first = self._process.log_first_error()
+        if first is not None:
+            return f"the first error in its log ({self.log_path}):\n{first}"
+        return f"its log ({self.log_path}), which ends with:\n{self._process.log_tail()}"
 
     @property
     def pid(self) -> int | None:

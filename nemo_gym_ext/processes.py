@@ -5,8 +5,9 @@ Both fork helpers (SGLang its scheduler and detokenizer, Gym's launcher every se
 instance), so a child runs in a new session, is its process group's leader, and is stopped as a
 group: SIGTERM, a grace period for the leader and every member, then SIGKILL for whatever is
 left (a member that ignored the first signal outlives its leader otherwise). Signals go to the
-group, never to processes by name. Output is appended to a log, whose tail goes into the callers'
-start-up errors.
+group, never to processes by name. Output is appended to a log, whose first error (or, without
+one, its tail) goes into the callers' start-up errors: a server that fails at import prints its
+traceback long before the launcher's shutdown noise ends the log.
 
 With `die_with_parent`, the kernel SIGKILLs the child when the thread that started it ends
 (Linux), so a child whose owner is killed without `stop()` (`ray.kill`, a crashed worker) does
@@ -18,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,6 +30,12 @@ from pathlib import Path
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _GONE_POLL_S = 0.2
 LOG_TAIL_CHARS = 3000
+_TRACEBACK = "Traceback (most recent call last):"
+# A line that names an exception, `ModuleNotFoundError: No module named 'x'`, after an optional
+# `(label)` prefix such as Ray's `(pid=12)`.
+_PREFIX = re.compile(r"^\(.*?\)\s")
+_ERROR_LINE = re.compile(r"^[\w.]*[A-Z]\w*(Error|Exception)\b(:|$)")
+_FIRST_ERROR_LINES = 40
 
 
 def die_with_parent() -> Callable[[], None] | None:
@@ -114,6 +122,10 @@ class ChildProcess:
             self._process.wait(timeout=grace_s)
         _wait_group_gone(group, grace_s)
 
+    def log_first_error(self) -> str | None:
+        """The log's first error (:func:`first_error`); None without a log or an error."""
+        return first_error(self.log_path) if self.log_path.is_file() else None
+
     def log_tail(self) -> str:
         if not self.log_path.is_file():
             return "(no log written)"
@@ -121,6 +133,27 @@ class ChildProcess:
             log.seek(0, os.SEEK_END)
             log.seek(max(0, log.tell() - LOG_TAIL_CHARS))
             return log.read().decode("utf-8", errors="replace")
+
+
+def first_error(log_path: Path) -> str | None:
+    """The first error of a log: from its first traceback to the line naming the exception
+    that ends it, or, without a traceback, the first line naming one; at most 40 lines and
+    `LOG_TAIL_CHARS`. None when no line looks like an error."""
+    block: list[str] = []
+    with log_path.open(encoding="utf-8", errors="replace") as log:
+        for line in log:
+            line = line.rstrip("\n")
+            bare = _PREFIX.sub("", line, count=1)
+            if not block:
+                if _TRACEBACK in bare:
+                    block.append(line)
+                elif _ERROR_LINE.match(bare):
+                    return line[:LOG_TAIL_CHARS]
+                continue
+            block.append(line)
+            if _ERROR_LINE.match(bare) or len(block) == _FIRST_ERROR_LINES:
+                break
+    return "\n".join(block)[:LOG_TAIL_CHARS] if block else None
 
 
 def _signal_group(group: int, signum: int) -> None:

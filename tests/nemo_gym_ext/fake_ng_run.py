@@ -3,7 +3,8 @@
 It reads the config it is given the way Gym does (`+config_paths=[file]`), starts a grandchild
 (as Gym starts its servers), writes both pids next to the config and serves a head server with
 `/readyz` and `/server_instances`. The config's `fake_gym` block picks a behaviour: `mode`
-`ready` (default), `never_ready` or `exit`; `stubborn_child` makes the grandchild ignore SIGTERM.
+`ready` (default), `never_ready`, `exit` or `crash` (a server's import error, then a long
+shutdown); `stubborn_child` makes the grandchild ignore SIGTERM.
 """
 
 import json
@@ -23,6 +24,15 @@ mode = fake.get("mode", "ready")
 if mode == "exit":
     print("fake gym: refusing this config", flush=True)
     sys.exit(3)
+if mode == "crash":  # a server fails at import, then the launcher shuts everything down
+    print("(grl_sokoban) starting resources server", flush=True)
+    print("(grl_sokoban) Traceback (most recent call last):", flush=True)
+    print('(grl_sokoban)   File "app.py", line 3, in <module>', flush=True)
+    print("(grl_sokoban)     import gymnasium", flush=True)
+    print("(grl_sokoban) ModuleNotFoundError: No module named 'gymnasium'", flush=True)
+    for server in range(120):
+        print(f"shutting down server {server}: terminated, no error", flush=True)
+    sys.exit(1)
 ignore = "signal.signal(signal.SIGTERM, signal.SIG_IGN); " if fake.get("stubborn_child") else ""
 child = subprocess.Popen([sys.executable, "-c", f"import signal, time; {ignore}time.sleep(600)"])
 (config_path.parent / "pids").write_text(f"{os.getpid()} {child.pid}")

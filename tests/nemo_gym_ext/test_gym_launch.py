@@ -195,6 +195,23 @@ def test_a_deployment_that_exits_reports_its_code_and_log(venv, tmp_path):
     assert "fake gym: refusing this config" in str(raised.value)
 
 
+def test_a_server_that_fails_at_import_is_reported_by_its_first_error(venv, tmp_path):
+    """The cause sits above the shutdown noise that ends the log: the error shows the traceback
+    that names it, not the log's last lines."""
+    deployment = GymDeployment(_config(tmp_path, mode="crash"), venv=venv, work_dir=tmp_path / "w")
+    with pytest.raises(GymStartError, match="exited with code 1") as raised:
+        deployment.start(timeout_s=60)
+    message = str(raised.value)
+    assert "the first error in its log" in message
+    assert message.endswith(
+        "(grl_sokoban) Traceback (most recent call last):\n"
+        '(grl_sokoban)   File "app.py", line 3, in <module>\n'
+        "(grl_sokoban)     import gymnasium\n"
+        "(grl_sokoban) ModuleNotFoundError: No module named 'gymnasium'"
+    )
+    assert "shutting down" not in message
+
+
 def test_a_server_ignoring_sigterm_is_killed_with_its_group(venv, tmp_path, monkeypatch):
     monkeypatch.setattr(gym_launch, "_STOP_GRACE_S", 1.0)
     deployment = GymDeployment(
