@@ -323,7 +323,9 @@ def make_agent_app(agent: ToolAgent) -> FastAPI:
             max_keepalive_connections=256,
             keepalive_expiry=CLIENT_KEEPALIVE_EXPIRY_S,
         )
-        async with httpx.AsyncClient(limits=limits) as client:
+        # Every call passes this deadline itself too (`_request`); here it also covers any other.
+        timeout = agent.options.request_timeout_s
+        async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
             app.state.client = client
             yield
 
