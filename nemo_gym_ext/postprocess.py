@@ -31,7 +31,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from nemo_gym_ext.config import NemoGymPostprocessConfig
-from nemo_gym_ext.overlong import OVERLONG_FLAG, hit_token_limit
+from nemo_gym_ext.overlong import (
+    OVERLONG_FLAG,
+    PromptTooLongError,
+    hit_token_limit,
+    refused_before_generating,
+)
 from nemo_gym_ext.wire import agent_name_of
 
 TRUNCATED_FLAG = "noncontiguous_truncated"
@@ -165,6 +170,8 @@ def postprocess_gym_result(
     checked like a trainable turn and trains nothing, and a truncated episode's `full_result`
     holds `noncontiguous_stopped` (whether its generation ended at a withheld turn that
     diverged), so its per-agent mean is the share of divergent episodes the server stopped.
+    A result that hit a token limit before generating any token raises
+    :class:`nemo_gym_ext.overlong.PromptTooLongError` (the policy server refused the prompt).
     Neither `row` nor `result` is mutated.
     """
     row_id = row_id_of(row, result)
@@ -182,6 +189,8 @@ def postprocess_gym_result(
     for field in (*verdicts, *ALL_CAUSE_FIELDS):
         full_result.pop(field, None)
     overlong = full_result[OVERLONG_FLAG] = hit_token_limit(result)
+    if refused_before_generating(result):  # not a malformed result: masking must not hide it
+        raise PromptTooLongError(row_id, agent)
     # Only split mode's outputs hold tail segments (none here when nothing diverged).
     split: dict[str, Any] = {SEGMENTS_KEY: []} if config.split_noncontiguous_segments else {}
     # A result without a usable reward cannot join a GRPO group even as a masked sample.

@@ -17,7 +17,7 @@ ints of repeated prompt prefixes (:mod:`nemo_gym_ext.result_json`).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +26,7 @@ import httpx
 from nemo_gym_ext.config import NemoGymPostprocessConfig
 from nemo_gym_ext.json_body import JSON_HEADERS, dumps_json
 from nemo_gym_ext.keep_alive import CLIENT_KEEPALIVE_EXPIRY_S
+from nemo_gym_ext.overlong import PromptTooLongError
 from nemo_gym_ext.postprocess import Decode, postprocess_gym_result, row_id_of
 from nemo_gym_ext.result_json import loads_result
 from nemo_gym_ext.retry import backoff_s, retry_after_s
@@ -63,13 +64,24 @@ class FailureBudget:
 
 @dataclass
 class GroupOutcome:
-    """What came back for one row: postprocessed episodes, and the causes of those that failed."""
+    """What came back for one row: postprocessed episodes, and the causes of those that failed;
+    `prompt_refused` says why the policy server refused the row's prompt (then no episode)."""
 
     row_id: str
     agent: str
     episodes: list[dict[str, Any]] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     retries: int = 0
+    prompt_refused: str = ""
+
+
+@dataclass(frozen=True)
+class PromptSize:
+    """How a collector measures a row's prompt when the policy server refuses it: `count` gives
+    its tokens as the server renders them, `context_tokens` is the server's context."""
+
+    count: Callable[[Mapping[str, Any]], int]
+    context_tokens: int
 
 
 class UnusableAnswerError(ValueError):
@@ -103,7 +115,11 @@ class RolloutCollector:
         *,
         vocab_size: int | None = None,
         decode: Decode | None = None,
+        prompt_size: PromptSize | None = None,
     ):
+        """`prompt_size`: measures a refused prompt for the message (without it, the message
+        names the row and agent only)."""
+        self._prompt_size = prompt_size
         self._agent_urls = dict(agent_urls)
         self._postprocess = postprocess
         self._settings = settings
@@ -133,7 +149,8 @@ class RolloutCollector:
         results = await asyncio.gather(
             *(self._run_episode(row, agent, outcome) for _ in range(num_episodes))
         )
-        outcome.episodes = [result for result in results if result is not None]
+        if not outcome.prompt_refused:  # a refused prompt leaves nothing to train on
+            outcome.episodes = [result for result in results if result is not None]
         return outcome
 
     async def _run_episode(
@@ -169,19 +186,38 @@ class RolloutCollector:
                 retry_after = None if response is None else retry_after_s(response.headers)
                 continue
             # Contiguity and malformed-result errors propagate: retrying would hide them.
-            return postprocess_gym_result(
-                row,
-                result,
-                self._postprocess,
-                vocab_size=self._vocab_size,
-                decode=self._decode,
-                server_stops_divergences=settings.server_stops_divergences,
-            )
+            try:
+                return postprocess_gym_result(
+                    row,
+                    result,
+                    self._postprocess,
+                    vocab_size=self._vocab_size,
+                    decode=self._decode,
+                    server_stops_divergences=settings.server_stops_divergences,
+                )
+            except PromptTooLongError as error:  # never retried: the prompt stays as long
+                if not outcome.prompt_refused:
+                    outcome.prompt_refused = self._refusal(error, row)
+                return None
         outcome.failures.append(
             f"agent {agent!r} row {outcome.row_id!r} failed after "
             f"{settings.max_retries + 1} attempts: {cause}"
         )
         return None
+
+    def _refusal(self, error: PromptTooLongError, row: Mapping[str, Any]) -> str:
+        """The refusal's message with the prompt's size against the context, where measured."""
+        if self._prompt_size is None:
+            return str(error)
+        try:
+            size = f"{self._prompt_size.count(row)} prompt tokens"
+        except Exception as failure:  # the message must still come out
+            size = f"prompt tokens not counted ({type(failure).__name__}: {failure})"
+        return (
+            f"{error}: {size} against a context of {self._prompt_size.context_tokens} tokens "
+            "(policy.max_total_sequence_length). Shorten the row's prompt (system prompt, tools "
+            "and input all count) or raise the context"
+        )
 
     async def _post(self, url: str, row: Mapping[str, Any]) -> dict[str, Any]:
         async with (

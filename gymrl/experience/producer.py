@@ -11,6 +11,7 @@ is tested without Ray.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter
@@ -29,9 +30,14 @@ from nemo_gym_ext.rollout import FailureBudget, GroupOutcome, UnknownAgentError
 from nemo_gym_ext.wire import agent_name_of
 
 _POLL_S = 0.5
+log = logging.getLogger(__name__)
 # Fields the producer adds to each episode's summary, so that per-agent metrics report them.
 LENGTH_PENALTY_FIELD = "length_penalty"
 OVERLONG_MASKED_FIELD = "overlong_masked"
+
+
+class EveryPromptRefusedError(ValueError):
+    """The policy server refused every row's prompt as longer than its context."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -79,7 +85,8 @@ class GroupSink(Protocol):
 @dataclass(frozen=True)
 class ProducerCounts:
     """Totals since the producer started: retried episodes, groups dropped for want of a
-    baseline, episodes that failed after their retries; with dynamic sampling, groups dropped
+    baseline, episodes that failed after their retries, rows whose prompt the policy server
+    refused as longer than its context; with dynamic sampling, groups dropped
     for teaching nothing (per agent) and such groups delivered because the step's budget of
     drops was spent; the generated tokens of the groups it dropped, by (agent, ledger cause)
     (`gymrl.experience.ledger`)."""
@@ -90,6 +97,7 @@ class ProducerCounts:
     uniform_dropped: Mapping[str, int] = field(default_factory=dict)
     uniform_over_budget: int = 0
     untrained_tokens: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    prompts_too_long: int = 0
 
 
 class RolloutProducer(threading.Thread):
@@ -135,6 +143,8 @@ class RolloutProducer(threading.Thread):
         self._uniform_dropped_this_step = 0
         self._untrained_tokens: Counter[tuple[str, str]] = Counter()
         self._serial = 0
+        # Indices in the data of rows whose prompt the policy server refused: never drawn again.
+        self._refused_rows: set[int] = set()
 
     def counts(self) -> ProducerCounts:
         """A consistent snapshot of the producer's totals, from any thread."""
@@ -146,6 +156,7 @@ class RolloutProducer(threading.Thread):
                 dict(self._uniform_dropped),
                 self._uniform_over_budget,
                 dict(self._untrained_tokens),
+                len(self._refused_rows),
             )
 
     def _credit(self, step: int) -> int:
@@ -178,14 +189,26 @@ class RolloutProducer(threading.Thread):
             self.fatal = error
 
     def _produce(self) -> None:
-        in_flight: dict[Any, tuple[str, int, float]] = {}
+        in_flight: dict[Any, tuple[str, int, float, int]] = {}
         try:
             self._submit_and_collect(in_flight)
         finally:
             for group in in_flight:
                 self._runner.cancel(group)
 
-    def _submit_and_collect(self, in_flight: dict[Any, tuple[str, int, float]]) -> None:
+    def _draw(self) -> tuple[int, dict[str, Any]]:
+        """The next row whose prompt the policy server has not refused."""
+        for _ in range(len(self._rows)):
+            position, row = self._rows.next()
+            if self._rows.index_of(position) not in self._refused_rows:
+                return position, row
+        raise EveryPromptRefusedError(
+            f"the policy server refused the prompt of every one of the {len(self._rows)} rows "
+            "as longer than its context (the log names each); shorten the prompts or raise "
+            "policy.max_total_sequence_length"
+        )
+
+    def _submit_and_collect(self, in_flight: dict[Any, tuple[str, int, float, int]]) -> None:
         size = self._grpo.num_generations_per_prompt
         agents = self._runner.agents
         while not self._stopping.is_set():
@@ -193,7 +216,7 @@ class RolloutProducer(threading.Thread):
                 room = self._allowed - self._accepted - len(in_flight)
                 version = self._weight_version
             for _ in range(max(room, 0)):
-                position, row = self._rows.next()
+                position, row = self._draw()
                 agent = agent_name_of(row)
                 if agent not in agents:
                     raise UnknownAgentError(
@@ -207,16 +230,28 @@ class RolloutProducer(threading.Thread):
                     group_id,
                     version,
                     time.monotonic(),
+                    position,
                 )
             if not in_flight:
                 with self._condition:
                     self._condition.wait(_POLL_S)
                 continue
             for group in self._runner.finished(list(in_flight), _POLL_S):
-                group_id, version, started = in_flight.pop(group)
+                group_id, version, started, position = in_flight.pop(group)
                 # Contiguity and malformed-result errors propagate from here.
                 outcome = self._runner.outcome(group)
+                if outcome.prompt_refused:
+                    self._refuse(outcome, position)
+                    continue
                 self._accept(outcome, group_id, version, time.monotonic() - started)
+
+    def _refuse(self, outcome: GroupOutcome, position: int) -> None:
+        """The policy server refused the row's prompt: say so, count it, never draw it again.
+        Not a failure of the run's machinery, so not counted against the failure budget; the
+        group uses no credit, so another row takes its place."""
+        with self._counts_lock:
+            self._refused_rows.add(self._rows.index_of(position))
+        log.warning(f"skipping row {position} for the rest of the run: {outcome.prompt_refused}")
 
     def _accept(self, outcome: GroupOutcome, group_id: str, version: int, seconds: float) -> None:
         baseline = len(outcome.episodes) >= 2  # without two episodes, another row replaces it

@@ -38,7 +38,7 @@ from gymrl.cluster.ray_calls import wait_for
 from gymrl.cluster.ray_session import ClusterUnavailableError, start_ray
 from gymrl.config.schema import RecipeConfig
 from gymrl.experience.ledger import TokenLedger
-from gymrl.experience.producer import ProducerCounts, RolloutProducer
+from gymrl.experience.producer import EveryPromptRefusedError, ProducerCounts, RolloutProducer
 from gymrl.experience.rollout_group import RolloutGroup
 from gymrl.experience.rows import RowStream, UnservedAgentError, load_rows, load_validation_rows
 from gymrl.experience.validation import HeldOutEpisode, Validator
@@ -82,6 +82,7 @@ RUN_STOPPING_ERRORS = (
     GymVenvMissingError,
     GymStartError,
     ParityGateError,
+    EveryPromptRefusedError,
 )
 
 
@@ -220,7 +221,7 @@ class GRPORecipe:
         self.finished_step = self.saved_step = self.first_step
         self._finished_position = position
         self._refit(self.first_step)
-        self.rows = RowStream(rows, position)
+        self.rows = RowStream(rows, position, seed=config.run.seed)
         self.validator = (
             Validator(
                 load_validation_rows(
@@ -516,6 +517,7 @@ class GRPORecipe:
                 "rollout/episodes": float(len(episodes)),
                 "rollout/generated_tokens": float(generated),
                 "rollout/failures_total": float(counts.failures),
+                "rollout/prompt_too_long_total": float(counts.prompts_too_long),
                 "rollout/retries_total": float(counts.retries),
                 "rollout/dropped_groups_total": float(counts.dropped_groups),
                 "rollout/uniform_over_budget_total": float(counts.uniform_over_budget),

@@ -416,3 +416,40 @@ def test_groups_carry_their_failed_episodes(started):
     started(grpo, runner, buffer)
     (group,) = buffer.get_batch(1, current_step=0, timeout_s=5)
     assert group.failed_episodes == 1
+
+
+def test_a_refused_prompt_is_counted_named_skipped_and_never_drawn_again(started, caplog):
+    """The policy server refused row r1's prompt as longer than its context: the producer logs
+    the collector's message once per refusal, counts the row, lets another row take its place
+    and never submits r1 again, also in later passes over the data; no failure is counted."""
+    refusal = "row 'r1' (agent 'calc_agent'): the policy server refused the prompt: 3100 tokens"
+
+    def outcome_for(row, size):
+        if row["id"] == "r1":
+            return GroupOutcome(row_id="r1", agent=AGENT, prompt_refused=refusal)
+        return _outcome(row, size)
+
+    grpo, runner = _grpo(async_enabled=False, prompts=2), FakeRunner(outcome_for)
+    buffer = _buffer(grpo)
+    with caplog.at_level("WARNING", logger="gymrl.experience.producer"):
+        producer = started(grpo, runner, buffer, rows=_rows(3))
+        trained = []
+        for step in range(4):  # four steps of two rows: about three passes over the three rows
+            trained += [g.group_id.split("#")[0] for g in buffer.get_batch(2, step, 5.0)]
+            producer.advance(step + 1, 0)
+    submitted = [row_id for row_id, _ in runner.submitted]
+    assert submitted.count("r1") == 1
+    assert "r1" not in trained and len(trained) == 8
+    counts = producer.counts()
+    assert (counts.prompts_too_long, counts.failures) == (1, 0)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"skipping row 1 for the rest of the run: {refusal}"
+    ]
+
+
+def test_a_run_whose_every_prompt_is_refused_stops_saying_so(started):
+    grpo = _grpo(async_enabled=False, prompts=1)
+    runner = FakeRunner(lambda row, size: GroupOutcome(row["id"], AGENT, prompt_refused="no room"))
+    producer = started(grpo, runner, _buffer(grpo), rows=_rows(2))
+    _eventually(lambda: producer.fatal is not None)
+    assert "refused the prompt of every one of the 2 rows" in str(producer.fatal)
