@@ -32,6 +32,10 @@ from nemo_gym_ext.result_json import loads_result
 from nemo_gym_ext.retry import backoff_s, retry_after_s
 from nemo_gym_ext.wire import agent_name_of
 
+_SHORTEN = (
+    "Shorten the row's prompt (system prompt, tools and input all count) or raise the context"
+)
+
 
 class UnknownAgentError(ValueError):
     """A row names an agent that no shard serves."""
@@ -146,6 +150,9 @@ class RolloutCollector:
                 f"served: {self.agents}. Fix the row's agent_ref.name or env.nemo_gym.agents."
             )
         outcome = GroupOutcome(row_id=row_id_of(row), agent=agent)
+        outcome.prompt_refused = self._beyond_context(row, outcome)
+        if outcome.prompt_refused:
+            return outcome
         results = await asyncio.gather(
             *(self._run_episode(row, agent, outcome) for _ in range(num_episodes))
         )
@@ -205,6 +212,27 @@ class RolloutCollector:
         )
         return None
 
+    def _beyond_context(self, row: Mapping[str, Any], outcome: GroupOutcome) -> str:
+        """Why the policy server would refuse the row's prompt, measured before sending it (""
+        when it fits or cannot be measured: the server then decides). Agents do not all report
+        a refusal alike (Gym's answer an empty `length` turn, or fail when the environment
+        cannot verify an empty answer), so a prompt that cannot fit is not sent at all."""
+        if self._prompt_size is None:
+            return ""
+        try:
+            tokens = self._prompt_size.count(row)
+        except Exception:  # the policy server renders it, and says what is wrong with it
+            return ""
+        context = self._prompt_size.context_tokens
+        if tokens < context:
+            return ""
+        return (
+            f"row {outcome.row_id!r} (agent {outcome.agent!r}): its prompt is {tokens} tokens, "
+            f"no fewer than the policy server's context of {context} tokens "
+            "(policy.max_total_sequence_length), which the policy server refuses (400 'maximum "
+            f"context length'), so it was not sent. {_SHORTEN}"
+        )
+
     def _refusal(self, error: PromptTooLongError, row: Mapping[str, Any]) -> str:
         """The refusal's message with the prompt's size against the context, where measured."""
         if self._prompt_size is None:
@@ -215,8 +243,7 @@ class RolloutCollector:
             size = f"prompt tokens not counted ({type(failure).__name__}: {failure})"
         return (
             f"{error}: {size} against a context of {self._prompt_size.context_tokens} tokens "
-            "(policy.max_total_sequence_length). Shorten the row's prompt (system prompt, tools "
-            "and input all count) or raise the context"
+            f"(policy.max_total_sequence_length). {_SHORTEN}"
         )
 
     async def _post(self, url: str, row: Mapping[str, Any]) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from gymrl.config.schema import GRPOConfig
 from gymrl.experience.ledger import untrained_episodes
 from gymrl.experience.rollout_group import RolloutGroup, scalar_fields
 from gymrl.experience.rows import RowStream
+from gymrl.run.progress import progressed, waiting
 from nemo_gym_ext.postprocess import row_id_of
 from nemo_gym_ext.rollout import FailureBudget, GroupOutcome, UnknownAgentError
 from nemo_gym_ext.wire import agent_name_of
@@ -119,9 +120,14 @@ class RolloutProducer(threading.Thread):
         first_step: int,
         failure_budget: int,
         rules: EpisodeRules,
+        group_deadline_s: float,
     ):
+        """`group_deadline_s`: how long one group may take (every attempt of its episodes at
+        their deadline): what the no-progress watchdog reports as the deadline of the wait for
+        groups in flight."""
         super().__init__(name="rollout-producer", daemon=True)
         self._grpo = grpo
+        self._group_deadline_s = group_deadline_s
         self._rules = rules
         self._rows = rows
         self._runner = runner
@@ -211,6 +217,7 @@ class RolloutProducer(threading.Thread):
     def _submit_and_collect(self, in_flight: dict[Any, tuple[str, int, float, int]]) -> None:
         size = self._grpo.num_generations_per_prompt
         agents = self._runner.agents
+        idle_since: float | None = None  # since when no group is in flight and none may start
         while not self._stopping.is_set():
             with self._condition:
                 room = self._allowed - self._accepted - len(in_flight)
@@ -233,13 +240,30 @@ class RolloutProducer(threading.Thread):
                     position,
                 )
             if not in_flight:
-                with self._condition:
+                idle_since = idle_since or time.monotonic()
+                with (
+                    waiting(
+                        "the trainer to take a step (no credit left)",
+                        self._grpo.batch_timeout_s,
+                        since=idle_since,
+                    ),
+                    self._condition,
+                ):
                     self._condition.wait(_POLL_S)
                 continue
-            for group in self._runner.finished(list(in_flight), _POLL_S):
+            idle_since = None
+            oldest_id, _, oldest, _ = min(in_flight.values(), key=lambda entry: entry[2])
+            with waiting(
+                f"{len(in_flight)} group(s) in flight, the oldest {oldest_id}",
+                self._group_deadline_s,
+                since=oldest,
+            ):
+                finished = self._runner.finished(list(in_flight), _POLL_S)
+            for group in finished:
                 group_id, version, started, position = in_flight.pop(group)
                 # Contiguity and malformed-result errors propagate from here.
                 outcome = self._runner.outcome(group)
+                progressed(f"group {group_id} came back")
                 if outcome.prompt_refused:
                     self._refuse(outcome, position)
                     continue

@@ -55,6 +55,7 @@ from gymrl.roles.replay_buffer import start_replay_buffer
 from gymrl.roles.trainer import start_trainer
 from gymrl.run.checkpoint import latest_verified_checkpoint
 from gymrl.run.folder import METRICS_FILENAME, RunFolderInUseError, claim_run_folder
+from gymrl.run.progress import NoProgressError, ProgressWatch, progressed, waiting
 from gymrl.run.stop import StopSignals
 from gymrl.tracking.metrics_logger import build_logger
 from gymrl.tracking.plot import plot_run
@@ -83,6 +84,7 @@ RUN_STOPPING_ERRORS = (
     GymStartError,
     ParityGateError,
     EveryPromptRefusedError,
+    NoProgressError,
 )
 
 
@@ -257,10 +259,16 @@ class GRPORecipe:
             first_step=self.first_step,
             failure_budget=config.env.rollout.failure_budget,
             rules=self.episode_rules,
+            group_deadline_s=_group_deadline_s(config),
         )
         self._engine_seen = self._engine_snapshot()  # the first step's window starts here
         self.producer.start()
         self._on_cleanup("the rollout producer", self.producer.stop)
+        if config.run.progress_timeout_s is not None:
+            # Closed first: cleanup's own waits must not be cut short by a tripped watch.
+            watch = ProgressWatch(config.run.progress_timeout_s)
+            watch.start()
+            self._on_cleanup("the no-progress watchdog", watch.stop)
 
     def _on_cleanup(self, what: str, close: Callable[[], object]) -> None:
         self._closers.callback(close_reporting_failure, what, close)
@@ -306,6 +314,7 @@ class GRPORecipe:
                 self.logger.log(step + 1, metrics)
                 self.finished_step, self._finished_position = step + 1, self._step_end_position
                 self._trainer_ahead = False
+                progressed(f"step {step + 1} ended")
             self.stops.step_finished()
         if config.logger.jsonl:
             metrics_path = self.output_dir / METRICS_FILENAME
@@ -328,6 +337,7 @@ class GRPORecipe:
         return metrics
 
     def _count_validation_tokens(self, episode: HeldOutEpisode) -> None:
+        progressed("a validation episode came back")
         if episode.summary is not None:  # a failed episode has no result, so no token count
             self.ledger.validation_pass([episode.summary])
 
@@ -468,9 +478,14 @@ class GRPORecipe:
 
     def _wait_for_batch(self, step: int) -> list[RolloutGroup]:
         """The step's groups, waiting in short slices so a producer error surfaces at once."""
-        producer = self.producer
-        deadline = time.monotonic() + self.config.grpo.batch_timeout_s
+        timeout_s = self.config.grpo.batch_timeout_s
+        deadline = time.monotonic() + timeout_s
         needed = self.config.grpo.num_prompts_per_step
+        with waiting(f"step {step}'s {needed} groups from the replay buffer", timeout_s):
+            return self._take_batch(step, needed, deadline)
+
+    def _take_batch(self, step: int, needed: int, deadline: float) -> list[RolloutGroup]:
+        producer = self.producer
         while True:
             if producer.fatal is not None:
                 raise producer.fatal
@@ -535,6 +550,14 @@ class GRPORecipe:
         when called twice. A role that does not close cleanly is reported, not raised: it must
         not mask the error that ended the run, nor keep the roles before it from closing."""
         self._closers.close()
+
+
+def _group_deadline_s(config: RecipeConfig) -> float:
+    """The longest one group may take: every attempt of its episodes at its deadline, with the
+    longest back-off between attempts (episodes run concurrently)."""
+    rollout = config.env.rollout
+    attempts = rollout.max_retries + 1
+    return attempts * rollout.run_timeout_s + rollout.max_retries * rollout.retry_backoff_max_s
 
 
 def _infra_failure_rates(groups: Sequence[RolloutGroup]) -> dict[str, float]:

@@ -23,6 +23,7 @@ from gymrl.generation.chat_template import ChatFormat, row_prompt_token_count
 from gymrl.model.loading import load_tokenizer
 from gymrl.model.tokens import decode_text
 from gymrl.roles import OnCleanup
+from gymrl.run.progress import raise_if_stalled
 from gymrl.run.stop import stops_held
 from nemo_gym_ext.config import HEAD_SERVER_URL_KEY, GymActorConfig
 from nemo_gym_ext.envs.registry import start_builtin_environment
@@ -224,6 +225,7 @@ class RayGroupRunner:
     def finished(self, running: Sequence[Any], timeout_s: float) -> list[Any]:
         with stops_held():  # validation waits here in the main thread
             done, _ = ray.wait(list(running), num_returns=1, timeout=timeout_s)
+        raise_if_stalled()
         return done
 
     def outcome(self, group: Any) -> GroupOutcome:

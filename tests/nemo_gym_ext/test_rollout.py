@@ -158,28 +158,43 @@ def test_the_failure_budget_stops_the_run_with_the_last_cause():
     )
 
 
-def test_a_prompt_longer_than_the_context_is_named_with_its_size_and_not_retried(
-    policy_url, tokenizer, chat_format
-):
-    """A system prompt longer than the policy server's context (2048 tokens here): the server
-    refuses the first model call with a 400, the built-in agent ends the episode at the limit
-    as Gym's vllm_model adapter does, and the collector names the refusal with the prompt's
-    size: no retry, no failure, no episode."""
+def _long_row():
     params = ROW["responses_create_params"]
     long_system = {"role": "system", "content": "Think step by step. " * 600}
-    row = {**ROW, "responses_create_params": {**params, "input": [long_system, *params["input"]]}}
+    return {**ROW, "responses_create_params": {**params, "input": [long_system, *params["input"]]}}
+
+
+def test_a_prompt_the_policy_server_would_refuse_is_named_and_never_sent(tokenizer, chat_format):
+    """Measured before sending: a row whose prompt (system prompt, tools, input, as the policy
+    server renders them) does not fit the context is refused at once, never posted (the agent
+    URL here refuses connections, so a post would show as a failure)."""
+    row = _long_row()
     size = PromptSize(lambda row: row_prompt_token_count(row, chat_format), context_tokens=2048)
-    with start_agent(policy_url, send_token_ids=True) as env:
-        outcome = collect(
-            {AGENT: env.agent_url}, NemoGymPostprocessConfig(), row, 2, tokenizer, size
-        )
+    unreachable = {AGENT: "http://127.0.0.1:9"}
+    outcome = collect(unreachable, NemoGymPostprocessConfig(), row, 2, tokenizer, size)
     tokens = row_prompt_token_count(row, chat_format)
     assert tokens > 2048
     assert (outcome.episodes, outcome.failures, outcome.retries) == ([], [], 0)
     assert outcome.prompt_refused == (
+        f"row {ROW['id']!r} (agent {AGENT!r}): its prompt is {tokens} tokens, no fewer than the "
+        "policy server's context of 2048 tokens (policy.max_total_sequence_length), which the "
+        "policy server refuses (400 'maximum context length'), so it was not sent. Shorten the "
+        "row's prompt (system prompt, tools and input all count) or raise the context"
+    )
+
+
+def test_a_prompt_the_policy_server_refuses_is_named_from_the_result_and_not_retried(
+    policy_url, tokenizer
+):
+    """Unmeasured (an agent may add to the prompt): the policy server refuses the first model
+    call with a 400, the built-in agent ends the episode at the limit as Gym's vllm_model
+    adapter does, and the collector names the refusal: no retry, no failure, no episode."""
+    with start_agent(policy_url, send_token_ids=True) as env:
+        outcome = collect(
+            {AGENT: env.agent_url}, NemoGymPostprocessConfig(), _long_row(), 2, tokenizer
+        )
+    assert (outcome.episodes, outcome.failures, outcome.retries) == ([], [], 0)
+    assert outcome.prompt_refused == (
         f"row {ROW['id']!r} (agent {AGENT!r}): the policy server refused the prompt, longer than "
-        "its context (the first model call ended at the token limit with no token generated): "
-        f"{tokens} prompt tokens against a context of 2048 tokens "
-        "(policy.max_total_sequence_length). Shorten the row's prompt (system prompt, tools and "
-        "input all count) or raise the context"
+        "its context (the first model call ended at the token limit with no token generated)"
     )

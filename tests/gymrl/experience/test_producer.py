@@ -21,6 +21,7 @@ from nemo_gym_ext.rollout import GroupOutcome, RolloutBudgetExceeded, UnknownAge
 AGENT = "calc_agent"
 LIMIT = 8  # the per-call token limit of the soft overlong penalty
 RULES = EpisodeRules(LossConfig(), default_limit_tokens=LIMIT)
+GROUP_DEADLINE_S = 60.0  # what the no-progress watchdog would report as a group's deadline
 
 
 def _episode(reward=1.0, agent=AGENT):
@@ -125,6 +126,7 @@ def started():
             first_step=first_step,
             failure_budget=failure_budget,
             rules=EpisodeRules(loss or LossConfig(), default_limit_tokens=LIMIT),
+            group_deadline_s=GROUP_DEADLINE_S,
         )
         producers.append(producer)
         producer.start()
@@ -278,7 +280,14 @@ def test_the_position_a_checkpoint_records_and_what_a_resume_skips(async_enabled
     grpo, runner = _grpo(async_enabled=async_enabled, max_age=1, prompts=2), FakeRunner()
     buffer, stream = _buffer(grpo), RowStream(_rows())
     producer = RolloutProducer(
-        grpo, stream, runner, buffer, first_step=0, failure_budget=4, rules=RULES
+        grpo,
+        stream,
+        runner,
+        buffer,
+        first_step=0,
+        failure_budget=4,
+        rules=RULES,
+        group_deadline_s=GROUP_DEADLINE_S,
     )
     producer.start()
     try:
