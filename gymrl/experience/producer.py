@@ -77,6 +77,23 @@ class GroupSink(Protocol):
 
     def put(self, group: RolloutGroup, timeout_s: float) -> bool: ...
 
+    def held_positions(self) -> list[int]:
+        """The row positions of the groups it holds (stored, not yet served)."""
+        ...
+
+
+@dataclass(frozen=True)
+class DataState:
+    """Where a run is in its rows, as a checkpoint records it: the next new `position`, and the
+    positions before it drawn but not yet trained (`pending`: in flight, or in the buffer),
+    which a resume draws again first, once each."""
+
+    position: int
+    pending: tuple[int, ...] = ()
+
+    def as_json(self) -> dict[str, Any]:
+        return {"position": self.position, "pending": list(self.pending)}
+
 
 # ---------------------------------------------------------------------------------------------
 # The rollout producer
@@ -151,6 +168,8 @@ class RolloutProducer(threading.Thread):
         self._serial = 0
         # Indices in the data of rows whose prompt the policy server refused: never drawn again.
         self._refused_rows: set[int] = set()
+        # Positions drawn whose group is neither delivered to the buffer nor dropped yet.
+        self._pending: set[int] = set()
 
     def counts(self) -> ProducerCounts:
         """A consistent snapshot of the producer's totals, from any thread."""
@@ -164,6 +183,16 @@ class RolloutProducer(threading.Thread):
                 dict(self._untrained_tokens),
                 len(self._refused_rows),
             )
+
+    def data_state(self) -> DataState:
+        """Where the run is in its rows now: the rows drawn so far, less those whose group was
+        trained or dropped. The producer's own view is taken first, then the buffer's: a group
+        delivered in between was still pending in the first, so none is missed."""
+        with self._counts_lock:
+            position = self._rows.position
+            pending = self._pending | set(self._rows.queued())
+        pending |= set(self._buffer.held_positions())
+        return DataState(position, tuple(sorted(p for p in pending if p < position)))
 
     def _credit(self, step: int) -> int:
         """Groups the buffer may have received once the trainer has taken `step` steps."""
@@ -205,9 +234,11 @@ class RolloutProducer(threading.Thread):
     def _draw(self) -> tuple[int, dict[str, Any]]:
         """The next row whose prompt the policy server has not refused."""
         for _ in range(len(self._rows)):
-            position, row = self._rows.next()
-            if self._rows.index_of(position) not in self._refused_rows:
-                return position, row
+            with self._counts_lock:  # drawn and pending at once, for `data_state`
+                position, row = self._rows.next()
+                if self._rows.index_of(position) not in self._refused_rows:
+                    self._pending.add(position)
+                    return position, row
         raise EveryPromptRefusedError(
             f"the policy server refused the prompt of every one of the {len(self._rows)} rows "
             "as longer than its context (the log names each); shorten the prompts or raise "
@@ -266,8 +297,10 @@ class RolloutProducer(threading.Thread):
                 progressed(f"group {group_id} came back")
                 if outcome.prompt_refused:
                     self._refuse(outcome, position)
-                    continue
-                self._accept(outcome, group_id, version, time.monotonic() - started)
+                else:
+                    self._accept(outcome, group_id, version, time.monotonic() - started, position)
+                with self._counts_lock:  # delivered (the buffer holds it) or dropped
+                    self._pending.discard(position)
 
     def _refuse(self, outcome: GroupOutcome, position: int) -> None:
         """The policy server refused the row's prompt: say so, count it, never draw it again.
@@ -277,7 +310,9 @@ class RolloutProducer(threading.Thread):
             self._refused_rows.add(self._rows.index_of(position))
         log.warning(f"skipping row {position} for the rest of the run: {outcome.prompt_refused}")
 
-    def _accept(self, outcome: GroupOutcome, group_id: str, version: int, seconds: float) -> None:
+    def _accept(
+        self, outcome: GroupOutcome, group_id: str, version: int, seconds: float, position: int
+    ) -> None:
         baseline = len(outcome.episodes) >= 2  # without two episodes, another row replaces it
         results = [episode["full_result"] for episode in outcome.episodes]
         agents = [outcome.agent] * len(results)
@@ -321,6 +356,7 @@ class RolloutProducer(threading.Thread):
             ],
             seconds=seconds,
             failed_episodes=len(outcome.failures),
+            row_position=position,
         )
         # A group the buffer finds already stale counts as delivered: the trainer's eviction
         # count, passed to `advance`, is what gives its credit back.

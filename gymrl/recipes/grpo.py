@@ -38,7 +38,12 @@ from gymrl.cluster.ray_calls import wait_for
 from gymrl.cluster.ray_session import ClusterUnavailableError, start_ray
 from gymrl.config.schema import RecipeConfig
 from gymrl.experience.ledger import TokenLedger
-from gymrl.experience.producer import EveryPromptRefusedError, ProducerCounts, RolloutProducer
+from gymrl.experience.producer import (
+    DataState,
+    EveryPromptRefusedError,
+    ProducerCounts,
+    RolloutProducer,
+)
 from gymrl.experience.rollout_group import RolloutGroup
 from gymrl.experience.rows import RowStream, UnservedAgentError, load_rows, load_validation_rows
 from gymrl.experience.validation import HeldOutEpisode, Validator
@@ -128,11 +133,11 @@ class GRPORecipe:
         self.stops = StopSignals(config.stop.step_in_progress, config.stop.deadline_s)
         self._stops_installed = False
         # What a checkpoint on stop would hold: the last finished (trained, refitted, logged)
-        # step and the row position at its end; and the newest step on disk. While
+        # step and where the run was in its rows at its end; and the newest step on disk. While
         # `_trainer_ahead` the trainer's state is past `finished_step` (an optimizer step or a
         # save is under way), so it cannot be saved as that step.
         self.finished_step = self.saved_step = 0
-        self._finished_position = self._step_end_position = 0
+        self._finished_data = self._step_end_data = DataState(0)
         self._trainer_ahead = False
         # Generated tokens accounted since the last record, trained or not (`ledger/...`).
         self.ledger = TokenLedger()
@@ -219,11 +224,11 @@ class GRPORecipe:
         self.buffer = start_replay_buffer(
             grpo, placement=placement, group=group, on_cleanup=self._on_cleanup
         )
-        self.first_step, position = self._resume()
+        self.first_step, data = self._resume()
         self.finished_step = self.saved_step = self.first_step
-        self._finished_position = position
+        self._finished_data = data
         self._refit(self.first_step)
-        self.rows = RowStream(rows, position, seed=config.run.seed)
+        self.rows = RowStream(rows, data.position, seed=config.run.seed, redraw=data.pending)
         self.validator = (
             Validator(
                 load_validation_rows(
@@ -274,7 +279,7 @@ class GRPORecipe:
         self._closers.callback(close_reporting_failure, what, close)
 
     def _resume(self) -> tuple[int, int]:
-        """The step and row position to start from: 0, 0, or a checkpoint's."""
+        """The step and data state to start from: 0 and the first row, or a checkpoint's."""
         if not self.config.resume:
             return 0, 0
         checkpoint, rejected = latest_verified_checkpoint(self.checkpoint_dir)
@@ -288,7 +293,9 @@ class GRPORecipe:
             )
         state = self.trainer.load_checkpoint(checkpoint)
         log.info(f"resumed from {checkpoint} at step {state['step']}")
-        return state["step"], state["data_state"]["position"]
+        data = state["data_state"]
+        # Checkpoints of earlier versions hold no pending rows (they skipped them).
+        return state["step"], DataState(data["position"], tuple(data.get("pending", ())))
 
     # --------------------------------------------------------------------------------- train
     def train(self) -> None:
@@ -309,10 +316,10 @@ class GRPORecipe:
                 last = now
                 if every and (step + 1) % every == 0:
                     metrics["timing/checkpoint_s"] = self._save_checkpoint(
-                        step + 1, self._step_end_position
+                        step + 1, self._step_end_data
                     )
                 self.logger.log(step + 1, metrics)
-                self.finished_step, self._finished_position = step + 1, self._step_end_position
+                self.finished_step, self._finished_data = step + 1, self._step_end_data
                 self._trainer_ahead = False
                 progressed(f"step {step + 1} ended")
             self.stops.step_finished()
@@ -341,10 +348,10 @@ class GRPORecipe:
         if episode.summary is not None:  # a failed episode has no result, so no token count
             self.ledger.validation_pass([episode.summary])
 
-    def _save_checkpoint(self, step: int, position: int) -> float:
-        """Save the trainer's state as `step` with the row `position`; returns the seconds."""
+    def _save_checkpoint(self, step: int, data: DataState) -> float:
+        """Save the trainer's state as `step` with the data state `data`; returns the seconds."""
         started = time.monotonic()
-        self.trainer.save_checkpoint(self.checkpoint_dir, step, {"position": position})
+        self.trainer.save_checkpoint(self.checkpoint_dir, step, data.as_json())
         self.saved_step = step
         return time.monotonic() - started
 
@@ -364,7 +371,7 @@ class GRPORecipe:
                 f"no longer that of step {self.finished_step}; newest checkpoint: step "
                 f"{self.saved_step}"
             )
-        seconds = self._save_checkpoint(self.finished_step, self._finished_position)
+        seconds = self._save_checkpoint(self.finished_step, self._finished_data)
         return f"saved a checkpoint of step {self.saved_step} in {seconds:.1f} s"
 
     def _refit(self, version: int) -> float:
@@ -389,9 +396,9 @@ class GRPORecipe:
         refit_s = self._refit(step + 1)
         buffer_stats = self.buffer.stats()
         # Before `advance` lets the producer take the next step's rows: in sync mode exactly the
-        # rows trained so far, so a resume draws the same rows next (async: rows in flight for
-        # later steps are past this position, and a resume skips them).
-        self._step_end_position = self.rows.position
+        # rows trained so far; in async mode also the rows drawn for later steps and not yet
+        # trained (in flight or in the buffer), which a resume draws again first.
+        self._step_end_data = producer.data_state()
         producer.advance(step + 1, buffer_stats["evicted_stale"])
         counts = producer.counts()
         self.ledger.trained_groups(groups)
