@@ -77,6 +77,7 @@ class GroupOutcome:
     failures: list[str] = field(default_factory=list)
     retries: int = 0
     prompt_refused: str = ""
+    timeouts: int = 0  # attempts that ran out of env.rollout.run_timeout_s (retried or failed)
 
 
 @dataclass(frozen=True)
@@ -188,6 +189,7 @@ class RolloutCollector:
                 )
                 return None
             except (httpx.TransportError, httpx.HTTPStatusError, TimeoutError) as error:
+                outcome.timeouts += isinstance(error, TimeoutError | httpx.TimeoutException)
                 cause = f"{type(error).__name__}: {error}"
                 response = getattr(error, "response", None)
                 retry_after = None if response is None else retry_after_s(response.headers)
@@ -247,13 +249,20 @@ class RolloutCollector:
         )
 
     async def _post(self, url: str, row: Mapping[str, Any]) -> dict[str, Any]:
-        async with (
-            asyncio.timeout(self._settings.run_timeout_s),
-            self._client.stream(
-                "POST", url, content=dumps_json(dict(row)), headers=JSON_HEADERS
-            ) as response,
-        ):
-            body = await self._read_capped(url, response)
+        deadline_s = self._settings.run_timeout_s
+        try:
+            async with (
+                asyncio.timeout(deadline_s),
+                self._client.stream(
+                    "POST", url, content=dumps_json(dict(row)), headers=JSON_HEADERS
+                ) as response,
+            ):
+                body = await self._read_capped(url, response)
+        except TimeoutError as error:  # asyncio's says nothing of what timed out
+            raise TimeoutError(
+                f"agent at {url} did not finish the episode within "
+                f"env.rollout.run_timeout_s={deadline_s:g} s"
+            ) from error
         if response.status_code >= 400:
             detail = body[:500].decode(errors="replace")
             if response.status_code < 500 and response.status_code != 429:

@@ -104,7 +104,8 @@ class DataState:
 class ProducerCounts:
     """Totals since the producer started: retried episodes, groups dropped for want of a
     baseline, episodes that failed after their retries, rows whose prompt the policy server
-    refused as longer than its context; with dynamic sampling, groups dropped
+    refused as longer than its context, episode attempts that ran out of their deadline; with
+    dynamic sampling, groups dropped
     for teaching nothing (per agent) and such groups delivered because the step's budget of
     drops was spent; the generated tokens of the groups it dropped, by (agent, ledger cause)
     (`gymrl.experience.ledger`)."""
@@ -116,6 +117,7 @@ class ProducerCounts:
     uniform_over_budget: int = 0
     untrained_tokens: Mapping[tuple[str, str], int] = field(default_factory=dict)
     prompts_too_long: int = 0
+    episode_timeouts: int = 0
 
 
 class RolloutProducer(threading.Thread):
@@ -159,7 +161,7 @@ class RolloutProducer(threading.Thread):
         self.fatal: BaseException | None = None
         # Written by the producer thread, read by the trainer's: only under `_counts_lock`.
         self._counts_lock = threading.Lock()
-        self._retries = self._dropped_groups = 0
+        self._retries = self._dropped_groups = self._timeouts = 0
         self._failures = FailureBudget(failure_budget)
         self._uniform_dropped: Counter[str] = Counter()
         self._uniform_over_budget = 0
@@ -182,6 +184,7 @@ class RolloutProducer(threading.Thread):
                 self._uniform_over_budget,
                 dict(self._untrained_tokens),
                 len(self._refused_rows),
+                self._timeouts,
             )
 
     def data_state(self) -> DataState:
@@ -318,6 +321,7 @@ class RolloutProducer(threading.Thread):
         agents = [outcome.agent] * len(results)
         with self._counts_lock:
             self._retries += outcome.retries
+            self._timeouts += outcome.timeouts
             self._dropped_groups += not baseline
             if not baseline:
                 lost = untrained_episodes(agents, results, "failed_or_masked")

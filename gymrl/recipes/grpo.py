@@ -540,6 +540,7 @@ class GRPORecipe:
                 "rollout/generated_tokens": float(generated),
                 "rollout/failures_total": float(counts.failures),
                 "rollout/prompt_too_long_total": float(counts.prompts_too_long),
+                "rollout/episode_timeouts_total": float(counts.episode_timeouts),
                 "rollout/retries_total": float(counts.retries),
                 "rollout/dropped_groups_total": float(counts.dropped_groups),
                 "rollout/uniform_over_budget_total": float(counts.uniform_over_budget),
