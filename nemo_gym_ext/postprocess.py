@@ -31,7 +31,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from nemo_gym_ext.config import NemoGymPostprocessConfig
-from nemo_gym_ext.overlong import OVERLONG_FLAG, hit_token_limit
+from nemo_gym_ext.overlong import (
+    OVERLONG_FLAG,
+    PromptTooLongError,
+    hit_token_limit,
+    refused_before_generating,
+)
 from nemo_gym_ext.wire import LOGPROB_TOLERANCE, agent_name_of
 
 TRUNCATED_FLAG = "noncontiguous_truncated"
@@ -170,6 +175,8 @@ def postprocess_gym_result(
     withheld turn at all), so an episode the server cut short is never taken for a whole one,
     even where the postprocessor finds its history contiguous (the server and the postprocessor
     disagree; its tokens are trained, its reward is the cut-short state's).
+    A result that hit a token limit before generating any token raises
+    :class:`nemo_gym_ext.overlong.PromptTooLongError` (the policy server refused the prompt).
     Neither `row` nor `result` is mutated.
     """
     row_id = row_id_of(row, result)
@@ -193,6 +200,8 @@ def postprocess_gym_result(
     for field in (*verdicts, *ALL_CAUSE_FIELDS):
         full_result.pop(field, None)
     overlong = full_result[OVERLONG_FLAG] = hit_token_limit(result)
+    if refused_before_generating(result):  # not a malformed result: masking must not hide it
+        raise PromptTooLongError(row_id, agent)
     # Only split mode's outputs hold tail segments (none here when nothing diverged).
     split: dict[str, Any] = {SEGMENTS_KEY: []} if config.split_noncontiguous_segments else {}
     # A result without a usable reward cannot join a GRPO group even as a masked sample.

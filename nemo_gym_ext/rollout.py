@@ -17,7 +17,7 @@ ints of repeated prompt prefixes (:mod:`nemo_gym_ext.result_json`).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,10 +26,15 @@ import httpx
 from nemo_gym_ext.config import NemoGymPostprocessConfig
 from nemo_gym_ext.json_body import JSON_HEADERS, dumps_json
 from nemo_gym_ext.keep_alive import CLIENT_KEEPALIVE_EXPIRY_S
+from nemo_gym_ext.overlong import PromptTooLongError
 from nemo_gym_ext.postprocess import Decode, postprocess_gym_result, row_id_of
 from nemo_gym_ext.result_json import loads_result
 from nemo_gym_ext.retry import backoff_s, retry_after_s
 from nemo_gym_ext.wire import agent_name_of
+
+_SHORTEN = (
+    "Shorten the row's prompt (system prompt, tools and input all count) or raise the context"
+)
 
 
 class UnknownAgentError(ValueError):
@@ -63,13 +68,25 @@ class FailureBudget:
 
 @dataclass
 class GroupOutcome:
-    """What came back for one row: postprocessed episodes, and the causes of those that failed."""
+    """What came back for one row: postprocessed episodes, and the causes of those that failed;
+    `prompt_refused` says why the policy server refused the row's prompt (then no episode)."""
 
     row_id: str
     agent: str
     episodes: list[dict[str, Any]] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     retries: int = 0
+    prompt_refused: str = ""
+    timeouts: int = 0  # attempts that ran out of env.rollout.run_timeout_s (retried or failed)
+
+
+@dataclass(frozen=True)
+class PromptSize:
+    """How a collector measures a row's prompt when the policy server refuses it: `count` gives
+    its tokens as the server renders them, `context_tokens` is the server's context."""
+
+    count: Callable[[Mapping[str, Any]], int]
+    context_tokens: int
 
 
 class UnusableAnswerError(ValueError):
@@ -103,7 +120,11 @@ class RolloutCollector:
         *,
         vocab_size: int | None = None,
         decode: Decode | None = None,
+        prompt_size: PromptSize | None = None,
     ):
+        """`prompt_size`: measures a refused prompt for the message (without it, the message
+        names the row and agent only)."""
+        self._prompt_size = prompt_size
         self._agent_urls = dict(agent_urls)
         self._postprocess = postprocess
         self._settings = settings
@@ -130,10 +151,14 @@ class RolloutCollector:
                 f"served: {self.agents}. Fix the row's agent_ref.name or env.nemo_gym.agents."
             )
         outcome = GroupOutcome(row_id=row_id_of(row), agent=agent)
+        outcome.prompt_refused = self._beyond_context(row, outcome)
+        if outcome.prompt_refused:
+            return outcome
         results = await asyncio.gather(
             *(self._run_episode(row, agent, outcome) for _ in range(num_episodes))
         )
-        outcome.episodes = [result for result in results if result is not None]
+        if not outcome.prompt_refused:  # a refused prompt leaves nothing to train on
+            outcome.episodes = [result for result in results if result is not None]
         return outcome
 
     async def _run_episode(
@@ -164,33 +189,80 @@ class RolloutCollector:
                 )
                 return None
             except (httpx.TransportError, httpx.HTTPStatusError, TimeoutError) as error:
+                outcome.timeouts += isinstance(error, TimeoutError | httpx.TimeoutException)
                 cause = f"{type(error).__name__}: {error}"
                 response = getattr(error, "response", None)
                 retry_after = None if response is None else retry_after_s(response.headers)
                 continue
             # Contiguity and malformed-result errors propagate: retrying would hide them.
-            return postprocess_gym_result(
-                row,
-                result,
-                self._postprocess,
-                vocab_size=self._vocab_size,
-                decode=self._decode,
-                server_stops_divergences=settings.server_stops_divergences,
-            )
+            try:
+                return postprocess_gym_result(
+                    row,
+                    result,
+                    self._postprocess,
+                    vocab_size=self._vocab_size,
+                    decode=self._decode,
+                    server_stops_divergences=settings.server_stops_divergences,
+                )
+            except PromptTooLongError as error:  # never retried: the prompt stays as long
+                if not outcome.prompt_refused:
+                    outcome.prompt_refused = self._refusal(error, row)
+                return None
         outcome.failures.append(
             f"agent {agent!r} row {outcome.row_id!r} failed after "
             f"{settings.max_retries + 1} attempts: {cause}"
         )
         return None
 
+    def _beyond_context(self, row: Mapping[str, Any], outcome: GroupOutcome) -> str:
+        """Why the policy server would refuse the row's prompt, measured before sending it (""
+        when it fits or cannot be measured: the server then decides). Agents do not all report
+        a refusal alike (Gym's answer an empty `length` turn, or fail when the environment
+        cannot verify an empty answer), so a prompt that cannot fit is not sent at all."""
+        if self._prompt_size is None:
+            return ""
+        try:
+            tokens = self._prompt_size.count(row)
+        except Exception:  # the policy server renders it, and says what is wrong with it
+            return ""
+        context = self._prompt_size.context_tokens
+        if tokens < context:
+            return ""
+        return (
+            f"row {outcome.row_id!r} (agent {outcome.agent!r}): its prompt is {tokens} tokens, "
+            f"no fewer than the policy server's context of {context} tokens "
+            "(policy.max_total_sequence_length), which the policy server refuses (400 'maximum "
+            f"context length'), so it was not sent. {_SHORTEN}"
+        )
+
+    def _refusal(self, error: PromptTooLongError, row: Mapping[str, Any]) -> str:
+        """The refusal's message with the prompt's size against the context, where measured."""
+        if self._prompt_size is None:
+            return str(error)
+        try:
+            size = f"{self._prompt_size.count(row)} prompt tokens"
+        except Exception as failure:  # the message must still come out
+            size = f"prompt tokens not counted ({type(failure).__name__}: {failure})"
+        return (
+            f"{error}: {size} against a context of {self._prompt_size.context_tokens} tokens "
+            f"(policy.max_total_sequence_length). {_SHORTEN}"
+        )
+
     async def _post(self, url: str, row: Mapping[str, Any]) -> dict[str, Any]:
-        async with (
-            asyncio.timeout(self._settings.run_timeout_s),
-            self._client.stream(
-                "POST", url, content=dumps_json(dict(row)), headers=JSON_HEADERS
-            ) as response,
-        ):
-            body = await self._read_capped(url, response)
+        deadline_s = self._settings.run_timeout_s
+        try:
+            async with (
+                asyncio.timeout(deadline_s),
+                self._client.stream(
+                    "POST", url, content=dumps_json(dict(row)), headers=JSON_HEADERS
+                ) as response,
+            ):
+                body = await self._read_capped(url, response)
+        except TimeoutError as error:  # asyncio's says nothing of what timed out
+            raise TimeoutError(
+                f"agent at {url} did not finish the episode within "
+                f"env.rollout.run_timeout_s={deadline_s:g} s"
+            ) from error
         if response.status_code >= 400:
             detail = body[:500].decode(errors="replace")
             if response.status_code < 500 and response.status_code != 429:

@@ -18,6 +18,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayTaskError
 
+from gymrl.run.progress import raise_if_stalled, waiting
 from gymrl.run.stop import stops_held
 
 _SLICE_S = 1.0
@@ -25,23 +26,30 @@ _SLICE_S = 1.0
 
 def wait_for(ref: Any, *, timeout_s: float, what: str) -> Any:
     """`ray.get(ref)` within `timeout_s`; raises the actor's exception, or TimeoutError naming
-    `what` did not finish."""
+    `what` did not finish. The no-progress watchdog (gymrl.run.progress) sees the wait, and
+    stops it between slices once it tripped."""
     deadline = time.monotonic() + timeout_s
     try:
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                with stops_held():
-                    return ray.get(ref, timeout=max(0.0, min(left, _SLICE_S)))
-            except GetTimeoutError:
-                if left <= _SLICE_S:
-                    raise
+        with waiting(what, timeout_s):
+            return _wait_in_slices(ref, deadline)
     except GetTimeoutError:
         raise TimeoutError(f"{what} did not finish within {timeout_s:g} s") from None
     except RayTaskError as error:
         if isinstance(error.cause, Exception):
             raise error.cause from None
         raise
+
+
+def _wait_in_slices(ref: Any, deadline: float) -> Any:
+    while True:
+        raise_if_stalled()
+        left = deadline - time.monotonic()
+        try:
+            with stops_held():
+                return ray.get(ref, timeout=max(0.0, min(left, _SLICE_S)))
+        except GetTimeoutError:
+            if left <= _SLICE_S:
+                raise
 
 
 def close_actor(actor: Any, *, timeout_s: float | None = None) -> None:

@@ -11,6 +11,7 @@ is tested without Ray.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter
@@ -24,14 +25,20 @@ from gymrl.config.schema import GRPOConfig
 from gymrl.experience.ledger import untrained_episodes
 from gymrl.experience.rollout_group import RolloutGroup, scalar_fields
 from gymrl.experience.rows import RowStream
+from gymrl.run.progress import progressed, waiting
 from nemo_gym_ext.postprocess import row_id_of
 from nemo_gym_ext.rollout import FailureBudget, GroupOutcome, UnknownAgentError
 from nemo_gym_ext.wire import agent_name_of
 
 _POLL_S = 0.5
+log = logging.getLogger(__name__)
 # Fields the producer adds to each episode's summary, so that per-agent metrics report them.
 LENGTH_PENALTY_FIELD = "length_penalty"
 OVERLONG_MASKED_FIELD = "overlong_masked"
+
+
+class EveryPromptRefusedError(ValueError):
+    """The policy server refused every row's prompt as longer than its context."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -70,6 +77,23 @@ class GroupSink(Protocol):
 
     def put(self, group: RolloutGroup, timeout_s: float) -> bool: ...
 
+    def held_positions(self) -> list[int]:
+        """The row positions of the groups it holds (stored, not yet served)."""
+        ...
+
+
+@dataclass(frozen=True)
+class DataState:
+    """Where a run is in its rows, as a checkpoint records it: the next new `position`, and the
+    positions before it drawn but not yet trained (`pending`: in flight, or in the buffer),
+    which a resume draws again first, once each."""
+
+    position: int
+    pending: tuple[int, ...] = ()
+
+    def as_json(self) -> dict[str, Any]:
+        return {"position": self.position, "pending": list(self.pending)}
+
 
 # ---------------------------------------------------------------------------------------------
 # The rollout producer
@@ -79,7 +103,9 @@ class GroupSink(Protocol):
 @dataclass(frozen=True)
 class ProducerCounts:
     """Totals since the producer started: retried episodes, groups dropped for want of a
-    baseline, episodes that failed after their retries; with dynamic sampling, groups dropped
+    baseline, episodes that failed after their retries, rows whose prompt the policy server
+    refused as longer than its context, episode attempts that ran out of their deadline; with
+    dynamic sampling, groups dropped
     for teaching nothing (per agent) and such groups delivered because the step's budget of
     drops was spent; the generated tokens of the groups it dropped, by (agent, ledger cause)
     (`gymrl.experience.ledger`)."""
@@ -90,6 +116,8 @@ class ProducerCounts:
     uniform_dropped: Mapping[str, int] = field(default_factory=dict)
     uniform_over_budget: int = 0
     untrained_tokens: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    prompts_too_long: int = 0
+    episode_timeouts: int = 0
 
 
 class RolloutProducer(threading.Thread):
@@ -111,9 +139,14 @@ class RolloutProducer(threading.Thread):
         first_step: int,
         failure_budget: int,
         rules: EpisodeRules,
+        group_deadline_s: float,
     ):
+        """`group_deadline_s`: how long one group may take (every attempt of its episodes at
+        their deadline): what the no-progress watchdog reports as the deadline of the wait for
+        groups in flight."""
         super().__init__(name="rollout-producer", daemon=True)
         self._grpo = grpo
+        self._group_deadline_s = group_deadline_s
         self._rules = rules
         self._rows = rows
         self._runner = runner
@@ -128,13 +161,17 @@ class RolloutProducer(threading.Thread):
         self.fatal: BaseException | None = None
         # Written by the producer thread, read by the trainer's: only under `_counts_lock`.
         self._counts_lock = threading.Lock()
-        self._retries = self._dropped_groups = 0
+        self._retries = self._dropped_groups = self._timeouts = 0
         self._failures = FailureBudget(failure_budget)
         self._uniform_dropped: Counter[str] = Counter()
         self._uniform_over_budget = 0
         self._uniform_dropped_this_step = 0
         self._untrained_tokens: Counter[tuple[str, str]] = Counter()
         self._serial = 0
+        # Indices in the data of rows whose prompt the policy server refused: never drawn again.
+        self._refused_rows: set[int] = set()
+        # Positions drawn whose group is neither delivered to the buffer nor dropped yet.
+        self._pending: set[int] = set()
 
     def counts(self) -> ProducerCounts:
         """A consistent snapshot of the producer's totals, from any thread."""
@@ -146,7 +183,19 @@ class RolloutProducer(threading.Thread):
                 dict(self._uniform_dropped),
                 self._uniform_over_budget,
                 dict(self._untrained_tokens),
+                len(self._refused_rows),
+                self._timeouts,
             )
+
+    def data_state(self) -> DataState:
+        """Where the run is in its rows now: the rows drawn so far, less those whose group was
+        trained or dropped. The producer's own view is taken first, then the buffer's: a group
+        delivered in between was still pending in the first, so none is missed."""
+        with self._counts_lock:
+            position = self._rows.position
+            pending = self._pending | set(self._rows.queued())
+        pending |= set(self._buffer.held_positions())
+        return DataState(position, tuple(sorted(p for p in pending if p < position)))
 
     def _credit(self, step: int) -> int:
         """Groups the buffer may have received once the trainer has taken `step` steps."""
@@ -178,22 +227,37 @@ class RolloutProducer(threading.Thread):
             self.fatal = error
 
     def _produce(self) -> None:
-        in_flight: dict[Any, tuple[str, int, float]] = {}
+        in_flight: dict[Any, tuple[str, int, float, int]] = {}
         try:
             self._submit_and_collect(in_flight)
         finally:
             for group in in_flight:
                 self._runner.cancel(group)
 
-    def _submit_and_collect(self, in_flight: dict[Any, tuple[str, int, float]]) -> None:
+    def _draw(self) -> tuple[int, dict[str, Any]]:
+        """The next row whose prompt the policy server has not refused."""
+        for _ in range(len(self._rows)):
+            with self._counts_lock:  # drawn and pending at once, for `data_state`
+                position, row = self._rows.next()
+                if self._rows.index_of(position) not in self._refused_rows:
+                    self._pending.add(position)
+                    return position, row
+        raise EveryPromptRefusedError(
+            f"the policy server refused the prompt of every one of the {len(self._rows)} rows "
+            "as longer than its context (the log names each); shorten the prompts or raise "
+            "policy.max_total_sequence_length"
+        )
+
+    def _submit_and_collect(self, in_flight: dict[Any, tuple[str, int, float, int]]) -> None:
         size = self._grpo.num_generations_per_prompt
         agents = self._runner.agents
+        idle_since: float | None = None  # since when no group is in flight and none may start
         while not self._stopping.is_set():
             with self._condition:
                 room = self._allowed - self._accepted - len(in_flight)
                 version = self._weight_version
             for _ in range(max(room, 0)):
-                position, row = self._rows.next()
+                position, row = self._draw()
                 agent = agent_name_of(row)
                 if agent not in agents:
                     raise UnknownAgentError(
@@ -207,23 +271,57 @@ class RolloutProducer(threading.Thread):
                     group_id,
                     version,
                     time.monotonic(),
+                    position,
                 )
             if not in_flight:
-                with self._condition:
+                idle_since = idle_since or time.monotonic()
+                with (
+                    waiting(
+                        "the trainer to take a step (no credit left)",
+                        self._grpo.batch_timeout_s,
+                        since=idle_since,
+                    ),
+                    self._condition,
+                ):
                     self._condition.wait(_POLL_S)
                 continue
-            for group in self._runner.finished(list(in_flight), _POLL_S):
-                group_id, version, started = in_flight.pop(group)
+            idle_since = None
+            oldest_id, _, oldest, _ = min(in_flight.values(), key=lambda entry: entry[2])
+            with waiting(
+                f"{len(in_flight)} group(s) in flight, the oldest {oldest_id}",
+                self._group_deadline_s,
+                since=oldest,
+            ):
+                finished = self._runner.finished(list(in_flight), _POLL_S)
+            for group in finished:
+                group_id, version, started, position = in_flight.pop(group)
                 # Contiguity and malformed-result errors propagate from here.
                 outcome = self._runner.outcome(group)
-                self._accept(outcome, group_id, version, time.monotonic() - started)
+                progressed(f"group {group_id} came back")
+                if outcome.prompt_refused:
+                    self._refuse(outcome, position)
+                else:
+                    self._accept(outcome, group_id, version, time.monotonic() - started, position)
+                with self._counts_lock:  # delivered (the buffer holds it) or dropped
+                    self._pending.discard(position)
 
-    def _accept(self, outcome: GroupOutcome, group_id: str, version: int, seconds: float) -> None:
+    def _refuse(self, outcome: GroupOutcome, position: int) -> None:
+        """The policy server refused the row's prompt: say so, count it, never draw it again.
+        Not a failure of the run's machinery, so not counted against the failure budget; the
+        group uses no credit, so another row takes its place."""
+        with self._counts_lock:
+            self._refused_rows.add(self._rows.index_of(position))
+        log.warning(f"skipping row {position} for the rest of the run: {outcome.prompt_refused}")
+
+    def _accept(
+        self, outcome: GroupOutcome, group_id: str, version: int, seconds: float, position: int
+    ) -> None:
         baseline = len(outcome.episodes) >= 2  # without two episodes, another row replaces it
         results = [episode["full_result"] for episode in outcome.episodes]
         agents = [outcome.agent] * len(results)
         with self._counts_lock:
             self._retries += outcome.retries
+            self._timeouts += outcome.timeouts
             self._dropped_groups += not baseline
             if not baseline:
                 lost = untrained_episodes(agents, results, "failed_or_masked")
@@ -262,6 +360,7 @@ class RolloutProducer(threading.Thread):
             ],
             seconds=seconds,
             failed_episodes=len(outcome.failures),
+            row_position=position,
         )
         # A group the buffer finds already stale counts as delivered: the trainer's eviction
         # count, passed to `advance`, is what gives its credit back.

@@ -125,6 +125,11 @@ class ReplayBuffer:
                 "size": len(self._heap),
             }
 
+    def held_positions(self) -> list[int]:
+        """The row positions of the groups held now (what an async checkpoint must not lose)."""
+        with self._condition:
+            return [g.row_position for _, _, g in self._heap if g.row_position is not None]
+
     def evicted_tokens(self) -> dict[tuple[str, str], int]:
         """Generated tokens of the evicted groups since the start, by (agent, ledger cause):
         `stale`, and `dropped_tail` for their truncated tails (`gymrl.experience.ledger`)."""

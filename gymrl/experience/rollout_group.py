@@ -22,13 +22,15 @@ class RolloutGroup:
     (`scalar_fields`); `seconds` runs from submission to the group's outcome;
     `failed_episodes` is how many of the row's episodes failed after their retries. With split
     mode an episode's tail segments follow its trajectory (`Trajectory.segment`), so
-    `episodes` (one trajectory per summary) can be fewer than `trajectories`."""
+    `episodes` (one trajectory per summary) can be fewer than `trajectories`. `row_position`
+    is what a checkpoint records of a group not yet trained, so a resume draws its row again."""
 
     group_id: str
     trajectories: tuple[Trajectory, ...]
     summaries: tuple[Mapping[str, Any], ...]
     seconds: float
     failed_episodes: int = 0
+    row_position: int | None = None  # where the producer drew the row (RowStream), if it did
 
     def __post_init__(self):
         if not self.trajectories:
@@ -62,6 +64,7 @@ class RolloutGroup:
         *,
         seconds: float,
         failed_episodes: int = 0,
+        row_position: int | None = None,
     ) -> RolloutGroup:
         group_id = trajectories[0].group_id if trajectories else "<empty>"
         return cls(
@@ -70,6 +73,7 @@ class RolloutGroup:
             tuple(dict(s) for s in summaries),
             seconds,
             failed_episodes,
+            row_position,
         )
 
     @property

@@ -22,6 +22,8 @@ own (`grpo.val_temperature`, 0 = greedy); the trainer never sees their log-proba
 from __future__ import annotations
 
 import json
+import random
+from collections import deque
 from collections.abc import Collection, Mapping, Sequence
 from itertools import zip_longest
 from pathlib import Path
@@ -212,13 +214,53 @@ def _with_sampling(row: Mapping[str, Any], *, temperature: float, top_p: float) 
 
 
 class RowStream:
-    """Cycles through rows from a position; the position is what a checkpoint records."""
+    """Cycles through rows from a position; the position is what a checkpoint records.
 
-    def __init__(self, rows: Sequence[dict[str, Any]], position: int = 0):
+    At the end of the data the run goes on into the next pass: the first pass takes the rows in
+    their order, every later one in an order drawn from `seed` and the pass's number, so the row
+    at a position is a function of (rows, seed, position) alone and a resume draws the same rows.
+    A resumed async run first draws again the rows that were drawn but not trained when its
+    checkpoint was written (`redraw`).
+    """
+
+    def __init__(
+        self,
+        rows: Sequence[dict[str, Any]],
+        position: int = 0,
+        *,
+        seed: int = 0,
+        redraw: Sequence[int] = (),
+    ):
+        """`redraw`: positions before `position` to draw again first, in order (what an async
+        checkpoint records of the rows drawn but not yet trained)."""
         self._rows = rows
+        self._seed = seed
+        self._order: tuple[int, list[int]] = (0, list(range(len(rows))))
+        self._redraw = deque(redraw)
         self.position = position
 
+    def __len__(self) -> int:
+        return len(self._rows)
+
     def next(self) -> tuple[int, dict[str, Any]]:
-        index = self.position
-        self.position += 1
-        return index, self._rows[index % len(self._rows)]
+        """The next (position, row): a position to draw again first, else the position moves on."""
+        if self._redraw:
+            position = self._redraw.popleft()
+        else:
+            position = self.position
+            self.position += 1
+        return position, self._rows[self.index_of(position)]
+
+    def queued(self) -> list[int]:
+        """The positions still to draw again."""
+        return list(self._redraw)
+
+    def index_of(self, position: int) -> int:
+        """The index in the data of the row drawn at `position`."""
+        data_pass, offset = divmod(position, len(self._rows))
+        if self._order[0] != data_pass:
+            order = list(range(len(self._rows)))
+            if data_pass:
+                random.Random(f"{self._seed}/{data_pass}").shuffle(order)
+            self._order = (data_pass, order)
+        return self._order[1][offset]

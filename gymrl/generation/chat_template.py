@@ -33,7 +33,13 @@ from transformers import PreTrainedTokenizerBase
 from gymrl.generation.parsers import GenerationParser, ParsedGeneration
 from gymrl.generation.templates import bundled_chat_templates, chat_template_path
 from gymrl.model.tokens import decode_text, eos_token_id
-from nemo_gym_ext.wire import ChatMessage, ToolSpec
+from nemo_gym_ext.wire import (
+    ChatMessage,
+    ResponsesCreateParams,
+    ToolSpec,
+    chat_tools,
+    items_to_chat_messages,
+)
 
 if TYPE_CHECKING:
     from gymrl.config.schema import PolicyConfig
@@ -252,6 +258,19 @@ def build_prompt_token_ids(
         reused_from_message=anchor,
         reused_token_count=len(prefix),
     )
+
+
+def row_prompt_token_count(row: Mapping[str, Any], chat_format: ChatFormat) -> int:
+    """Tokens of a Gym row's prompt (its input items and tools) as the policy server renders
+    the first model call of an episode: what its context must hold before generating."""
+    params = ResponsesCreateParams.model_validate(row["responses_create_params"])
+    messages = [
+        ChatMessage.model_validate(message)
+        for message in items_to_chat_messages(params.input, include_token_ids=False)
+    ]
+    tools = [ToolSpec.model_validate(tool) for tool in chat_tools(params.tools)] or None
+    prompt = build_prompt_token_ids(messages, tools, chat_format, honor_prompt_token_ids=False)
+    return len(prompt.token_ids)
 
 
 def _text_after_anchor(

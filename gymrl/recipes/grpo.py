@@ -37,7 +37,12 @@ from gymrl.cluster.ray_calls import wait_for
 from gymrl.cluster.ray_session import ClusterUnavailableError, start_ray
 from gymrl.config.schema import RecipeConfig
 from gymrl.experience.ledger import TokenLedger
-from gymrl.experience.producer import ProducerCounts, RolloutProducer
+from gymrl.experience.producer import (
+    DataState,
+    EveryPromptRefusedError,
+    ProducerCounts,
+    RolloutProducer,
+)
 from gymrl.experience.rollout_group import RolloutGroup
 from gymrl.experience.rows import RowStream, UnservedAgentError, load_rows, load_validation_rows
 from gymrl.experience.validation import HeldOutEpisode, Validator
@@ -54,6 +59,7 @@ from gymrl.roles.replay_buffer import start_replay_buffer
 from gymrl.roles.trainer import start_trainer
 from gymrl.run.checkpoint import latest_verified_checkpoint
 from gymrl.run.folder import METRICS_FILENAME, RunFolderInUseError, claim_run_folder
+from gymrl.run.progress import NoProgressError, ProgressWatch, progressed, waiting
 from gymrl.run.stop import StopSignals
 from gymrl.tracking.metrics_logger import build_logger
 from gymrl.tracking.plot import plot_run
@@ -81,6 +87,8 @@ RUN_STOPPING_ERRORS = (
     GymVenvMissingError,
     GymStartError,
     ParityGateError,
+    EveryPromptRefusedError,
+    NoProgressError,
 )
 
 
@@ -124,11 +132,11 @@ class GRPORecipe:
         self.stops = StopSignals(config.stop.step_in_progress, config.stop.deadline_s)
         self._stops_installed = False
         # What a checkpoint on stop would hold: the last finished (trained, refitted, logged)
-        # step and the row position at its end; and the newest step on disk. While
+        # step and where the run was in its rows at its end; and the newest step on disk. While
         # `_trainer_ahead` the trainer's state is past `finished_step` (an optimizer step or a
         # save is under way), so it cannot be saved as that step.
         self.finished_step = self.saved_step = 0
-        self._finished_position = self._step_end_position = 0
+        self._finished_data = self._step_end_data = DataState(0)
         self._trainer_ahead = False
         # Generated tokens accounted since the last record, trained or not (`ledger/...`).
         self.ledger = TokenLedger()
@@ -215,11 +223,11 @@ class GRPORecipe:
         self.buffer = start_replay_buffer(
             grpo, placement=placement, group=group, on_cleanup=self._on_cleanup
         )
-        self.first_step, position = self._resume()
+        self.first_step, data = self._resume()
         self.finished_step = self.saved_step = self.first_step
-        self._finished_position = position
+        self._finished_data = data
         self._refit(self.first_step)
-        self.rows = RowStream(rows, position)
+        self.rows = RowStream(rows, data.position, seed=config.run.seed, redraw=data.pending)
         self.validator = (
             Validator(
                 load_validation_rows(
@@ -255,16 +263,22 @@ class GRPORecipe:
             first_step=self.first_step,
             failure_budget=config.env.rollout.failure_budget,
             rules=self.episode_rules,
+            group_deadline_s=_group_deadline_s(config),
         )
         self._engine_seen = self._engine_snapshot()  # the first step's window starts here
         self.producer.start()
         self._on_cleanup("the rollout producer", self.producer.stop)
+        if config.run.progress_timeout_s is not None:
+            # Closed first: cleanup's own waits must not be cut short by a tripped watch.
+            watch = ProgressWatch(config.run.progress_timeout_s)
+            watch.start()
+            self._on_cleanup("the no-progress watchdog", watch.stop)
 
     def _on_cleanup(self, what: str, close: Callable[[], object]) -> None:
         self._closers.callback(close_reporting_failure, what, close)
 
     def _resume(self) -> tuple[int, int]:
-        """The step and row position to start from: 0, 0, or a checkpoint's."""
+        """The step and data state to start from: 0 and the first row, or a checkpoint's."""
         if not self.config.resume:
             return 0, 0
         checkpoint, rejected = latest_verified_checkpoint(self.checkpoint_dir)
@@ -278,7 +292,9 @@ class GRPORecipe:
             )
         state = self.trainer.load_checkpoint(checkpoint)
         log.info(f"resumed from {checkpoint} at step {state['step']}")
-        return state["step"], state["data_state"]["position"]
+        data = state["data_state"]
+        # Checkpoints of earlier versions hold no pending rows (they skipped them).
+        return state["step"], DataState(data["position"], tuple(data.get("pending", ())))
 
     # --------------------------------------------------------------------------------- train
     def train(self) -> None:
@@ -299,11 +315,12 @@ class GRPORecipe:
                 last = now
                 if every and (step + 1) % every == 0:
                     metrics["timing/checkpoint_s"] = self._save_checkpoint(
-                        step + 1, self._step_end_position
+                        step + 1, self._step_end_data
                     )
                 self.logger.log(step + 1, metrics)
-                self.finished_step, self._finished_position = step + 1, self._step_end_position
+                self.finished_step, self._finished_data = step + 1, self._step_end_data
                 self._trainer_ahead = False
+                progressed(f"step {step + 1} ended")
             self.stops.step_finished()
         if config.logger.jsonl:
             metrics_path = self.output_dir / METRICS_FILENAME
@@ -326,13 +343,14 @@ class GRPORecipe:
         return metrics
 
     def _count_validation_tokens(self, episode: HeldOutEpisode) -> None:
+        progressed("a validation episode came back")
         if episode.summary is not None:  # a failed episode has no result, so no token count
             self.ledger.validation_pass([episode.summary])
 
-    def _save_checkpoint(self, step: int, position: int) -> float:
-        """Save the trainer's state as `step` with the row `position`; returns the seconds."""
+    def _save_checkpoint(self, step: int, data: DataState) -> float:
+        """Save the trainer's state as `step` with the data state `data`; returns the seconds."""
         started = time.monotonic()
-        self.trainer.save_checkpoint(self.checkpoint_dir, step, {"position": position})
+        self.trainer.save_checkpoint(self.checkpoint_dir, step, data.as_json())
         self.saved_step = step
         return time.monotonic() - started
 
@@ -352,7 +370,7 @@ class GRPORecipe:
                 f"no longer that of step {self.finished_step}; newest checkpoint: step "
                 f"{self.saved_step}"
             )
-        seconds = self._save_checkpoint(self.finished_step, self._finished_position)
+        seconds = self._save_checkpoint(self.finished_step, self._finished_data)
         return f"saved a checkpoint of step {self.saved_step} in {seconds:.1f} s"
 
     def _refit(self, version: int) -> float:
@@ -385,9 +403,9 @@ class GRPORecipe:
         refit_s = self._refit(step + 1)
         buffer_stats = self.buffer.stats()
         # Before `advance` lets the producer take the next step's rows: in sync mode exactly the
-        # rows trained so far, so a resume draws the same rows next (async: rows in flight for
-        # later steps are past this position, and a resume skips them).
-        self._step_end_position = self.rows.position
+        # rows trained so far; in async mode also the rows drawn for later steps and not yet
+        # trained (in flight or in the buffer), which a resume draws again first.
+        self._step_end_data = producer.data_state()
         producer.advance(step + 1, buffer_stats["evicted_stale"])
         counts = producer.counts()
         self.ledger.trained_groups(groups)
@@ -459,9 +477,14 @@ class GRPORecipe:
 
     def _wait_for_batch(self, step: int) -> list[RolloutGroup]:
         """The step's groups, waiting in short slices so a producer error surfaces at once."""
-        producer = self.producer
-        deadline = time.monotonic() + self.config.grpo.batch_timeout_s
+        timeout_s = self.config.grpo.batch_timeout_s
+        deadline = time.monotonic() + timeout_s
         needed = self.config.grpo.num_prompts_per_step
+        with waiting(f"step {step}'s {needed} groups from the replay buffer", timeout_s):
+            return self._take_batch(step, needed, deadline)
+
+    def _take_batch(self, step: int, needed: int, deadline: float) -> list[RolloutGroup]:
+        producer = self.producer
         while True:
             if producer.fatal is not None:
                 raise producer.fatal
@@ -508,6 +531,8 @@ class GRPORecipe:
                 "rollout/episodes": float(len(episodes)),
                 "rollout/generated_tokens": float(generated),
                 "rollout/failures_total": float(counts.failures),
+                "rollout/prompt_too_long_total": float(counts.prompts_too_long),
+                "rollout/episode_timeouts_total": float(counts.episode_timeouts),
                 "rollout/retries_total": float(counts.retries),
                 "rollout/dropped_groups_total": float(counts.dropped_groups),
                 "rollout/uniform_over_budget_total": float(counts.uniform_over_budget),
@@ -525,6 +550,14 @@ class GRPORecipe:
         when called twice. A role that does not close cleanly is reported, not raised: it must
         not mask the error that ended the run, nor keep the roles before it from closing."""
         self._closers.close()
+
+
+def _group_deadline_s(config: RecipeConfig) -> float:
+    """The longest one group may take: every attempt of its episodes at its deadline, with the
+    longest back-off between attempts (episodes run concurrently)."""
+    rollout = config.env.rollout
+    attempts = rollout.max_retries + 1
+    return attempts * rollout.run_timeout_s + rollout.max_retries * rollout.retry_backoff_max_s
 
 
 def _infra_failure_rates(groups: Sequence[RolloutGroup]) -> dict[str, float]:

@@ -18,16 +18,24 @@ import ray
 
 from gymrl.cluster.placement import Placement, actor_options
 from gymrl.cluster.ray_calls import close_actor, wait_for
-from gymrl.config.schema import RecipeConfig, RolloutConfig
+from gymrl.config.schema import PolicyConfig, RecipeConfig, RolloutConfig
+from gymrl.generation.chat_template import ChatFormat, row_prompt_token_count
 from gymrl.model.loading import load_tokenizer
 from gymrl.model.tokens import decode_text
 from gymrl.roles import OnCleanup
+from gymrl.run.progress import raise_if_stalled
 from gymrl.run.stop import stops_held
 from nemo_gym_ext.config import HEAD_SERVER_URL_KEY, GymActorConfig
 from nemo_gym_ext.envs.registry import start_builtin_environment
 from nemo_gym_ext.gym_launch import PolicyEndpoint, shard_port_range, start_deployment
 from nemo_gym_ext.gym_launch import agent_urls as gym_agent_urls
-from nemo_gym_ext.rollout import GroupOutcome, RolloutCollector, RolloutSettings, UnknownAgentError
+from nemo_gym_ext.rollout import (
+    GroupOutcome,
+    PromptSize,
+    RolloutCollector,
+    RolloutSettings,
+    UnknownAgentError,
+)
 
 _GYM_HTTP_TIMEOUT_S = 30.0
 SHARD_CLOSE_S = 30.0
@@ -60,10 +68,13 @@ class GymShard:
         model_folder: str,
         launch: GymShardLaunch,
         stop_on_divergence: bool,
+        policy_config: PolicyConfig,
     ):
         """`stop_on_divergence`: the policy server withholds answers to diverged requests
-        (generation.server.stop_on_divergence), so results may end on a withheld turn."""
+        (generation.server.stop_on_divergence), so results may end on a withheld turn.
+        `policy_config`: its chat template measures a prompt the policy server refused."""
         tokenizer = load_tokenizer(model_folder)
+        chat_format = ChatFormat.from_policy(policy_config, tokenizer)
         # What this actor starts; if the constructor fails half-way, it is stopped before the
         # error leaves (the actor cannot be closed then, only killed).
         with ExitStack() as started:
@@ -98,6 +109,10 @@ class GymShard:
                 ),
                 vocab_size=len(tokenizer),
                 decode=partial(decode_text, tokenizer, skip_special_tokens=False),
+                prompt_size=PromptSize(
+                    partial(row_prompt_token_count, chat_format=chat_format),
+                    policy_config.max_total_sequence_length,
+                ),
             )
             self._started = started.pop_all()
 
@@ -171,6 +186,7 @@ def start_gym_shards(
             model_folder=model_folder,
             launch=shard_launch(config, output_dir, index, len(actor_configs), actor.shard),
             stop_on_divergence=config.generation.server.stop_on_divergence,
+            policy_config=config.policy,
         )
         on_cleanup(
             f"Gym shard {actor.shard!r}",
@@ -209,6 +225,7 @@ class RayGroupRunner:
     def finished(self, running: Sequence[Any], timeout_s: float) -> list[Any]:
         with stops_held():  # validation waits here in the main thread
             done, _ = ray.wait(list(running), num_returns=1, timeout=timeout_s)
+        raise_if_stalled()
         return done
 
     def outcome(self, group: Any) -> GroupOutcome:

@@ -44,6 +44,13 @@ class RemoteReplayBuffer:
     def stats(self) -> dict[str, int]:
         return wait_for(self._actor.stats.remote(), timeout_s=CALL_MARGIN_S, what="buffer stats")
 
+    def held_positions(self) -> list[int]:
+        return wait_for(
+            self._actor.held_positions.remote(),
+            timeout_s=CALL_MARGIN_S,
+            what="the buffer's held row positions",
+        )
+
     def evicted_tokens(self) -> dict[tuple[str, str], int]:
         return wait_for(
             self._actor.evicted_tokens.remote(),

@@ -113,6 +113,10 @@ class AgentError(RuntimeError):
         self.retry_after = retry_after
 
 
+class ContextFullError(AgentError):
+    """The policy server refused a model call: the conversation leaves no room in its context."""
+
+
 class ToolAgent:
     """Runs episodes of one environment against one policy server."""
 
@@ -147,7 +151,14 @@ class ToolAgent:
         overlong = done = False
         finish_reasons: list[str] = []
         while not done and num_turns < self.options.max_turns:
-            completion = await self._complete(client, row, tools, output)
+            try:
+                completion = await self._complete(client, row, tools, output)
+            except ContextFullError:
+                # As Gym's vllm_model adapter does: the episode ends at the context limit. On
+                # the first call the collector names the row's prompt as too long.
+                overlong = True
+                finish_reasons.append("length")
+                break
             num_turns += 1
             items, finish_reason = completion_to_items(completion)
             finish_reasons.append(finish_reason)
@@ -287,6 +298,8 @@ class ToolAgent:
                 status_code=503,
                 retry_after=retry_after_s(response.headers),
             )
+        if response.status_code == 400 and "maximum context length" in response.text:
+            raise ContextFullError(f"{what} at {url} refused the call: {response.text[:500]}")
         if response.status_code != 200:
             raise AgentError(
                 f"{what} at {url} answered HTTP {response.status_code}: {response.text[:500]}"
@@ -323,7 +336,9 @@ def make_agent_app(agent: ToolAgent) -> FastAPI:
             max_keepalive_connections=256,
             keepalive_expiry=CLIENT_KEEPALIVE_EXPIRY_S,
         )
-        async with httpx.AsyncClient(limits=limits) as client:
+        # Every call passes this deadline itself too (`_request`); here it also covers any other.
+        timeout = agent.options.request_timeout_s
+        async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
             app.state.client = client
             yield
 

@@ -26,7 +26,7 @@ LOWER = {
     "algo": {"config"},
     "generation": {"config", "run", "cluster", "model"},
     "trainer": {"config", "run", "cluster", "model", "algo", "generation"},
-    "experience": {"config", "algo"},
+    "experience": {"config", "algo", "run"},
     "preflight": {"config", "cluster", "model", "generation", "trainer"},
 }
 LOWER["roles"] = set(LOWER) - {"roles", "preflight", "tracking"}

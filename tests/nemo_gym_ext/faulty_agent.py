@@ -11,7 +11,9 @@ every row according to MODE:
 * `wrong-shape`: 200 with a JSON list instead of a result object;
 * `missing-fields`: 200 with a JSON object that is not a Gym result;
 * `huge`: 200 with a 100 MB JSON object (streamed, so the agent itself stays small);
-* `busy`: 503 with `Retry-After: 1`, as an overloaded server answers.
+* `busy`: 503 with `Retry-After: 1`, as an overloaded server answers;
+* `straggle`: answers requests 2 to 4 with a valid one-turn Gym result (rewards 1, 2, 3) and
+  never answers the others: of a group of four, one episode hangs on every attempt.
 """
 
 import asyncio
@@ -28,10 +30,18 @@ MB = 1024 * 1024
 
 def make_app(mode: str) -> FastAPI:
     app = FastAPI()
+    requests = 0
 
     @app.post("/run")
     async def run(request: Request):
+        nonlocal requests
+        requests += 1
+        number = requests
         row = await request.json()
+        if mode == "straggle":
+            if not 2 <= number <= 4:
+                await asyncio.Event().wait()
+            return Response(json.dumps(_one_turn_result(row, float(number - 1))).encode())
         if mode == "slow":
             await asyncio.sleep(60)
         if mode == "hang":
@@ -54,6 +64,18 @@ def make_app(mode: str) -> FastAPI:
         return Response(json.dumps({"id": row.get("id"), "not": "a result"}).encode())
 
     return app
+
+
+def _one_turn_result(row: dict, reward: float) -> dict:
+    turn = {
+        "type": "message",
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": "42"}],
+        "prompt_token_ids": [1, 2, 3],
+        "generation_token_ids": [4, 5],
+        "generation_log_probs": [-0.1, -0.2],
+    }
+    return {**row, "reward": reward, "response": {"output": [turn]}}
 
 
 def main() -> None:

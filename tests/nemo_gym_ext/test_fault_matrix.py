@@ -135,3 +135,21 @@ def test_a_result_that_is_not_a_gym_result_stops_the_run(tmp_path):
     ):
         _run_group(agent.url)
     print(f"message: {stopped.value}")
+
+
+def test_a_straggler_episode_ends_at_its_deadline_and_its_group_keeps_the_survivors(tmp_path):
+    """One episode of a group of four never answers (every attempt hangs): each attempt ends at
+    run_timeout_s, then the episode fails with its cause; the three that answered come back as
+    the group (the producer keeps a group with at least two episodes), and the timeouts are
+    counted (`rollout/episode_timeouts_total`)."""
+    with FaultyAgent("straggle", tmp_path) as agent:
+        outcome, seconds = _run_group(agent.url, episodes=4)
+    assert [e["full_result"]["reward"] for e in outcome.episodes] == [1.0, 2.0, 3.0]
+    assert outcome.failures == [
+        f"agent {AGENT!r} row {ROW['id']!r} failed after {RETRIES + 1} attempts: TimeoutError: "
+        f"agent at {agent.url}/run did not finish the episode within "
+        f"env.rollout.run_timeout_s={RUN_TIMEOUT_S:g} s"
+    ]
+    assert (outcome.retries, outcome.timeouts) == (RETRIES, RETRIES + 1)
+    budget = (RETRIES + 1) * RUN_TIMEOUT_S
+    assert budget - 0.5 < seconds < budget + 5

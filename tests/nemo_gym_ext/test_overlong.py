@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from nemo_gym_ext.config import NemoGymPostprocessConfig
-from nemo_gym_ext.overlong import hit_token_limit
+from nemo_gym_ext.overlong import PromptTooLongError, hit_token_limit, refused_before_generating
 from nemo_gym_ext.postprocess import postprocess_gym_result
 
 TRUNCATE = NemoGymPostprocessConfig(truncate_noncontiguous_episodes=True)
@@ -64,3 +64,34 @@ def test_every_result_carries_the_overlong_field(episode_builder, turn_maker):
     assert "overlong" not in episode.result
     out = postprocess_gym_result(episode.row, episode.result, TRUNCATE)
     assert out["full_result"]["overlong"] is False
+
+
+@pytest.mark.parametrize(
+    "output",
+    [
+        [],
+        [
+            {
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": ""}],
+            }
+        ],
+        [{"type": "message", "role": "assistant", "content": [], "generation_token_ids": []}],
+    ],
+    ids=["no-item", "empty-message", "empty-generation"],
+)
+@pytest.mark.parametrize("on_malformed", ["raise", "mask"])
+def test_a_result_at_its_limit_before_any_token_is_a_refused_prompt_even_when_masking(
+    output, on_malformed
+):
+    """Gym's vllm_model adapter answers the policy server's 400 "maximum context length" with an
+    empty `length` completion, which simple_agent returns as an incomplete response: not a
+    malformed result (masking must not hide it) but the row's prompt refused."""
+    row = {"id": "long-7", "agent_ref": {"name": "example_multi_step_simple_agent"}}
+    result = {"reward": 0.0, "response": {**_gym_response("max_output_tokens"), "output": output}}
+    config = NemoGymPostprocessConfig(on_malformed_result=on_malformed)
+    with pytest.raises(PromptTooLongError, match=r"row 'long-7' .*refused the prompt"):
+        postprocess_gym_result(row, result, config)
+    assert refused_before_generating(result)
+    assert not refused_before_generating({**result, "response": _gym_response(None)})

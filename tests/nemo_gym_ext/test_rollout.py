@@ -7,6 +7,7 @@ import pytest
 from pydantic import SecretStr
 
 from gymrl.config.schema import TorchGenerationConfig
+from gymrl.generation.chat_template import row_prompt_token_count
 from gymrl.generation.policy_server import create_policy_server_app
 from gymrl.generation.torch_engine import TorchGenerationEngine
 from gymrl.model.loading import build_tiny_llama
@@ -16,6 +17,7 @@ from nemo_gym_ext.http_server import serve_in_thread
 from nemo_gym_ext.postprocess import NonContiguousEpisodeError
 from nemo_gym_ext.rollout import (
     FailureBudget,
+    PromptSize,
     RolloutBudgetExceeded,
     RolloutCollector,
     RolloutSettings,
@@ -76,10 +78,15 @@ def start_agent(policy_url, *, send_token_ids):
     )
 
 
-def collect(agent_urls, config, row, episodes, tokenizer):
+def collect(agent_urls, config, row, episodes, tokenizer, prompt_size=None):
     async def go():
         collector = RolloutCollector(
-            agent_urls, config, SETTINGS, vocab_size=len(tokenizer), decode=tokenizer.decode
+            agent_urls,
+            config,
+            SETTINGS,
+            vocab_size=len(tokenizer),
+            decode=tokenizer.decode,
+            prompt_size=prompt_size,
         )
         try:
             return await collector.run_group(row, episodes)
@@ -148,4 +155,46 @@ def test_the_failure_budget_stops_the_run_with_the_last_cause():
     assert str(stopped.value) == (
         "3 episodes failed after retries, more than env.rollout.failure_budget=2; "
         "last cause: agent 'a' row '3' failed after 3 attempts: ConnectError"
+    )
+
+
+def _long_row():
+    params = ROW["responses_create_params"]
+    long_system = {"role": "system", "content": "Think step by step. " * 600}
+    return {**ROW, "responses_create_params": {**params, "input": [long_system, *params["input"]]}}
+
+
+def test_a_prompt_the_policy_server_would_refuse_is_named_and_never_sent(tokenizer, chat_format):
+    """Measured before sending: a row whose prompt (system prompt, tools, input, as the policy
+    server renders them) does not fit the context is refused at once, never posted (the agent
+    URL here refuses connections, so a post would show as a failure)."""
+    row = _long_row()
+    size = PromptSize(lambda row: row_prompt_token_count(row, chat_format), context_tokens=2048)
+    unreachable = {AGENT: "http://127.0.0.1:9"}
+    outcome = collect(unreachable, NemoGymPostprocessConfig(), row, 2, tokenizer, size)
+    tokens = row_prompt_token_count(row, chat_format)
+    assert tokens > 2048
+    assert (outcome.episodes, outcome.failures, outcome.retries) == ([], [], 0)
+    assert outcome.prompt_refused == (
+        f"row {ROW['id']!r} (agent {AGENT!r}): its prompt is {tokens} tokens, no fewer than the "
+        "policy server's context of 2048 tokens (policy.max_total_sequence_length), which the "
+        "policy server refuses (400 'maximum context length'), so it was not sent. Shorten the "
+        "row's prompt (system prompt, tools and input all count) or raise the context"
+    )
+
+
+def test_a_prompt_the_policy_server_refuses_is_named_from_the_result_and_not_retried(
+    policy_url, tokenizer
+):
+    """Unmeasured (an agent may add to the prompt): the policy server refuses the first model
+    call with a 400, the built-in agent ends the episode at the limit as Gym's vllm_model
+    adapter does, and the collector names the refusal: no retry, no failure, no episode."""
+    with start_agent(policy_url, send_token_ids=True) as env:
+        outcome = collect(
+            {AGENT: env.agent_url}, NemoGymPostprocessConfig(), _long_row(), 2, tokenizer
+        )
+    assert (outcome.episodes, outcome.failures, outcome.retries) == ([], [], 0)
+    assert outcome.prompt_refused == (
+        f"row {ROW['id']!r} (agent {AGENT!r}): the policy server refused the prompt, longer than "
+        "its context (the first model call ended at the token limit with no token generated)"
     )

@@ -166,6 +166,7 @@ def test_the_producer_counts_the_tokens_of_the_groups_it_drops():
         first_step=0,
         failure_budget=4,
         rules=EpisodeRules(LossConfig(), default_limit_tokens=64),
+        group_deadline_s=60.0,
     )
     producer.start()
     try:

@@ -21,6 +21,7 @@ from nemo_gym_ext.rollout import GroupOutcome, RolloutBudgetExceeded, UnknownAge
 AGENT = "calc_agent"
 LIMIT = 8  # the per-call token limit of the soft overlong penalty
 RULES = EpisodeRules(LossConfig(), default_limit_tokens=LIMIT)
+GROUP_DEADLINE_S = 60.0  # what the no-progress watchdog would report as a group's deadline
 
 
 def _episode(reward=1.0, agent=AGENT):
@@ -125,6 +126,7 @@ def started():
             first_step=first_step,
             failure_budget=failure_budget,
             rules=EpisodeRules(loss or LossConfig(), default_limit_tokens=LIMIT),
+            group_deadline_s=GROUP_DEADLINE_S,
         )
         producers.append(producer)
         producer.start()
@@ -269,28 +271,71 @@ def test_stop_cancels_every_group_in_flight_and_ends_the_thread(started):
     assert producer.fatal is None
 
 
-@pytest.mark.parametrize(("async_enabled", "in_flight"), [(False, 0), (True, 2)])
-def test_the_position_a_checkpoint_records_and_what_a_resume_skips(async_enabled, in_flight):
-    """gymrl/recipes/grpo.py records the row position after a step's batch is taken and before
-    `advance`. Sync: exactly the rows trained, so a resume draws the rows an uninterrupted run
-    would. Async (lookahead 1): the next step's rows are already submitted; a resume starts past
-    them, so those `in_flight` rows are never trained in this pass over the data."""
-    grpo, runner = _grpo(async_enabled=async_enabled, max_age=1, prompts=2), FakeRunner()
-    buffer, stream = _buffer(grpo), RowStream(_rows())
-    producer = RolloutProducer(
-        grpo, stream, runner, buffer, first_step=0, failure_budget=4, rules=RULES
+def _train(producer, buffer, steps, prompts):
+    """What gymrl/recipes/grpo.py does per step, less the training: take the step's batch,
+    record the data state (before `advance`, as a checkpoint would), advance. Returns the row
+    ids of each step's batch and the data state recorded at each step's end."""
+    trained, states = [], []
+    for step in steps:
+        batch = buffer.get_batch(prompts, step, timeout_s=5.0)
+        trained.append([group.trajectories[0].group_id.split("#")[0] for group in batch])
+        states.append(producer.data_state())
+        producer.advance(step + 1, buffer.stats()["evicted_stale"])
+    return trained, states
+
+
+def _producer(grpo, rows, runner, buffer, *, first_step=0):
+    return RolloutProducer(
+        grpo,
+        rows,
+        runner,
+        buffer,
+        first_step=first_step,
+        failure_budget=4,
+        rules=RULES,
+        group_deadline_s=GROUP_DEADLINE_S,
     )
-    producer.start()
-    try:
-        _settled(runner, 2 + in_flight)
-        buffer.get_batch(2, current_step=0, timeout_s=1)  # step 0 trains on r0 and r1
-        position = stream.position
-    finally:
-        producer.stop()
-    assert position == 2 + in_flight
-    assert [row_id for row_id, _ in runner.submitted] == [f"r{i}" for i in range(position)]
-    _, first_row_after_resume = RowStream(_rows(), position).next()
-    assert first_row_after_resume["id"] == f"r{2 + in_flight}"
+
+
+@pytest.mark.parametrize("async_enabled", [False, True], ids=["sync", "async"])
+def test_a_resumed_run_draws_the_rows_in_flight_again_once_and_trains_the_same_rows_per_step(
+    async_enabled,
+):
+    """A run stopped after step 3 (its producer stopped, groups in flight cancelled, as at a
+    preemption) and resumed from the data state recorded then trains the same rows at every
+    step as a run that never stopped. Async (lookahead 1): the rows drawn for step 4 and not
+    yet trained are recorded as pending and drawn again first, each exactly once."""
+    grpo, prompts, steps = _grpo(async_enabled=async_enabled, max_age=1, prompts=2), 2, 7
+
+    def run(producer, buffer, span):
+        producer.start()
+        try:
+            return _train(producer, buffer, span, prompts)
+        finally:
+            producer.stop()
+
+    buffer = _buffer(grpo)
+    straight, _ = run(
+        _producer(grpo, RowStream(_rows(10)), FakeRunner(), buffer), buffer, range(steps)
+    )
+
+    buffer = _buffer(grpo)
+    before, states = run(
+        _producer(grpo, RowStream(_rows(10)), FakeRunner(), buffer), buffer, range(3)
+    )
+    checkpoint = states[-1]  # what step 3's checkpoint holds
+    assert checkpoint.pending == ((6, 7) if async_enabled else ())
+    buffer, runner = _buffer(grpo), FakeRunner()
+    rows = RowStream(_rows(10), checkpoint.position, redraw=checkpoint.pending)
+    after, _ = run(_producer(grpo, rows, runner, buffer, first_step=3), buffer, range(3, steps))
+
+    assert before + after == straight
+    redrawn = [f"r{p % 10}" for p in checkpoint.pending]
+    submitted = [row_id for row_id, _ in runner.submitted]
+    assert submitted[: len(redrawn)] == redrawn  # drawn again first
+    assert all(submitted.count(row) == 1 for row in redrawn)  # ... and once
+    first_pass = [[f"r{i}", f"r{i + 1}"] for i in range(0, 10, 2)]
+    assert straight[:5] == first_pass  # then steps 5 and 6 train the reshuffled second pass
 
 
 def test_producer_and_trainer_threads_hand_over_whole_groups(started):
@@ -416,3 +461,40 @@ def test_groups_carry_their_failed_episodes(started):
     started(grpo, runner, buffer)
     (group,) = buffer.get_batch(1, current_step=0, timeout_s=5)
     assert group.failed_episodes == 1
+
+
+def test_a_refused_prompt_is_counted_named_skipped_and_never_drawn_again(started, caplog):
+    """The policy server refused row r1's prompt as longer than its context: the producer logs
+    the collector's message once per refusal, counts the row, lets another row take its place
+    and never submits r1 again, also in later passes over the data; no failure is counted."""
+    refusal = "row 'r1' (agent 'calc_agent'): the policy server refused the prompt: 3100 tokens"
+
+    def outcome_for(row, size):
+        if row["id"] == "r1":
+            return GroupOutcome(row_id="r1", agent=AGENT, prompt_refused=refusal)
+        return _outcome(row, size)
+
+    grpo, runner = _grpo(async_enabled=False, prompts=2), FakeRunner(outcome_for)
+    buffer = _buffer(grpo)
+    with caplog.at_level("WARNING", logger="gymrl.experience.producer"):
+        producer = started(grpo, runner, buffer, rows=_rows(3))
+        trained = []
+        for step in range(4):  # four steps of two rows: about three passes over the three rows
+            trained += [g.group_id.split("#")[0] for g in buffer.get_batch(2, step, 5.0)]
+            producer.advance(step + 1, 0)
+    submitted = [row_id for row_id, _ in runner.submitted]
+    assert submitted.count("r1") == 1
+    assert "r1" not in trained and len(trained) == 8
+    counts = producer.counts()
+    assert (counts.prompts_too_long, counts.failures) == (1, 0)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"skipping row 1 for the rest of the run: {refusal}"
+    ]
+
+
+def test_a_run_whose_every_prompt_is_refused_stops_saying_so(started):
+    grpo = _grpo(async_enabled=False, prompts=1)
+    runner = FakeRunner(lambda row, size: GroupOutcome(row["id"], AGENT, prompt_refused="no room"))
+    producer = started(grpo, runner, _buffer(grpo), rows=_rows(2))
+    _eventually(lambda: producer.fatal is not None)
+    assert "refused the prompt of every one of the 2 rows" in str(producer.fatal)

@@ -29,17 +29,29 @@ def _actors(agents):
     ]
 
 
-def test_row_stream_cycles_from_its_position_and_counts_past_the_end():
-    rows = [{"id": "a"}, {"id": "b"}, {"id": "c"}]
-    stream = RowStream(rows, position=2)
-    taken = [stream.next() for _ in range(4)]
-    assert [(position, row["id"]) for position, row in taken] == [
-        (2, "c"),
-        (3, "a"),
-        (4, "b"),
-        (5, "c"),
-    ]
-    assert stream.position == 6  # what a checkpoint saves; resuming there continues the cycle
+def _ids(stream, count):
+    return [stream.next()[1]["id"] for _ in range(count)]
+
+
+def test_row_stream_goes_on_past_the_end_of_the_data_each_pass_reshuffled_by_seed():
+    """The end of the data is no end of the run: pass 0 takes the rows in order, each later pass
+    is every row once, in an order drawn from the seed and the pass number."""
+    rows = [{"id": str(i)} for i in range(20)]
+    passes = [_ids(stream, 20) for stream in [RowStream(rows, seed=7)] for _ in range(4)]
+    assert passes[0] == [str(i) for i in range(20)]
+    for later in passes[1:]:
+        assert sorted(later, key=int) == passes[0]
+    assert len({tuple(p) for p in passes}) == 4  # every pass in its own order
+    assert _ids(RowStream(rows, seed=8), 40)[20:] != passes[1]  # another seed, another order
+
+
+def test_row_stream_from_a_position_draws_what_an_uninterrupted_stream_draws_there():
+    """What a resume relies on: the row at a position depends on (rows, seed, position) only."""
+    rows = [{"id": str(i)} for i in range(7)]
+    straight = _ids(RowStream(rows, seed=3), 30)
+    resumed = RowStream(rows, position=17, seed=3)
+    assert _ids(resumed, 13) == straight[17:]
+    assert resumed.position == 30 and RowStream(rows, seed=3).index_of(17) == int(straight[17])
 
 
 def test_jsonl_rows_get_the_sampling_temperature_the_trainer_uses(tmp_path):
