@@ -294,7 +294,11 @@ def _recorded_calls(tmp_path: Path) -> list[tuple[str, dict | None]]:
     checker = WeightsChecker(every=1, timeout_s=20.0, skip_tensors=("rotary_emb.inv_freq",))
     try:
         with SGLangEngine(
-            urls, request_timeout_s=20.0, refit_timeout_s=20.0, weights_checker=checker
+            urls,
+            request_timeout_s=20.0,
+            refit_timeout_s=20.0,
+            weights_checker=checker,
+            honours_seeds=True,
         ) as engine:
             request = GenerationRequest(
                 [1, 2, 3], SamplingParams(max_new_tokens=3, stop_token_ids=(9,), seed=4)
@@ -319,7 +323,7 @@ def _recorded_calls(tmp_path: Path) -> list[tuple[str, dict | None]]:
         for server in servers:
             server.close()
     checked = [body["action"] for path, body in standins[0][1].requests if path == ROUTE]
-    assert checked == ["snapshot", "reset_tensors", "compare", "checksum"]
+    assert checked == ["snapshot", "compare", "snapshot", "reset_tensors", "compare", "checksum"]
     return [call for _, state in standins for call in state.requests]
 
 

@@ -42,7 +42,6 @@ def assign_req_to_token_pool_cpu(
         taken += count
 
 
-
 def __getattr__(name: str):
     """Every other CPU op SGLang imports at start-up (speculative decoding's tree kernels, KV
     moves between slots, ...) belongs to a path these servers never take: it refuses if called.
