@@ -2,7 +2,7 @@
 # commands a fresh machine needs; both install first (a no-op when already installed).
 PYTHON ?= python
 
-.PHONY: install train test test-slow test-gpu test-gpu-quick envs-lock envs-check lint format gym-venv
+.PHONY: install train test test-slow test-gpu test-gpu-quick envs-lock envs-check lint format gym-venv sglang-venv
 
 # Installing is skipped while the stamp is newer than what defines the environment.
 INSTALL_STAMP := .make/installed
@@ -48,6 +48,30 @@ $(GYM_VENV)/.installed-$(NEMO_GYM_VERSION):
 	rm -rf $(GYM_VENV)
 	$(PYTHON) -m venv $(GYM_VENV)
 	$(GYM_VENV)/bin/pip install --prefer-binary --ignore-requires-python nemo-gym==$(NEMO_GYM_VERSION)
+	touch $@
+
+# The real SGLang server on a CPU (tests marked sglang_cpu, docs/cluster.md "SGLang on a CPU"):
+# its own venv, since its torch and transformers differ from the CPU role's. Exact versions from
+# locks/sglang.txt (written for Python 3.12) but its two 3.12-only pins, networkx and scipy;
+# sglang itself without its dependencies (its CUDA kernel packages are useless here), and what
+# its server's imports need. torch 2.14.1 is the lock's CUDA build, which runs on a CPU once its
+# nvidia libraries are there. About 6 GB, about 3 minutes from the package index.
+SGLANG_VENV ?= .venv-sglang
+SGLANG_VERSION := 0.5.23
+SGLANG_SERVER_PACKAGES := torch torchvision transformers safetensors huggingface-hub \
+	tokenizers sentencepiece tiktoken numpy scipy networkx pillow soundfile einops \
+	fastapi uvicorn uvloop python-multipart pyzmq orjson msgspec aiohttp requests psutil \
+	setproctitle pybase64 pydantic prometheus-client partial-json-parser packaging regex \
+	tqdm xxhash zstandard watchfiles python-dateutil blobfile interegular xgrammar \
+	llguidance openai openai-harmony compressed-tensors gguf ipython dill jsonschema torchaudio
+sglang-venv: $(SGLANG_VENV)/.installed-$(SGLANG_VERSION)
+
+$(SGLANG_VENV)/.installed-$(SGLANG_VERSION): locks/sglang.txt
+	rm -rf $(SGLANG_VENV)
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	grep -vE '^(networkx|scipy)==' locks/sglang.txt > $(SGLANG_VENV)/constraints.txt
+	$(SGLANG_VENV)/bin/pip install -c $(SGLANG_VENV)/constraints.txt $(SGLANG_SERVER_PACKAGES)
+	$(SGLANG_VENV)/bin/pip install --no-deps sglang==$(SGLANG_VERSION)
 	touch $@
 
 test-gpu:

@@ -133,6 +133,13 @@ class PolicyConfig(Strict):
         description="The model's max_position_embeddings, for a policy.path that is not a local "
         "folder (a hub id); a local folder's config.json is read instead.",
     )
+    end_token_ids: tuple[int, ...] = Field(
+        default=(),
+        description="The model's own end ids (eos_token_id of its config.json and "
+        "generation_config.json), for a policy.path that is not a local folder (a hub id): the "
+        "SGLang servers stop every request there, and the engines' abort cut must too "
+        "(Qwen3: [151645, 151643]). A local folder's files are read and these are added.",
+    )
     yarn: YarnConfig | None = Field(
         default=None,
         description="YaRN RoPE scaling for episodes longer than the native context, applied to "
@@ -363,6 +370,82 @@ class RefitConfig(Strict):
     )
 
 
+# The attention backends SGLang 0.5.23 runs --enable-deterministic-inference with
+# (`srt/arg_groups/overrides.py`, `_deterministic_attention_backend`).
+DETERMINISTIC_ATTENTION = ("ascend", "fa3", "fa4", "flashinfer", "intel_xpu", "triton")
+
+
+class SGLangLaunchConfig(Strict):
+    """How each SGLang server is started (`gymrl.generation.sglang_servers.server_command`): the
+    interpreter and the server flags that differ between a GPU cluster and a CPU (the real
+    server runs on a CPU for tests and small runs: docs/cluster.md, "SGLang on a CPU")."""
+
+    python: str | None = Field(
+        default=None,
+        description="Python executable that runs `python -m sglang.launch_server` (a venv's "
+        "bin/python holding sglang, e.g. the one `make sglang-venv` builds). null = the "
+        "interpreter of the process that starts the server (cluster.roles.generation.python on "
+        "a cluster). Set it where the starting process's environment cannot hold sglang (on a "
+        "CPU machine the recipe's own torch and transformers differ from SGLang's pins).",
+    )
+    device: Literal["cuda", "cpu"] = Field(
+        default="cuda",
+        description="SGLang's --device. cpu also sets SGLANG_USE_CPU_ENGINE=1 in the server's "
+        "environment, which SGLang 0.5.23 needs to pick its CPU platform.",
+    )
+    cpu_threads: int | None = Field(
+        default=None,
+        gt=0,
+        description="device=cpu: OMP_NUM_THREADS of the server's processes. null = inherited "
+        "from the starting process (torch's default: every core).",
+    )
+    attention_backend: str | None = Field(
+        default=None,
+        description="SGLang's --attention-backend (torch_native on a CPU). null = SGLang's "
+        "choice for the device and model.",
+    )
+    cuda_graphs: bool = Field(
+        default=True,
+        description="Capture CUDA graphs for decode and prefill (SGLang's default on GPUs). "
+        "false passes --cuda-graph-backend-decode=disabled and "
+        "--cuda-graph-backend-prefill=disabled: required on a CPU, and a faster start-up where "
+        "graphs are not worth their capture time.",
+    )
+    max_total_tokens: int | None = Field(
+        default=None,
+        gt=0,
+        description="SGLang's --max-total-tokens: a cap on the KV-cache pool, in tokens, below "
+        "what mem_fraction_static reserves. On a CPU mem_fraction_static is a share of host "
+        "memory (0.3 of this 24 GB machine: 94,620 SmolLM2 tokens, 4 GB), so cap it there. "
+        "null = what mem_fraction_static gives.",
+    )
+    skip_server_warmup: bool = Field(
+        default=False,
+        description="SGLang's --skip-server-warmup: healthy without the warm-up request (a "
+        "faster start; the first real request pays for it instead).",
+    )
+    deterministic_inference: bool = Field(
+        default=False,
+        description="SGLang's --enable-deterministic-inference: batch-invariant kernels, and "
+        "the only mode in which SGLang honours a request's sampling seed. Off, a chat request "
+        "that sends `seed` is refused by the engine (SGLang would ignore it silently). Costs "
+        "decode speed on GPUs. SGLang 0.5.23 has it for the attention backends ascend, fa3, "
+        "fa4, flashinfer, intel_xpu and triton only (not torch_native, so not on a CPU).",
+    )
+
+    @model_validator(mode="after")
+    def _deterministic_backend(self) -> SGLangLaunchConfig:
+        backend = self.attention_backend
+        if self.deterministic_inference and backend not in (None, *DETERMINISTIC_ATTENTION):
+            raise ValueError(
+                f"generation.launch.deterministic_inference=true with attention_backend="
+                f"{backend!r}: SGLang 0.5.23 runs deterministic inference on "
+                f"{', '.join(DETERMINISTIC_ATTENTION)} only; pick one of them, or set "
+                "deterministic_inference=false (requests then may not send a seed)"
+            )
+        return self
+
+
 class SGLangGenerationConfig(Strict):
     backend: Literal["sglang"] = "sglang"
     num_engines: int = Field(
@@ -387,6 +470,7 @@ class SGLangGenerationConfig(Strict):
         "prefix cache holds the longest start of it (a multi-turn episode stays on one engine) "
         "unless it is much busier; least_loaded ignores caches.",
     )
+    launch: SGLangLaunchConfig = Field(default_factory=SGLangLaunchConfig)
     refit: RefitConfig = Field(default_factory=RefitConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     server: SGLangModelServerConfig = Field(default_factory=SGLangModelServerConfig)

@@ -75,7 +75,11 @@ from safetensors.torch import save_file
 from gymrl.config.schema import SGLangGenerationConfig
 from gymrl.generation.routing import PrefixRouter, Routing
 from gymrl.generation.types import FinishReason, GenerationOutput, GenerationRequest
-from gymrl.generation.weights_checker import WeightsChecker, checker_for
+from gymrl.generation.weights_checker import (
+    WeightCheckUnavailableError,
+    WeightsChecker,
+    checker_for,
+)
 from gymrl.run.atomic import atomic_folder
 from nemo_gym_ext.keep_alive import CLIENT_KEEPALIVE_EXPIRY_S
 
@@ -184,19 +188,32 @@ class SGLangEngine:
         routing: Routing = "cache_aware",
         end_token_ids: Iterable[int] = (),
         weights_checker: WeightsChecker | None = None,
+        honours_seeds: bool = False,
     ) -> None:
         """`end_token_ids`: the model's own end ids, where the servers stop every request
         whatever its stop ids (:func:`gymrl.model.tokens.model_end_token_ids`).
         `weights_checker`: the check each refit gets; None: none. The servers hold the weights
-        of `weight_version` when the engine starts."""
+        of `weight_version` when the engine starts. `honours_seeds`: the servers run with
+        `--enable-deterministic-inference`, the only mode in which SGLang uses a request's
+        `sampling_seed`; without it a request with a seed is refused."""
         if not server_urls:
             raise ValueError("SGLangEngine needs at least one server URL")
+        urls = [url.rstrip("/") for url in server_urls]
+        repeated = sorted({url for url in urls if urls.count(url) > 1})
+        if repeated:
+            # Two concurrent updates to one SGLang server break its tokenizer manager.
+            raise ValueError(
+                f"server_urls lists {repeated} more than once; each SGLang server must be "
+                "listed once (a refit sends each listed URL its own update, and SGLang fails "
+                "on two at once)"
+            )
         if request_timeout_s <= 0 or refit_timeout_s <= 0:
             raise ValueError(
                 f"request_timeout_s={request_timeout_s} and refit_timeout_s={refit_timeout_s} "
                 "must be > 0"
             )
-        self._urls = [url.rstrip("/") for url in server_urls]
+        self._urls = urls
+        self._honours_seeds = honours_seeds
         self._request_timeout_s = request_timeout_s
         self._refit_timeout_s = refit_timeout_s
         self._refit_dir = None if refit_dir is None else Path(refit_dir)
@@ -207,6 +224,7 @@ class SGLangEngine:
         # is a refit's.
         self._refits_started = 0
         self._refits_finished = 0
+        self._loading: int | None = None  # the version a begun refit loads
         self._router = PrefixRouter(len(self._urls), routing=routing)
         self._state_lock = threading.Lock()
         self._refit_lock = threading.RLock()
@@ -251,6 +269,7 @@ class SGLangEngine:
             routing=generation.routing,
             end_token_ids=end_token_ids,
             weights_checker=checker_for(generation.refit),
+            honours_seeds=generation.launch.deterministic_inference,
         )
 
     @property
@@ -264,7 +283,7 @@ class SGLangEngine:
     # ----------------------------------------------------------------------------- generation
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
         for index, request in enumerate(requests):
-            _validate(index, request)
+            self._validate(index, request)
         if not requests:
             return []
         # Each piece of a request has its own HTTP deadline; resumes after refits are bounded.
@@ -273,7 +292,7 @@ class SGLangEngine:
 
     def submit(self, request: GenerationRequest) -> Future[GenerationOutput]:
         """Start one request on the engine's loop (see `RequestScheduler`); the caller bounds it."""
-        _validate(0, request)
+        self._validate(0, request)
         return asyncio.run_coroutine_threadsafe(self._generate_one(request), self._loop)
 
     async def _generate_all(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
@@ -309,6 +328,8 @@ class SGLangEngine:
             try:
                 body = await self._post(url, "/generate", generate_payload(sent, request, budget))
                 new_tokens, new_logprobs, finish, message = parse_generate_response(url, body)
+                if finish != "abort":
+                    self._check_server_version(url, body, current)
                 answered = sent + new_tokens
             finally:
                 self._release(server, answered)
@@ -344,6 +365,32 @@ class SGLangEngine:
             "come faster than one generation takes: lower max_new_tokens or refit less often"
         )
 
+    def _check_server_version(self, url: str, body: Any, sent_under: int) -> None:
+        """The answer's `meta_info.weight_version` is one this engine's servers may hold: the
+        version the request was sent under, the engine's now, or the one a refit under way
+        loads (a request sent during a refit runs once it is over). Anything else is a server
+        that missed a refit or restarted (a restarted server holds `policy.model`'s weights,
+        version 0): mixed weights, which must stop the run."""
+        reported = body["meta_info"].get("weight_version")
+        with self._state_lock:
+            allowed = {sent_under, self._version, self._loading}
+        if reported not in {str(version) for version in allowed if version is not None}:
+            raise SGLangError(
+                f"SGLang server {url} generated with weight_version {reported!r}, but this "
+                f"engine's servers hold version {sent_under}: the server missed a refit or was "
+                "restarted (it starts from policy.model's weights, version 0); generation on "
+                "mixed weights must stop"
+            )
+
+    def _validate(self, index: int, request: GenerationRequest) -> None:
+        _check_request(index, request)
+        if request.params.seed is not None and not self._honours_seeds:
+            raise ValueError(
+                f"requests[{index}].params.seed={request.params.seed}: the SGLang servers ignore "
+                "a request's seed unless started with --enable-deterministic-inference; set "
+                "generation.launch.deterministic_inference=true, or send no seed"
+            )
+
     def _acquire(self, prompt: Sequence[int]) -> int:
         with self._state_lock:
             return self._router.choose(prompt)
@@ -377,12 +424,22 @@ class SGLangEngine:
         try:
             with self._state_lock:
                 self._refits_started += 1
+                self._loading = version
             self._run(self._on_all("/pause_generation", {"mode": "abort"}), self._request_timeout_s)
             if self._checker is not None:
                 prepare = self._checker.before_refit(
                     self._send, self._urls, resends_held_weights=version == self._version
                 )
-                self._run(prepare, self._checker.bound_s)
+                try:
+                    self._run(prepare, self._checker.bound_s)
+                except WeightCheckUnavailableError:
+                    # Nothing was randomised: the servers still hold their weights, so they
+                    # serve on and the refit never began.
+                    self._run(self._on_all("/continue_generation", {}), self._request_timeout_s)
+                    with self._state_lock:
+                        self._refits_started -= 1
+                        self._loading = None
+                    raise
         except BaseException:
             self._refit_lock.release()
             raise
@@ -397,6 +454,7 @@ class SGLangEngine:
             self._run(self._resume(), 2 * self._request_timeout_s + FLUSH_DEADLINE_S)
             with self._state_lock:
                 self._version = version
+                self._loading = None
                 self._refits_finished += 1
         finally:
             self._refit_lock.release()
@@ -577,7 +635,7 @@ def _finish_reason(finish_type: str) -> FinishReason:
     return "stop" if finish_type == "stop" else "length"
 
 
-def _validate(index: int, request: GenerationRequest) -> None:
+def _check_request(index: int, request: GenerationRequest) -> None:
     params, where = request.params, f"requests[{index}]"
     if not request.prompt_token_ids:
         raise ValueError(f"{where}.prompt_token_ids is empty; a prompt needs at least one token")

@@ -1,15 +1,18 @@
-"""SGLang server processes on GPUs: the command line, one supervised process, a group of them as
-Ray actors. The client that talks to them is `gymrl.generation.sglang_engine`.
+"""SGLang server processes: the command line, one supervised process, a group of them as Ray
+actors. The client that talks to them is `gymrl.generation.sglang_engine`.
 
-SGLang needs CUDA, so nothing here imports it: a server is a subprocess
-(`python -m sglang.launch_server`) under the project's one child-process supervisor
+SGLang's pinned environment conflicts with the recipe's, so nothing here imports it: a server is a
+subprocess (`python -m sglang.launch_server`, with `generation.launch.python` or this
+interpreter) under the project's one child-process supervisor
 (`nemo_gym_ext.processes.ChildProcess`: its own process group, stopped as a group, killed by the
 kernel when its owner dies).
 
 Every server's environment has `SGLANG_RETURN_ORIGINAL_LOGPROB` removed (it would switch the
 reported log-probabilities to the pre-temperature distribution; see `sglang_engine`) and the
 weight-sync NCCL settings the trainer's rank 0 also runs with
-(`gymrl.generation.weight_sync.WEIGHT_SYNC_NCCL_ENV`).
+(`gymrl.generation.weight_sync.WEIGHT_SYNC_NCCL_ENV`). On a CPU (`generation.launch.device:
+cpu`) it also gets `SGLANG_USE_CPU_ENGINE=1`, which SGLang needs to choose its CPU platform, and
+`OMP_NUM_THREADS` from `launch.cpu_threads`.
 """
 
 from __future__ import annotations
@@ -26,13 +29,14 @@ import httpx
 
 from gymrl.cluster.placement import RolePlacement, actor_options
 from gymrl.config.context import sglang_model_overrides
-from gymrl.config.schema import PolicyConfig, SGLangGenerationConfig
+from gymrl.config.schema import PolicyConfig, SGLangGenerationConfig, SGLangLaunchConfig
 from gymrl.generation.sglang_engine import SGLangError, SGLangTimeoutError
 from gymrl.generation.weight_sync import WEIGHT_SYNC_NCCL_ENV
 from nemo_gym_ext.ports import free_port
 from nemo_gym_ext.processes import ChildProcess
 
 ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
+CPU_ENGINE_ENV = "SGLANG_USE_CPU_ENGINE"
 HEALTH_POLL_INTERVAL_S = 2.0  # the longest pause between health checks (they start at 50 ms)
 STOP_GRACE_S = 30.0
 
@@ -45,16 +49,18 @@ def server_command(
     port: int,
     seed: int,
     host: str = "0.0.0.0",
-    python: str = sys.executable,
 ) -> list[str]:
     """The `sglang.launch_server` command line of one engine.
 
     `--skip-tokenizer-init`: the engine is token-in/token-out (the model server renders chat),
     so SGLang never loads a tokenizer and answers with token ids only. The context length is the
-    episode's context limit, so a prompt the trainer can take is one SGLang accepts.
+    episode's context limit, so a prompt the trainer can take is one SGLang accepts. The servers
+    start from `policy.model`'s weights, weight version 0 (`--weight-version`), which every
+    answer's `meta_info.weight_version` reports until a refit sets another; the engine checks it.
     """
+    launch = generation.launch
     command = [
-        python,
+        launch.python or sys.executable,
         "-m",
         "sglang.launch_server",
         "--model-path",
@@ -76,7 +82,21 @@ def server_command(
         "--random-seed",
         str(seed),
         "--skip-tokenizer-init",
+        "--weight-version",
+        "0",
+        "--device",
+        launch.device,
     ]
+    if launch.attention_backend is not None:
+        command += ["--attention-backend", launch.attention_backend]
+    if not launch.cuda_graphs:
+        command += ["--cuda-graph-backend-decode=disabled", "--cuda-graph-backend-prefill=disabled"]
+    if launch.max_total_tokens is not None:
+        command += ["--max-total-tokens", str(launch.max_total_tokens)]
+    if launch.skip_server_warmup:
+        command.append("--skip-server-warmup")
+    if launch.deterministic_inference:  # the only mode that honours sampling_seed
+        command.append("--enable-deterministic-inference")
     if generation.expert_parallel_size > 1:
         command += ["--ep-size", str(generation.expert_parallel_size)]
     overrides = sglang_model_overrides(policy)
@@ -85,10 +105,16 @@ def server_command(
     return command
 
 
-def server_environment(gpu_ids: Sequence[int] | None) -> dict[str, str]:
+def server_environment(
+    gpu_ids: Sequence[int] | None, launch: SGLangLaunchConfig | None = None
+) -> dict[str, str]:
     """This process's environment as one SGLang server gets it (see the module docstring)."""
     env = dict(os.environ) | dict(WEIGHT_SYNC_NCCL_ENV)
     env.pop(ORIGINAL_LOGPROB_ENV, None)
+    if launch is not None and launch.device == "cpu":
+        env[CPU_ENGINE_ENV] = "1"
+        if launch.cpu_threads is not None:
+            env["OMP_NUM_THREADS"] = str(launch.cpu_threads)
     if gpu_ids is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu) for gpu in gpu_ids)
     return env
@@ -108,11 +134,16 @@ class SGLangServerProcess:
         base_url: str,
         log_path: str | os.PathLike[str],
         gpu_ids: Sequence[int] | None = None,
+        launch: SGLangLaunchConfig | None = None,
     ) -> None:
+        """`launch`: the config the command was made from, for the environment it needs."""
         self.base_url = base_url.rstrip("/")
         self.log_path = Path(log_path)
         self._process = ChildProcess(
-            command, log_path=log_path, env=server_environment(gpu_ids), die_with_parent=True
+            command,
+            log_path=log_path,
+            env=server_environment(gpu_ids, launch),
+            die_with_parent=True,
         )
 
     @property
@@ -196,7 +227,10 @@ class SGLangServerActor:
         host = ray.util.get_node_ip_address()
         command = server_command(generation, policy, model_path=model_path, port=port, seed=seed)
         self._server = SGLangServerProcess(
-            command, base_url=f"http://{host}:{port}", log_path=log_path
+            command,
+            base_url=f"http://{host}:{port}",
+            log_path=log_path,
+            launch=generation.launch,
         )
         self._server.start()
         self._server.wait_healthy(generation.server_start_timeout_s)

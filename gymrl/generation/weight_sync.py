@@ -284,7 +284,7 @@ class WeightSender:
         self._group_name = ""
         # Two byte buffers of bucket_bytes, used in turn (see the module docstring).
         self._staging: list[torch.Tensor | None] = [None, None]
-        # One thread per server for its HTTP call, plus one for the rendezvous.
+        # One thread per server for its HTTP call, plus one for the rendezvous or a broadcast.
         self._pool = ThreadPoolExecutor(max_workers=len(self._urls) + 1, thread_name_prefix="refit")
         self._client = httpx.Client(
             timeout=timeout_s, limits=httpx.Limits(keepalive_expiry=CLIENT_KEEPALIVE_EXPIRY_S)
@@ -360,13 +360,10 @@ class WeightSender:
         """Post the bucket's update call to every server and start its broadcast."""
         payload = bucket.payload(group_name=self._group_name, version=version)
         calls = self._start_all("/update_weights_from_distributed", lambda _: payload)
-        try:
-            return calls, start_broadcast(self._group, flat)
-        except Exception as error:
-            raise WeightSyncError(
-                f"broadcasting a bucket of {len(bucket.names)} tensors ({bucket.names[0]}...) "
-                f"failed to start: {error}"
-            ) from error
+        # On a pool thread, so the deadline runs from here: NCCL creates its communicator at
+        # the first collective, and that blocks until every rank joins, which a server that
+        # refused the bucket never does.
+        return calls, self._pool.submit(_broadcast_bucket, self._group, flat)
 
     def _cut(self, plan: Iterator[Bucket], slot: int) -> tuple[Bucket, torch.Tensor] | None:
         """The next bucket of `plan` and its bytes in staging buffer `slot`; None at the end."""
@@ -528,20 +525,28 @@ class WeightSender:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+def _broadcast_bucket(group: Any, flat: torch.Tensor) -> None:
+    """Broadcast one bucket from rank 0 and wait for it (on a pool thread)."""
+    start_broadcast(group, flat).wait()
+
+
 def _finished(work: Any, route: str, what: str) -> bool:
-    """Whether `work` (None, a torch Work, or a Future) finished; its failure is raised."""
+    """Whether `work` (None, a torch Work, or a Future: the rendezvous, or a bucket's broadcast)
+    finished; its failure is raised."""
     if work is None:
         return True
     if isinstance(work, Future):
         if not work.done():
             return False
         error = work.exception()
-        if error is not None:
+        if error is None:
+            return True
+        if route == "/init_weights_update_group":
             raise WeightSyncError(
                 f"the weight-update group {what} did not form: {error}; can every SGLang "
                 "server reach the trainer's address?"
             ) from error
-        return True
+        raise WeightSyncError(f"the broadcast for POST {route} ({what}) failed: {error}") from error
     if not work.is_completed():
         return False
     try:

@@ -3,7 +3,10 @@ which works for every model class.
 
 `POST /weights_checker {action, allow_quant_error, skip_tensor_list, selector}` of SGLang 0.5.23
 (`sglang/srt/utils/weight_checker.py`, routed by `entrypoints/http_server.py`) acts on every
-parameter and buffer of every rank of a server: `snapshot` copies them into host memory,
+parameter and buffer of a server's ranks, but only attention-TP rank 0 answers
+(`scheduler.py` `init_ipc_channels`: the other ranks send nothing back), so a failure on another
+rank is not reported: at TP > 1 the compare and the checksum vouch for rank 0's shard only
+(docs/cluster.md says so too). Per rank: `snapshot` copies them into host memory,
 `reset_tensors` overwrites them with random values, `compare` checks them bit for bit against the
 snapshot and then drops it, `checksum` hashes them. It answers `{success, message}`, status 400
 when not successful (a failed compare's message is "check tensor equality failed:" and a line per
@@ -15,10 +18,15 @@ refit can leave tensors behind unnoticed. :class:`WeightsChecker` makes of the f
 engine:
 
 * **The first refit of a fresh run** sends weight version 0, the weights of `policy.model` the
-  servers started from. Before anything is sent, every server takes a `snapshot`, then
-  `reset_tensors`; after the refit, `compare`. A tensor the refit wrote holds its start-up
-  values again; one it did not write is still random, and the run stops naming the server and
-  SGLang's message, which names the tensor and its errors. The snapshot costs host memory once:
+  servers started from. Before anything is sent, every server takes a `snapshot` and proves the
+  `compare` can run by comparing at once (nothing changed, so only a compare that cannot run
+  fails: SGLang 0.5.23's compare moves tensors to CUDA, so it cannot run on a CPU), then takes
+  the `snapshot` again and `reset_tensors`; after the refit, `compare`. A compare that cannot
+  run stops the refit before any tensor is randomised (:class:`WeightCheckUnavailableError`,
+  the servers serve on), and only SGLang's "check tensor equality failed:" is a mismatch. A
+  tensor the refit wrote holds its start-up values again; one it did not write is still random,
+  and the run stops naming the server and SGLang's message, which names the tensor and its
+  errors. The snapshot costs host memory once:
   each GPU rank's weights (Qwen3-30B-A3B at TP 4: about 15 GB per rank), from the snapshot to
   the compare.
 * **A later refit that is due** (`generation.refit.verify_every`), and the first refit of a
@@ -48,6 +56,9 @@ from gymrl.config.schema import RefitConfig
 from gymrl.generation.weight_check import WeightMismatchError, refit_due
 
 ROUTE = "/weights_checker"
+# How SGLang 0.5.23's compare says tensors differ (`utils/weight_checker.py` `_check_tensors`);
+# any other failure is a compare that could not run.
+MISMATCH_PREFIX = "check tensor equality failed:"
 _MESSAGE_CHARS = 2000  # a compare that fails on many tensors answers a line for each
 
 # `SGLangEngine._send`: POST `payload` to `url` + `route` within `timeout_s`.
@@ -62,6 +73,10 @@ def checker_for(refit: RefitConfig) -> WeightsChecker | None:
     return WeightsChecker(
         every=refit.verify_every, timeout_s=refit.timeout_s, skip_tensors=refit.verify_skip_tensors
     )
+
+
+class WeightCheckUnavailableError(WeightMismatchError):
+    """The check could not run on a server, before any of its tensors was changed."""
 
 
 @dataclass
@@ -86,9 +101,11 @@ class WeightsChecker:
     ) -> None:
         """Generation paused, nothing sent yet: at the first refit, when it sends the weights
         the servers hold (`resends_held_weights`: the version they started with), snapshot every
-        server, then randomise every tensor."""
+        server, prove the compare runs, snapshot again, then randomise every tensor."""
         if self._refits > 0 or not resends_held_weights:
             return
+        await self._on_all(post, urls, "snapshot")
+        await self._on_all(post, urls, "compare", probe=True)  # drops the snapshot it passes
         await self._on_all(post, urls, "snapshot")
         self._comparing = True  # from here on the servers' weights are not the ones they served
         await self._on_all(post, urls, "reset_tensors")
@@ -106,12 +123,20 @@ class WeightsChecker:
             _require_one_checksum(urls, answers, version)
 
     async def _on_all(
-        self, post: Post, urls: Sequence[str], action: str, version: int | None = None
+        self,
+        post: Post,
+        urls: Sequence[str],
+        action: str,
+        version: int | None = None,
+        *,
+        probe: bool = False,
     ) -> list[dict[str, Any]]:
-        calls = (self._call(post, url, action, version) for url in urls)
+        calls = (self._call(post, url, action, version, probe) for url in urls)
         return list(await asyncio.gather(*calls))
 
-    async def _call(self, post: Post, url: str, action: str, version: int | None) -> dict[str, Any]:
+    async def _call(
+        self, post: Post, url: str, action: str, version: int | None, probe: bool
+    ) -> dict[str, Any]:
         body = {"action": action, "skip_tensor_list": list(self.skip_tensors) or None}
         response = await post(url, ROUTE, body, self.timeout_s)
         try:
@@ -125,12 +150,22 @@ class WeightsChecker:
         message = answer.get("message")
         message = repr(response.text[:300]) if message is None else str(message)[:_MESSAGE_CHARS]
         said = f"POST {ROUTE} {action} answered {response.status_code}: {message}"
-        raise _refusal(url, action, said, version)
+        if probe:
+            raise WeightCheckUnavailableError(
+                f"SGLang server {url}: the weight check cannot run there ({said}); its weights "
+                "are untouched and it serves on. SGLang 0.5.23's compare needs CUDA: on a CPU "
+                "set generation.refit.verify_method=read_back (Llama-family models) or "
+                "verify_weights=false"
+            )
+        raise _refusal(url, action, said, version, mismatch=message.startswith(MISMATCH_PREFIX))
 
 
-def _refusal(url: str, action: str, said: str, version: int | None) -> WeightMismatchError:
-    """The error for a server that answered `action` unsuccessfully (`said`)."""
-    if action == "compare":
+def _refusal(
+    url: str, action: str, said: str, version: int | None, *, mismatch: bool
+) -> WeightMismatchError:
+    """The error for a server that answered `action` unsuccessfully (`said`); `mismatch`: its
+    message says tensors differ."""
+    if action == "compare" and mismatch:
         return WeightMismatchError(
             f"SGLang server {url} does not hold the weights it started with after refit "
             f"{version}, which sent those weights ({said}). Every tensor was randomised before "
@@ -141,7 +176,7 @@ def _refusal(url: str, action: str, said: str, version: int | None) -> WeightMis
         )
     consequence = (
         "its tensors may be partly random now: stopping the run"
-        if action == "reset_tensors"
+        if action in ("reset_tensors", "compare")
         else "set generation.refit.verify_weights=false to run unchecked"
     )
     return WeightMismatchError(

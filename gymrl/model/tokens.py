@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import cast
 
@@ -67,3 +67,12 @@ def model_end_token_ids(model_folder: str | os.PathLike[str]) -> tuple[int, ...]
         values = declared if isinstance(declared, list) else [declared]
         found += [value for value in values if isinstance(value, int)]
     return tuple(dict.fromkeys(found))
+
+
+def policy_end_token_ids(
+    model_folder: str | os.PathLike[str], declared: Iterable[int]
+) -> tuple[int, ...]:
+    """The model's end ids: those its folder's files declare (:func:`model_end_token_ids`), then
+    `declared` (`policy.end_token_ids`, for a hub id whose files are not on this machine),
+    without repeats."""
+    return tuple(dict.fromkeys((*model_end_token_ids(model_folder), *declared)))

@@ -30,7 +30,7 @@ from gymrl.generation.sglang_servers import SGLangServerGroup
 from gymrl.generation.torch_engine import EngineCounters, EngineStep, TorchGenerationEngine
 from gymrl.model.loading import load_tokenizer
 from gymrl.model.policy import build_policy, model_folder
-from gymrl.model.tokens import eos_token_id, model_end_token_ids
+from gymrl.model.tokens import eos_token_id, policy_end_token_ids
 from gymrl.roles import OnCleanup
 from nemo_gym_ext.http_server import serve_in_thread
 
@@ -62,7 +62,7 @@ class GenerationServer:
         # half-way, the SGLang servers it started are shut down before the error leaves.
         with ExitStack() as started:
             folder = model_folder(policy)
-            end_ids = model_end_token_ids(folder)
+            end_ids = policy_end_token_ids(folder, policy.end_token_ids)
             if isinstance(generation, SGLangGenerationConfig):
                 backend = build_sglang_backend(
                     config,

@@ -274,7 +274,7 @@ class StandInState:
         self.paused = False
         self.pause_requested = asyncio.Event()  # set when a pause arrives, before it takes effect
         self.abort_count = 0
-        self.weight_version = "default"
+        self.weight_version = "0"  # as the launcher starts SGLang: --weight-version 0
         self.offset = 0
         self.loaded_tensors: list[str] = []
         # The model's tensors; received values are copied in. None: it takes whatever arrives.

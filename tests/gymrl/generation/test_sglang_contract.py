@@ -12,7 +12,9 @@ or imports it, and parses with `ast`:
   (`ChecksumInfo`, `ParallelismInfo`),
 * the keys `/weights_checker`'s handler puts in its answer,
 * `sglang/api/v1/api_types.py`'s `SamplingParams`, the schema `/generate` checks its
-  `sampling_params` against (unknown keys rejected).
+  `sampling_params` against (unknown keys rejected),
+* the server's arguments (`sglang/srt/arg_groups/fields/*.py`, one `--flag-name` per field), which
+  every flag the launcher can pass must name.
 
 It then runs the project's client through every call it makes (generation, a disk refit checked
 by the weights checker's snapshot, reset and compare, a broadcast refit with the read-back check
@@ -44,7 +46,9 @@ from pydantic import BaseModel
 from safetensors.torch import save_file
 from sglang_standin import make_standin
 
+from gymrl.config.schema import PolicyConfig, SGLangGenerationConfig, SGLangLaunchConfig
 from gymrl.generation.sglang_engine import SGLangEngine
+from gymrl.generation.sglang_servers import server_command
 from gymrl.generation.types import GenerationRequest, SamplingParams
 from gymrl.generation.weight_check import WeightCheck
 from gymrl.generation.weight_sync import WeightSender
@@ -79,7 +83,8 @@ def wheel_source() -> Path:
     """The unpacked wheel of the pinned SGLang (downloaded once, then cached)."""
     version = sglang_pin()
     folder = CACHE / version
-    if not (folder / "sglang" / "srt" / "entrypoints" / "http_server.py").is_file():
+    read = ("srt/entrypoints/http_server.py", "srt/arg_groups/fields/serving.py")
+    if not all((folder / "sglang" / path).is_file() for path in read):
         download = CACHE / f"{version}.download"
         subprocess.run(
             [
@@ -102,7 +107,12 @@ def wheel_source() -> Path:
                 name
                 for name in archive.namelist()
                 if name.startswith(
-                    ("sglang/srt/entrypoints/", "sglang/srt/managers/", "sglang/api/")
+                    (
+                        "sglang/srt/entrypoints/",
+                        "sglang/srt/managers/",
+                        "sglang/srt/arg_groups/",
+                        "sglang/api/",
+                    )
                 )
             ]
             archive.extractall(folder, members)
@@ -294,7 +304,11 @@ def _recorded_calls(tmp_path: Path) -> list[tuple[str, dict | None]]:
     checker = WeightsChecker(every=1, timeout_s=20.0, skip_tensors=("rotary_emb.inv_freq",))
     try:
         with SGLangEngine(
-            urls, request_timeout_s=20.0, refit_timeout_s=20.0, weights_checker=checker
+            urls,
+            request_timeout_s=20.0,
+            refit_timeout_s=20.0,
+            weights_checker=checker,
+            honours_seeds=True,
         ) as engine:
             request = GenerationRequest(
                 [1, 2, 3], SamplingParams(max_new_tokens=3, stop_token_ids=(9,), seed=4)
@@ -319,7 +333,7 @@ def _recorded_calls(tmp_path: Path) -> list[tuple[str, dict | None]]:
         for server in servers:
             server.close()
     checked = [body["action"] for path, body in standins[0][1].requests if path == ROUTE]
-    assert checked == ["snapshot", "reset_tensors", "compare", "checksum"]
+    assert checked == ["snapshot", "compare", "snapshot", "reset_tensors", "compare", "checksum"]
     return [call for _, state in standins for call in state.requests]
 
 
@@ -454,3 +468,35 @@ def test_the_standins_weights_checker_answers_in_the_wheels_shape(wheel_source, 
     for placement in rank["parallelism_info"]:  # one per runner (`List[ParallelismInfo]`)
         assert set(placement) == wire["ParallelismInfo"].fields
     assert isinstance(checksum.json()["per_engine_checksum"], str)
+
+
+def test_every_flag_the_launcher_can_pass_is_a_server_argument(wheel_source):
+    """`server_command` with every optional flag on; SGLang's CLI flags are its ServerArgs
+    fields, `_` written `-` (`arg_groups/arg_utils.py`)."""
+    fields = set()
+    for module in (wheel_source / "sglang" / "srt" / "arg_groups" / "fields").glob("*.py"):
+        for node in ast.walk(ast.parse(module.read_text())):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                fields.add(node.target.id)
+    launch = SGLangLaunchConfig(
+        device="cpu",
+        attention_backend="triton",
+        cuda_graphs=False,
+        max_total_tokens=1024,
+        skip_server_warmup=True,
+        deterministic_inference=True,
+    )
+    generation = SGLangGenerationConfig(expert_parallel_size=2, launch=launch)
+    policy = PolicyConfig(
+        name="m",
+        source="pretrained",
+        path="/m",
+        max_total_sequence_length=65536,
+        native_context_length=32768,
+        yarn={"factor": 2.0, "original_max_position_embeddings": 32768},
+    )
+    command = server_command(generation, policy, model_path="/m", port=1, seed=0)
+    flags = [word.split("=")[0] for word in command if word.startswith("--")]
+    assert "--json-model-override-args" in flags and "--enable-deterministic-inference" in flags
+    unknown = [flag for flag in flags if flag[2:].replace("-", "_") not in fields]
+    assert unknown == [], f"flags SGLang {sglang_pin()} does not take: {unknown}"

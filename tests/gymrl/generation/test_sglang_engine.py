@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 from sglang_standin import WEIGHT_OFFSET, make_standin
 
-from gymrl.config.schema import PolicyConfig, SGLangGenerationConfig
+from gymrl.config.schema import PolicyConfig, SGLangGenerationConfig, SGLangLaunchConfig
 from gymrl.generation import sglang_engine
 from gymrl.generation.sglang_engine import (
     SGLangEngine,
@@ -30,6 +30,7 @@ from gymrl.generation.sglang_servers import (
     ORIGINAL_LOGPROB_ENV,
     SGLangServerProcess,
     server_command,
+    server_environment,
 )
 from gymrl.generation.types import GenerationRequest, SamplingParams
 from nemo_gym_ext.http_server import serve_in_thread
@@ -75,7 +76,7 @@ def _engine(urls, **kwargs) -> SGLangEngine:
 # ------------------------------------------------------------------------------------- tests
 def test_generate_sends_sglang_fields_and_parses_logprobs(standin):
     url, state = standin()
-    with _engine([url]) as engine:
+    with _engine([url], honours_seeds=True) as engine:
         [out] = engine.generate(
             [_request([5, 6, 7], max_new_tokens=3, temperature=0.7, top_p=0.9, seed=11)]
         )
@@ -400,6 +401,82 @@ def test_server_command_maps_config_to_sglang_flags():
         SGLangGenerationConfig(num_engines=1), _policy(), model_path="/c", port=1, seed=0
     )
     assert "--ep-size" not in dense
+
+
+def test_server_command_takes_cpu_flags_from_config():
+    """The real server on a CPU is the flagship's launcher with another launch config."""
+    launch = SGLangLaunchConfig(
+        python="/venv/bin/python",
+        device="cpu",
+        cpu_threads=1,
+        attention_backend="torch_native",
+        cuda_graphs=False,
+        max_total_tokens=4096,
+        skip_server_warmup=True,
+    )
+    generation = SGLangGenerationConfig(launch=launch)
+    command = server_command(generation, _policy(), model_path="/c", port=1, seed=0)
+    assert command[0] == "/venv/bin/python"
+    assert command[command.index("--device") + 1] == "cpu"
+    assert command[command.index("--attention-backend") + 1] == "torch_native"
+    assert command[command.index("--max-total-tokens") + 1] == "4096"
+    assert command[command.index("--weight-version") + 1] == "0"
+    assert "--cuda-graph-backend-decode=disabled" in command
+    assert "--cuda-graph-backend-prefill=disabled" in command
+    assert "--skip-server-warmup" in command
+    assert "--enable-deterministic-inference" not in command
+    env = server_environment(None, launch)
+    assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["OMP_NUM_THREADS"] == "1"
+    default = server_command(SGLangGenerationConfig(), _policy(), model_path="/c", port=1, seed=0)
+    assert default[0] == sys.executable and default[default.index("--device") + 1] == "cuda"
+    for flag in ("--attention-backend", "--max-total-tokens", "--skip-server-warmup"):
+        assert flag not in default
+    assert not any(flag.startswith("--cuda-graph") for flag in default)
+    assert "SGLANG_USE_CPU_ENGINE" not in server_environment(None, SGLangLaunchConfig())
+
+
+def test_sampling_seeds_need_deterministic_inference(standin):
+    """SGLang honours `sampling_seed` only under --enable-deterministic-inference; without it a
+    seeded request is refused by name, not sampled with another seed."""
+    deterministic = SGLangGenerationConfig(launch={"deterministic_inference": True})
+    command = server_command(deterministic, _policy(), model_path="/c", port=1, seed=0)
+    assert "--enable-deterministic-inference" in command
+    url, state = standin()
+    with SGLangEngine.from_config(SGLangGenerationConfig(), [url]) as engine:
+        with pytest.raises(ValueError, match=r"deterministic_inference=true, or send no seed"):
+            engine.generate([_request([1, 2], seed=3)])
+        assert state.events == []
+    with SGLangEngine.from_config(deterministic, [url]) as engine:
+        engine.generate([_request([1, 2], seed=3)])
+    [(_, body)] = state.events
+    assert body["sampling_params"]["sampling_seed"] == 3
+
+
+def test_deterministic_inference_with_an_attention_backend_sglang_refuses_it_fails_early():
+    with pytest.raises(ValueError, match=r"deterministic_inference.*torch_native"):
+        SGLangLaunchConfig(deterministic_inference=True, attention_backend="torch_native")
+
+
+def test_a_server_listed_twice_is_refused():
+    """Two concurrent updates to one SGLang server break it (InvalidStateError)."""
+    with pytest.raises(ValueError, match=r"lists \['http://a:1'\] more than once"):
+        SGLangEngine(
+            ["http://a:1", "http://b:2", "http://a:1/"], request_timeout_s=1, refit_timeout_s=1
+        )
+
+
+def test_an_answer_from_other_weights_than_the_engines_stops_generation(standin):
+    """A server that restarted (version 0 again) or missed a refit answers with another
+    `meta_info.weight_version` than the engine's servers hold."""
+    url, state = standin()
+    with _engine([url]) as engine:
+        [out] = engine.generate([_request([1, 2])])
+        assert out.weight_version == 0
+        state.weight_version = "7"  # not a version this engine ever loaded
+        with pytest.raises(
+            SGLangError, match=r"weight_version '7', but this engine's servers hold version 0"
+        ):
+            engine.generate([_request([1, 2])])
 
 
 _HEALTH_ONLY_SERVER = """

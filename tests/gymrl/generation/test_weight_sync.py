@@ -13,6 +13,7 @@ import pytest
 import torch
 from sglang_standin import WEIGHT_OFFSET
 
+from gymrl.generation import weight_sync
 from gymrl.generation.sglang_engine import SGLangEngine
 from gymrl.generation.types import GenerationRequest, SamplingParams
 from gymrl.generation.weight_check import WeightCheck, WeightMismatchError, checksum
@@ -233,6 +234,30 @@ def test_a_refused_group_is_a_clear_error_within_the_deadline(standins):
     assert time.monotonic() - start < 5
     assert not sender.connected and not state.session_open  # the session was closed
     sender.close()
+
+
+def test_a_broadcast_that_blocks_as_it_starts_fails_by_the_deadline(standins, monkeypatch):
+    """NCCL creates its communicator at the first collective, which blocks until every rank
+    joins: the deadline must already run then, or a server that never joins stalls rank 0."""
+    [(url, _)] = standins(1)
+    released = threading.Event()
+    started = weight_sync.start_broadcast
+
+    def blocks_until_released(group, tensor):
+        if released.wait(30):
+            return started(group, tensor)
+        raise RuntimeError("the test released no broadcast")
+
+    monkeypatch.setattr(weight_sync, "start_broadcast", blocks_until_released)
+    sender = _sender([url], timeout_s=2.0)
+    start = time.monotonic()
+    try:
+        with pytest.raises(WeightSyncError, match=r"timeout_s=2\.0 s[\s\S]*did not finish"):
+            sender.send(_state_dict().items(), version=1)
+        assert time.monotonic() - start < 10
+    finally:
+        released.set()
+        sender.close()
 
 
 def test_a_server_that_never_answers_fails_by_the_deadline():

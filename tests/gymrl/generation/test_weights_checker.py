@@ -6,17 +6,29 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fastapi import Request
+from fastapi.responses import JSONResponse
 from sglang_standin import make_standin
 
 from gymrl.config.schema import RefitConfig, SGLangGenerationConfig
 from gymrl.generation.refit import weight_sender
 from gymrl.generation.sglang_engine import SGLangEngine
+from gymrl.generation.types import GenerationRequest, SamplingParams
 from gymrl.generation.weight_check import WeightMismatchError
 from gymrl.generation.weight_sync import WeightSender
-from gymrl.generation.weights_checker import ROUTE, WeightsChecker, checker_for
+from gymrl.generation.weights_checker import (
+    ROUTE,
+    WeightCheckUnavailableError,
+    WeightsChecker,
+    checker_for,
+)
 from nemo_gym_ext.http_server import serve_in_thread
 
 RENAMED = "model.layers.0.self_attn.qkv_proj.weight"  # what the server's model calls q_proj
+# The first refit: snapshot, a compare proving it can run, snapshot, randomise, refit, compare.
+FIRST_REFIT = ["snapshot", "compare", "snapshot", "reset_tensors", "compare"]
+# What SGLang 0.5.23's compare answers on a CPU (a `.cuda()` in weight_checker_comparator.py).
+NO_CUDA = "Found no NVIDIA driver on your system."
 
 
 def _weights(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -76,6 +88,10 @@ def _refit(transport: str, engine, urls, weights, version: int) -> None:
         sender.close()
 
 
+def _request() -> GenerationRequest:
+    return GenerationRequest([1, 2, 3], SamplingParams(max_new_tokens=4, temperature=0.0))
+
+
 def _actions(state) -> list[str]:
     return [action for kind, action in state.events if kind == "weights_checker"]
 
@@ -91,7 +107,7 @@ def test_the_first_refit_is_compared_with_the_weights_the_servers_started_with(
         _refit(transport, engine, urls, weights, 0)
         assert engine.weight_version == 0
     for _, state in servers:
-        assert _actions(state) == ["snapshot", "reset_tensors", "compare"]
+        assert _actions(state) == FIRST_REFIT
         # The refit wrote every tensor back over the random ones, and generation resumed.
         assert all(torch.equal(state.weights[n], t) for n, t in weights.items())
         assert state.snapshot is None and not state.paused
@@ -120,7 +136,7 @@ def test_a_tensor_listed_in_verify_skip_tensors_is_left_out_of_the_check(standin
     [(url, state)] = standins(1, model_weights=_renamed(weights))
     with _engine([url], tmp_path, skip_tensors=("qkv_proj",)) as engine:
         _refit("nccl", engine, [url], weights, 0)
-    assert _actions(state) == ["snapshot", "reset_tensors", "compare"]
+    assert _actions(state) == FIRST_REFIT
     assert torch.equal(state.weights[RENAMED], weights["model.layers.0.self_attn.q_proj.weight"])
 
 
@@ -136,7 +152,7 @@ def test_a_server_that_missed_a_later_refit_is_caught_by_the_checksums(standins,
         finally:
             sender.close()
         assert engine.weight_version == 1
-    expected = ["snapshot", "reset_tensors", "compare", "checksum", "checksum"]
+    expected = [*FIRST_REFIT, "checksum", "checksum"]
     assert _actions(state) == _actions(missed) == expected
     message = str(raised.value)
     assert message.startswith("the SGLang servers hold different weights after refit 2")
@@ -182,6 +198,64 @@ def test_a_server_without_the_weights_checker_stops_the_run_naming_the_switch(tm
     )
 
 
+def test_a_compare_that_cannot_run_is_no_mismatch_and_the_server_serves_on(tmp_path):
+    """Only "check tensor equality failed:" is a mismatch. A compare that cannot run (as on a
+    CPU) is found before any tensor is randomised: the refit never begins, generation goes on
+    and the engine's refit count is what it was."""
+    weights = _weights()
+    app, state = make_standin(model_weights=weights)
+
+    @app.middleware("http")
+    async def compare_needs_cuda(request: Request, call_next):
+        if request.url.path == ROUTE and (await request.json())["action"] == "compare":
+            state.events.append(("weights_checker", "compare"))
+            return JSONResponse({"success": False, "message": NO_CUDA}, status_code=400)
+        return await call_next(request)
+
+    server = serve_in_thread(app)
+    try:
+        with _engine([server.url], tmp_path) as engine:
+            with pytest.raises(WeightCheckUnavailableError) as raised:
+                engine.begin_refit(0)
+            assert not state.paused and _actions(state) == ["snapshot", "compare"]
+            assert all(torch.equal(state.weights[n], t) for n, t in weights.items())
+            [out] = engine.generate([_request()])  # served, not taken for a refit's abort
+            assert out.finish_reason == "length" and out.weight_version == 0
+    finally:
+        server.close()
+    message = str(raised.value)
+    assert f"SGLang server {server.url}: the weight check cannot run there" in message
+    assert NO_CUDA in message and "verify_method=read_back" in message
+    assert "does not hold the weights" not in message
+
+
+def test_a_compare_failing_after_the_refit_for_another_reason_is_no_mismatch(tmp_path):
+    weights = _weights()
+    app, _ = make_standin(model_weights=weights)
+    compares = []
+
+    @app.middleware("http")
+    async def second_compare_fails(request: Request, call_next):
+        if request.url.path == ROUTE and (await request.json())["action"] == "compare":
+            compares.append(1)
+            if len(compares) == 2:
+                return JSONResponse({"success": False, "message": NO_CUDA}, status_code=400)
+        return await call_next(request)
+
+    server = serve_in_thread(app)
+    try:
+        with (
+            _engine([server.url], tmp_path) as engine,
+            pytest.raises(WeightMismatchError) as raised,
+        ):
+            _refit("disk", engine, [server.url], weights, 0)
+    finally:
+        server.close()
+    message = str(raised.value)
+    assert "the weight check could not run" in message and NO_CUDA in message
+    assert "its tensors may be partly random now: stopping the run" in message
+
+
 def test_the_config_picks_the_method():
     assert RefitConfig().verify_weights and RefitConfig().verify_method == "weights_checker"
     refit = RefitConfig.model_validate(  # as Hydra hands it over: a list
@@ -199,9 +273,7 @@ def test_an_engine_made_from_the_default_config_checks_its_first_refit(standins,
     urls = [url for url, _ in servers]
     with SGLangEngine.from_config(generation, urls, refit_dir=tmp_path) as engine:
         engine.update_weights(weights, 0)  # the torch trainer's refit of SGLang: from disk
-    assert [_actions(state) for _, state in servers] == [
-        ["snapshot", "reset_tensors", "compare"]
-    ] * 2
+    assert [_actions(state) for _, state in servers] == [FIRST_REFIT] * 2
 
 
 def test_only_read_back_makes_the_sender_read_weights_back(standins):

@@ -3,8 +3,10 @@ end ids a model's own files declare."""
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
+import yaml
 
 from gymrl.generation.chat_template import ChatFormat
 from gymrl.generation.parsers import GenerationParser
@@ -13,8 +15,11 @@ from gymrl.model.tokens import (
     eos_token_id,
     model_end_token_ids,
     pad_token_id,
+    policy_end_token_ids,
     single_token_id,
 )
+
+CONF = Path(__file__).resolve().parents[3] / "conf"
 
 
 @pytest.fixture
@@ -65,6 +70,17 @@ def test_model_end_ids_are_those_of_config_and_generation_config(tmp_path):
     )
     assert model_end_token_ids(tmp_path) == (151645, 151643)
     assert model_end_token_ids(tmp_path / "absent") == ()  # a hub id declares nothing here
+
+
+def test_the_flagship_declares_qwen3_end_ids_its_tokenizer_names(qwen3_tokenizer, tmp_path):
+    """conf/policy/qwen3_30b_a3b.yaml names a hub id, whose files are not read here: without
+    declared end ids the abort cut would resume past the model's end."""
+    policy = yaml.safe_load((CONF / "policy" / "qwen3_30b_a3b.yaml").read_text())
+    ends = qwen3_tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    assert tuple(policy["end_token_ids"]) == tuple(ends) == (151645, 151643)
+    assert policy_end_token_ids(policy["path"], policy["end_token_ids"]) == (151645, 151643)
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2}))
+    assert policy_end_token_ids(tmp_path, [7, 2]) == (2, 7)
 
 
 def test_the_chat_format_stops_at_the_model_end_ids(tokenizer):
