@@ -1,0 +1,145 @@
+"""The Megatron trainer on the real megatron-core and Megatron-Bridge (`make megatron-venv`).
+
+On CUDA where there is one (`launch/gpu_check/run.sh`), else on the CPU over gloo through the
+test-only device shim `megatron_on_cpu.py`. A generated tiny Llama with grouped-query attention
+(4 heads, 2 KV heads, SmolLM2's vocabulary) stands in for the policy.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from fixed_trajectories import fixed_trajectory
+from megatron_setup import DEVICE, megatron_batch, tiny_config
+
+from gymrl.trainer.megatron.arguments import (
+    ddp_config_kwargs,
+    optimizer_config_kwargs,
+    parallel_state_kwargs,
+    provider_overrides,
+    scheduler_kwargs,
+)
+from gymrl.trainer.megatron.distributed import distributed_env
+from gymrl.trainer.megatron.worker import MegatronPolicyTrainer
+
+pytestmark = pytest.mark.megatron
+
+
+@pytest.fixture(scope="module")
+def tiny_trainer(megatron_runtime, tiny_llama):
+    import os
+
+    from nemo_gym_ext.ports import free_port
+
+    folder, hf_model = tiny_llama
+    env = distributed_env(0, 1, "127.0.0.1", free_port())
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield MegatronPolicyTrainer(tiny_config(folder), temperature=0.8), folder, hf_model
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def test_megatron_logprobs_match_hugging_face(tiny_trainer):
+    from gymrl.algo.loss import sequence_logprobs
+
+    trainer, _, hf_model = tiny_trainer
+    trajectories, _ = megatron_batch(hf_model.config.vocab_size)
+    got = trainer.compute_logprobs(trajectories)
+    hf_model = hf_model.to(DEVICE).eval()
+    for index, trajectory in enumerate(trajectories):
+        ids = torch.tensor([trajectory.token_ids], device=DEVICE)
+        with torch.no_grad():
+            expected = sequence_logprobs(hf_model(ids).logits, ids, temperature=0.8)[0]
+        mask = torch.tensor(trajectory.loss_mask, dtype=torch.bool)
+        torch.testing.assert_close(
+            torch.tensor(got[index])[mask], expected.cpu()[mask], rtol=0, atol=2e-3
+        )
+
+
+def test_megatron_train_step_checkpoint_and_export(tiny_trainer, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    trainer, _, hf_model = tiny_trainer
+    trajectories, advantages = megatron_batch(hf_model.config.vocab_size)
+    before = trainer.export_weights()
+    assert "model.layers.0.self_attn.q_proj.weight" in before
+    metrics = trainer.train_step(trajectories, advantages)
+    assert metrics["num_tokens"] == sum(t.num_generated_tokens for t in trajectories)
+    assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+    assert metrics["num_sequences"] == len(trajectories) and metrics["lr"] == 1e-3
+    after = trainer.export_weights()
+    assert any(not torch.equal(before[name], after[name]) for name in before)
+
+    checkpoint = trainer.save_checkpoint(tmp_path / "ckpt", 1, {"position": 7})
+    trainer.train_step(trajectories, advantages)
+    state = trainer.load_checkpoint(checkpoint)
+    assert state["step"] == 1 and state["data_state"] == {"position": 7}
+    assert state["weight_version"] == 1 and trainer.weight_version == 1
+    restored = trainer.export_weights()
+    assert all(torch.equal(after[name], restored[name]) for name in after)
+
+    exported = trainer.export_hf_checkpoint(tmp_path / "hf" / "v1")
+    reloaded = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)
+    for name, tensor in reloaded.state_dict().items():
+        if name in restored:
+            torch.testing.assert_close(tensor, restored[name].to(tensor.dtype))
+
+
+def test_megatron_skips_a_step_without_generated_tokens(tiny_trainer):
+    trainer, _, _ = tiny_trainer
+    masked = [fixed_trajectory(3, 0)]
+    assert trainer.train_step(masked, torch.zeros(1)) == {"num_tokens": 0.0, "num_sequences": 0.0}
+
+
+def test_megatron_arguments_bind_to_the_real_signatures(megatron_runtime, swe_config):
+    """Every argument dict the trainer builds binds to what megatron-core really takes, so a
+    renamed or misspelt keyword fails here rather than on a cluster."""
+    import dataclasses
+    import inspect
+
+    from megatron.bridge.models.gpt_provider import GPTModelProvider
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    no_recompute = swe_config.model_copy(
+        update={
+            "trainer": swe_config.trainer.model_copy(update={"activation_checkpointing": False})
+        }
+    )
+    for config in (swe_config, no_recompute):
+        trainer = config.trainer
+        inspect.signature(parallel_state.initialize_model_parallel).bind(
+            **parallel_state_kwargs(trainer)
+        )
+        inspect.signature(DistributedDataParallelConfig).bind(**ddp_config_kwargs(trainer))
+        inspect.signature(OptimizerConfig).bind(**optimizer_config_kwargs(config))
+        inspect.signature(OptimizerParamScheduler).bind(object(), **scheduler_kwargs(config))
+        # The GPT provider is a TransformerConfig dataclass with GPT fields (`seq_length`); the
+        # overrides are set on it as attributes.
+        fields = {field.name for field in dataclasses.fields(GPTModelProvider)}
+        assert set(provider_overrides(config)) <= fields, set(provider_overrides(config)) - fields
+        inspect.signature(GPTModelProvider).bind_partial(**provider_overrides(config))
+
+
+def test_megatron_provider_overrides_are_fields_of_the_bridge_provider(tiny_trainer):
+    """The overrides land on Megatron-Bridge's provider class of a real model, not only on the
+    base TransformerConfig."""
+    import dataclasses
+
+    from megatron.bridge import AutoBridge
+
+    trainer, folder, _ = tiny_trainer
+    provider = AutoBridge.from_hf_pretrained(str(folder)).to_megatron_provider(load_weights=False)
+    fields = {field.name for field in dataclasses.fields(provider)}
+    overrides = provider_overrides(trainer._config)
+    assert set(overrides) <= fields, set(overrides) - fields
