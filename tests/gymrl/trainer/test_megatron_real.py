@@ -64,33 +64,83 @@ def test_megatron_logprobs_match_hugging_face(tiny_trainer):
         )
 
 
-def test_megatron_train_step_checkpoint_and_export(tiny_trainer, tmp_path):
-    from transformers import AutoModelForCausalLM
+def test_megatron_export_names_and_values_are_the_hugging_face_checkpoints(tiny_trainer):
+    """Before any step, `export_weights` gives back exactly the checkpoint it loaded: every
+    Hugging Face name (tied embeddings: no separate lm_head), every value bit-equal in fp32."""
+    trainer, _, hf_model = tiny_trainer
+    if trainer.weight_version:
+        pytest.skip("runs on the untrained model only (run the module in order)")
+    exported = trainer.export_weights()
+    expected = {name: tensor for name, tensor in hf_model.state_dict().items()}
+    expected.pop("lm_head.weight")  # tied to the embedding
+    assert sorted(exported) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(exported[name].cpu(), tensor.cpu()), name
 
+
+def test_megatron_exported_weights_do_not_change_under_later_steps(tiny_trainer):
+    """An exported dict is a snapshot: a later optimizer step must not write into it (on a CPU
+    Bridge hands back the live parameters of weights it maps one to one)."""
+    trainer, _, hf_model = tiny_trainer
+    trajectories, advantages = megatron_batch(hf_model.config.vocab_size)
+    exported = trainer.export_weights()
+    snapshot = {name: tensor.clone() for name, tensor in exported.items()}
+    trainer.train_step(trajectories, advantages)
+    changed = [name for name in snapshot if not torch.equal(exported[name], snapshot[name])]
+    assert changed == []
+
+
+def test_megatron_train_step(tiny_trainer):
     trainer, _, hf_model = tiny_trainer
     trajectories, advantages = megatron_batch(hf_model.config.vocab_size)
     before = trainer.export_weights()
-    assert "model.layers.0.self_attn.q_proj.weight" in before
+    version = trainer.weight_version
     metrics = trainer.train_step(trajectories, advantages)
     assert metrics["num_tokens"] == sum(t.num_generated_tokens for t in trajectories)
     assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
     assert metrics["num_sequences"] == len(trajectories) and metrics["lr"] == 1e-3
+    assert trainer.weight_version == version + 1
     after = trainer.export_weights()
-    assert any(not torch.equal(before[name], after[name]) for name in before)
+    assert all(not torch.equal(before[name], after[name]) for name in before)
 
-    checkpoint = trainer.save_checkpoint(tmp_path / "ckpt", 1, {"position": 7})
+
+def test_megatron_resumed_step_equals_the_uninterrupted_one(tiny_trainer, tmp_path):
+    """Save, step (the uninterrupted run), step again, load, step: the resumed step gives the
+    uninterrupted one's metrics and weights, bit for bit (weights, Adam's moments and step
+    count, the scheduler and the RNG all come back through `dist_checkpointing`)."""
+    trainer, _, hf_model = tiny_trainer
+    trajectories, advantages = megatron_batch(hf_model.config.vocab_size)
+    # Megatron's optimizer without Transformer Engine or Apex saves its state only once it has
+    # one (`distrib_optimizer.py` state_dict asserts on the steps taken); runs save after steps.
     trainer.train_step(trajectories, advantages)
+    version = trainer.weight_version
+    checkpoint = trainer.save_checkpoint(tmp_path / "ckpt", 1, {"position": 7})
+    saved = trainer.export_weights()
+    uninterrupted = trainer.train_step(trajectories, advantages)
+    expected = trainer.export_weights()
+    trainer.train_step(trajectories, advantages)
+
     state = trainer.load_checkpoint(checkpoint)
     assert state["step"] == 1 and state["data_state"] == {"position": 7}
-    assert state["weight_version"] == 1 and trainer.weight_version == 1
+    assert state["weight_version"] == version == trainer.weight_version
     restored = trainer.export_weights()
-    assert all(torch.equal(after[name], restored[name]) for name in after)
+    assert [name for name in saved if not torch.equal(saved[name], restored[name])] == []
+    assert trainer.train_step(trajectories, advantages) == uninterrupted
+    resumed = trainer.export_weights()
+    assert [name for name in expected if not torch.equal(expected[name], resumed[name])] == []
 
+
+def test_megatron_hf_checkpoint_reloads_in_transformers(tiny_trainer, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    trainer, _, _ = tiny_trainer
+    weights = trainer.export_weights()
     exported = trainer.export_hf_checkpoint(tmp_path / "hf" / "v1")
     reloaded = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)
-    for name, tensor in reloaded.state_dict().items():
-        if name in restored:
-            torch.testing.assert_close(tensor, restored[name].to(tensor.dtype))
+    state = reloaded.state_dict()
+    assert set(weights) <= set(state)
+    for name, tensor in weights.items():
+        assert torch.equal(state[name], tensor.cpu()), name
 
 
 def test_megatron_skips_a_step_without_generated_tokens(tiny_trainer):
