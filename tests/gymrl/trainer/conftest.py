@@ -26,13 +26,10 @@ def megatron_runtime():
             "megatron-core / megatron-bridge are not installed: `make megatron-venv`, then "
             ".venv-megatron/bin/python -m pytest -m megatron"
         )
-    if torch.cuda.is_available():
-        yield "cuda"
-        return
     import megatron_on_cpu
 
-    megatron_on_cpu.install()
-    yield "cpu"
+    megatron_on_cpu.prepare_process()
+    yield "cuda" if torch.cuda.is_available() else "cpu"
     megatron_on_cpu.uninstall()
 
 

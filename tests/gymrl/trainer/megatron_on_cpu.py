@@ -6,8 +6,9 @@ disk, so the trainer's own code (`gymrl/trainer/megatron/`) runs unchanged on th
 Every part below names the megatron source it works around. Where CUDA exists the tests run
 without any of it (`launch/gpu_check/run.sh`): this module never ships with the trainer.
 
-`install()` is idempotent and meant for the whole process (a pytest session, a Ray worker's
-`worker_process_setup_hook`); `uninstall()` undoes it.
+`install()` is idempotent and meant for the whole process (a pytest session, a spawned rank, a
+Ray worker's `worker_process_setup_hook`); `uninstall()` undoes it. `prepare_process()` is what
+those call: the shim without CUDA, only the imports with it.
 """
 
 from __future__ import annotations
@@ -216,7 +217,7 @@ def _python_311_typing(patches: _Patches) -> None:
     """`typing.override` (Python 3.12) for `megatron/training/models/gpt.py` and `hybrid.py`,
     which Bridge imports through `megatron/bridge/utils/common_utils.py`: the wheels declare
     Python >= 3.12 and this CPU role is 3.11. Harmless on 3.12."""
-    if not hasattr(typing, "override"):
+    if not hasattr(typing, "override"):  # also where install() saved it first: one patch
         import typing_extensions
 
         patches.set(typing, "override", typing_extensions.override)
@@ -241,20 +242,36 @@ def _lazy_call_of_the_rng_tracker(patches: _Patches) -> None:
     patches.set(random, "_lazy_call", _run_now)
 
 
+def import_megatron() -> None:
+    """Import Megatron-Bridge where this machine lacks what its wheels assume (Python 3.12,
+    Transformer Engine); a GPU machine without Transformer Engine needs this part too."""
+    _python_311_typing(_PATCHES)
+    if importlib.util.find_spec("transformer_engine") is None:
+        _import_bridge_without_te()
+
+
 def install() -> None:
     """Megatron on the CPU in this process (idempotent)."""
     if _PATCHES.mode is not None:
         return
     if torch.cuda.is_available():
         raise RuntimeError("CUDA is available: run the Megatron tests on it, without this shim")
-    _python_311_typing(_PATCHES)
     _patch_torch_cuda(_PATCHES)
     mode = CudaOnCpu()
     mode.__enter__()
     _PATCHES.mode = mode
-    if importlib.util.find_spec("transformer_engine") is None:
-        _import_bridge_without_te()
+    import_megatron()
     _lazy_call_of_the_rng_tracker(_PATCHES)
+
+
+def prepare_process() -> None:
+    """What a process needs before it builds a Megatron trainer: on CUDA only the imports, else
+    the whole shim. The pytest session, spawned ranks and Ray actors (as their
+    `worker_process_setup_hook`) call it."""
+    if torch.cuda.is_available():
+        import_megatron()
+    else:
+        install()
 
 
 def uninstall() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import random
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -69,3 +70,53 @@ def megatron_batch(vocab: int, count: int = 5) -> tuple[list[Trajectory], torch.
             )
         )
     return trajectories, torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0][:count])
+
+
+def exported_gradients(trainer: Any) -> dict[str, torch.Tensor]:
+    """The gradients of the last step under Hugging Face names, gathered over TP like the weights
+    (collective): each parameter's Megatron gradient (`main_grad`, clipped as the optimizer saw
+    it) stands in for its data while Bridge exports, so the same name mapping and TP gathers
+    apply."""
+    params = [param for chunk in trainer._model for param in chunk.parameters()]
+    data = [param.data for param in params]
+    for param in params:
+        param.data = param.main_grad.to(param.dtype)
+    try:
+        return trainer.export_weights()
+    finally:
+        for param, saved in zip(params, data, strict=True):
+            param.data = saved
+
+
+def tensor_parallel_run(
+    rank: int, world_size: int, tp: int, folder: str, port: int, out: str
+) -> None:
+    """One rank of a run at TP `tp` over `world_size` ranks (a `torch.multiprocessing.spawn`
+    target): log-probabilities of the fixed batch, one train step, its gradients and the weights
+    after it; rank 0 saves them to `out`."""
+    import os
+
+    import megatron_on_cpu
+
+    from gymrl.trainer.megatron.distributed import distributed_env
+    from gymrl.trainer.megatron.worker import MegatronPolicyTrainer
+
+    megatron_on_cpu.prepare_process()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank)
+    torch.set_num_threads(1)
+    os.environ.update(distributed_env(rank, world_size, "127.0.0.1", port))
+    os.environ["LOCAL_RANK"] = str(rank)  # all ranks on this machine
+    config = tiny_config(Path(folder), tp=tp, ranks=world_size)
+    trainer = MegatronPolicyTrainer(config, temperature=0.8)
+    trajectories, advantages = megatron_batch(trainer._vocab_size)
+    logprobs = trainer.compute_logprobs(trajectories)
+    metrics = trainer.train_step(trajectories, advantages)
+    gradients = exported_gradients(trainer)
+    weights = trainer.export_weights()
+    if rank == 0:
+        torch.save(
+            {"logprobs": logprobs, "metrics": metrics, "gradients": gradients, "weights": weights},
+            out,
+        )
+    torch.distributed.destroy_process_group()
