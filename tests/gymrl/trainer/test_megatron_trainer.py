@@ -1,12 +1,9 @@
-"""The Megatron trainer: config mapping, micro-batch planning, the context-parallel layout and
-the loss scaling on the CPU; a real tiny Megatron model on one GPU in the GPU-marked tests."""
+"""The Megatron trainer's pure parts: config mapping, micro-batch planning, the context-parallel
+layout and the loss scaling (the real Megatron: test_megatron_real.py)."""
 
 from __future__ import annotations
 
-import importlib.util
-import math
 import random
-from dataclasses import replace
 
 import pytest
 import torch
@@ -15,11 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gymrl.algo.loss import grpo_loss
-from gymrl.algo.trajectory import Trajectory
 from gymrl.cluster.placement import trainer_gpus
-from gymrl.config.compose import compose_raw
 from gymrl.config.schema import OffPolicyCorrectionConfig, RouterReplayConfig
-from gymrl.preflight.validate import validate_config
 from gymrl.trainer.grpo_step import loss_normalizer
 from gymrl.trainer.megatron.arguments import (
     data_parallel_size,
@@ -42,11 +36,6 @@ from gymrl.trainer.megatron.batches import (
 )
 from gymrl.trainer.megatron.distributed import distributed_env
 from gymrl.trainer.megatron.worker import MegatronPolicyTrainer
-
-
-@pytest.fixture(scope="module")
-def swe_config():
-    return validate_config(compose_raw(["+experiment=swe_bench_30b"]))
 
 
 def _replace(config, **sections):
@@ -311,224 +300,3 @@ def test_distributed_env():
     }
     with pytest.raises(ValueError, match="rank=8"):
         distributed_env(8, 8, "h", 1)
-
-
-# ------------------------------------------------------------------------- real Megatron
-def _tiny_megatron_setup(tmp_path_factory):
-    if not torch.cuda.is_available():
-        pytest.skip("needs an NVIDIA GPU (Megatron-core runs on CUDA)")
-    if importlib.util.find_spec("megatron.bridge") is None:
-        pytest.skip("megatron-core / megatron-bridge are not installed (locks/megatron.txt)")
-    from gymrl.model.loading import build_tiny_llama, ensure_smollm2_checkpoint, load_tokenizer
-
-    try:
-        tokenizer = load_tokenizer(ensure_smollm2_checkpoint("~/.cache/gym-grpo-recipes/models"))
-    except FileNotFoundError as error:
-        pytest.skip(f"no tokenizer for the tiny model: {error}")
-    folder = tmp_path_factory.mktemp("tiny_llama")
-    model = build_tiny_llama(
-        tokenizer, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, seed=0
-    )
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    # Megatron trains next to SGLang engines (torch generation cannot refit from Megatron): one
-    # GPU each in the config; these tests build only the trainer, on the one GPU they have.
-    raw = compose_raw(
-        [
-            "trainer=megatron",
-            "generation=sglang",
-            "generation.num_engines=1",
-            "generation.server.max_tokens_per_turn=256",
-            "policy.source=pretrained",
-            f"++policy.path={folder}",
-            "policy.dtype=float32",
-            "cluster.gpus_per_node=2",
-            "trainer.activation_checkpointing=false",
-            "trainer.micro_batch_size=2",
-            "loss.kl_coef=0.0",
-            "trainer.optimizer.lr=1e-3",
-            f"trainer.transformer_impl={_TRANSFORMER_IMPL}",
-        ]
-    )
-    return validate_config(raw), folder, model
-
-
-# A GPU machine without Transformer Engine trains with Megatron's local layers.
-_TRANSFORMER_IMPL = (
-    "transformer_engine" if importlib.util.find_spec("transformer_engine") else "local"
-)
-
-
-@pytest.fixture(scope="module")
-def tiny_trainer(tmp_path_factory):
-    import os
-
-    from nemo_gym_ext.ports import free_port
-
-    config, folder, hf_model = _tiny_megatron_setup(tmp_path_factory)
-    env = distributed_env(0, 1, "127.0.0.1", free_port())
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
-        yield MegatronPolicyTrainer(config, temperature=0.8), folder, hf_model
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-def _batch(vocab: int, count: int = 5) -> tuple[list[Trajectory], torch.Tensor]:
-    generator = random.Random(0)
-    trajectories = []
-    for index in range(count):
-        prompt, generated = generator.randint(3, 9), generator.randint(1, 9)
-        tokens = [generator.randrange(1, vocab) for _ in range(prompt + generated)]
-        trajectories.append(
-            Trajectory(
-                token_ids=tokens,
-                loss_mask=[0] * prompt + [1] * generated,
-                generation_logprobs=[0.0] * prompt + [-3.0] * generated,
-                reward=float(index % 2),
-                agent="a",
-                group_id="g",
-                weight_version=0,
-            )
-        )
-    return trajectories, torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0][:count])
-
-
-@pytest.mark.gpu
-def test_megatron_logprobs_match_hugging_face(tiny_trainer):
-    from gymrl.algo.loss import sequence_logprobs
-
-    trainer, _, hf_model = tiny_trainer
-    trajectories, _ = _batch(hf_model.config.vocab_size)
-    got = trainer.compute_logprobs(trajectories)
-    hf_model = hf_model.cuda().eval()
-    for index, trajectory in enumerate(trajectories):
-        ids = torch.tensor([trajectory.token_ids], device="cuda")
-        with torch.no_grad():
-            expected = sequence_logprobs(hf_model(ids).logits, ids, temperature=0.8)[0]
-        mask = torch.tensor(trajectory.loss_mask, dtype=torch.bool)
-        torch.testing.assert_close(
-            torch.tensor(got[index])[mask], expected.cpu()[mask], rtol=0, atol=2e-3
-        )
-
-
-@pytest.mark.gpu
-def test_megatron_train_step_checkpoint_and_export(tiny_trainer, tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    trainer, _, hf_model = tiny_trainer
-    trajectories, advantages = _batch(hf_model.config.vocab_size)
-    before = trainer.export_weights()
-    assert "model.layers.0.self_attn.q_proj.weight" in before
-    metrics = trainer.train_step(trajectories, advantages)
-    assert metrics["num_tokens"] == sum(t.num_generated_tokens for t in trajectories)
-    assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
-    assert metrics["num_sequences"] == len(trajectories) and metrics["lr"] == 1e-3
-    after = trainer.export_weights()
-    assert any(not torch.equal(before[name], after[name]) for name in before)
-
-    checkpoint = trainer.save_checkpoint(tmp_path / "ckpt", 1, {"position": 7})
-    trainer.train_step(trajectories, advantages)
-    state = trainer.load_checkpoint(checkpoint)
-    assert state["step"] == 1 and state["data_state"] == {"position": 7}
-    assert state["weight_version"] == 1 and trainer.weight_version == 1
-    restored = trainer.export_weights()
-    assert all(torch.equal(after[name], restored[name]) for name in after)
-
-    exported = trainer.export_hf_checkpoint(tmp_path / "hf" / "v1")
-    reloaded = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)
-    for name, tensor in reloaded.state_dict().items():
-        if name in restored:
-            torch.testing.assert_close(tensor, restored[name].to(tensor.dtype))
-
-
-@pytest.mark.gpu
-def test_megatron_skips_a_step_without_generated_tokens(tiny_trainer):
-    trainer, _, _ = tiny_trainer
-    masked = [fixed_trajectory(3, 0)]
-    assert trainer.train_step(masked, torch.zeros(1)) == {"num_tokens": 0.0, "num_sequences": 0.0}
-
-
-@pytest.mark.gpu
-def test_megatron_trainer_group_on_ray(tmp_path_factory):
-    ray = pytest.importorskip("ray")
-    config, _, hf_model = _tiny_megatron_setup(tmp_path_factory)
-    from ray.util.placement_group import placement_group
-
-    from gymrl.cluster.placement import plan_placement
-    from gymrl.trainer.megatron.group import MegatronTrainerGroup
-
-    ranks = plan_placement(config).trainer
-    assert ranks.gpus_per_actor == 1.0 and len(ranks.bundle_of_actor) == 1
-    ray.init(num_gpus=1, num_cpus=4, include_dashboard=False)
-    try:
-        # Only the trainer's bundle: the config's SGLang engine is not started here.
-        group_of_one = placement_group([{"GPU": 1.0, "CPU": 1.0}])
-        ray.get(group_of_one.ready(), timeout=120)
-        group = MegatronTrainerGroup(
-            config,
-            placement_group=group_of_one,
-            ranks=replace(ranks, bundle_of_actor=(0,)),
-            temperature=0.8,
-            start_timeout_s=900,
-            call_timeout_s=900,
-        )
-        trajectories, advantages = _batch(hf_model.config.vocab_size)
-        before = group.compute_logprobs(trajectories)
-        assert [len(lp) for lp in before] == [len(t.token_ids) for t in trajectories]
-        metrics = group.train_step(trajectories, advantages)
-        assert metrics["num_tokens"] == sum(t.num_generated_tokens for t in trajectories)
-        assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
-        assert group.compute_logprobs(trajectories) != before
-        group.shutdown()
-    finally:
-        ray.shutdown()
-
-
-@pytest.mark.gpu
-def test_megatron_arguments_bind_to_the_real_signatures(swe_config):
-    """Every argument dict the trainer builds binds to what megatron-core really takes, so a
-    renamed or misspelt keyword fails here rather than on a cluster."""
-    import dataclasses
-    import inspect
-
-    pytest.importorskip("megatron.bridge", reason="not installed (locks/megatron.txt)")
-    from megatron.bridge.models.gpt_provider import GPTModelProvider
-    from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    for config in (swe_config, _replace(swe_config, trainer={"activation_checkpointing": False})):
-        trainer = config.trainer
-        inspect.signature(parallel_state.initialize_model_parallel).bind(
-            **parallel_state_kwargs(trainer)
-        )
-        inspect.signature(DistributedDataParallelConfig).bind(**ddp_config_kwargs(trainer))
-        inspect.signature(OptimizerConfig).bind(**optimizer_config_kwargs(config))
-        inspect.signature(OptimizerParamScheduler).bind(object(), **scheduler_kwargs(config))
-        # The GPT provider is a TransformerConfig dataclass with GPT fields (`seq_length`); the
-        # overrides are set on it as attributes.
-        fields = {field.name for field in dataclasses.fields(GPTModelProvider)}
-        assert set(provider_overrides(config)) <= fields, set(provider_overrides(config)) - fields
-        inspect.signature(GPTModelProvider).bind_partial(**provider_overrides(config))
-
-
-@pytest.mark.gpu
-def test_megatron_provider_overrides_are_fields_of_the_bridge_provider(tiny_trainer):
-    """The overrides land on Megatron-Bridge's provider class of a real model, not only on the
-    base TransformerConfig."""
-    import dataclasses
-
-    from megatron.bridge import AutoBridge
-
-    trainer, folder, _ = tiny_trainer
-    provider = AutoBridge.from_hf_pretrained(str(folder)).to_megatron_provider(load_weights=False)
-    fields = {field.name for field in dataclasses.fields(provider)}
-    overrides = provider_overrides(trainer._config)
-    assert set(overrides) <= fields, set(overrides) - fields

@@ -1,0 +1,122 @@
+"""What the real-Megatron tests share: the device, the tiny model's config, a fixed batch."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gymrl.algo.trajectory import Trajectory
+from gymrl.config.compose import compose_raw
+from gymrl.config.schema import RecipeConfig
+from gymrl.preflight.validate import validate_config
+
+# CUDA where there is one; else the CPU through megatron_on_cpu.py.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# A machine without Transformer Engine trains with Megatron's local layers.
+TRANSFORMER_IMPL = (
+    "transformer_engine" if importlib.util.find_spec("transformer_engine") else "local"
+)
+
+
+def tiny_config(folder: Path, *, tp: int = 1, ranks: int = 1) -> RecipeConfig:
+    """The tiny policy at `folder`, trained by Megatron on `ranks` ranks at TP `tp`, in fp32.
+
+    Megatron trains next to SGLang engines (torch generation cannot refit from Megatron): the
+    config has one engine GPU besides the trainer's, and the tests build only the trainer.
+    """
+    raw = compose_raw(
+        [
+            "trainer=megatron",
+            "generation=sglang",
+            "generation.num_engines=1",
+            "generation.server.max_tokens_per_turn=256",
+            "policy.source=pretrained",
+            f"++policy.path={folder}",
+            "policy.dtype=float32",
+            f"cluster.gpus_per_node={ranks + 1}",
+            f"trainer.tensor_model_parallel_size={tp}",
+            "trainer.sequence_parallel=false",
+            "trainer.activation_checkpointing=false",
+            "trainer.micro_batch_size=2",
+            "loss.kl_coef=0.0",
+            "trainer.optimizer.lr=1e-3",
+            f"trainer.transformer_impl={TRANSFORMER_IMPL}",
+        ]
+    )
+    return validate_config(raw)
+
+
+def megatron_batch(vocab: int, count: int = 5) -> tuple[list[Trajectory], torch.Tensor]:
+    """`count` trajectories of random tokens (3-9 prompt, 1-9 generated) and their advantages."""
+    generator = random.Random(0)
+    trajectories = []
+    for index in range(count):
+        prompt, generated = generator.randint(3, 9), generator.randint(1, 9)
+        tokens = [generator.randrange(1, vocab) for _ in range(prompt + generated)]
+        trajectories.append(
+            Trajectory(
+                token_ids=tokens,
+                loss_mask=[0] * prompt + [1] * generated,
+                generation_logprobs=[0.0] * prompt + [-3.0] * generated,
+                reward=float(index % 2),
+                agent="a",
+                group_id="g",
+                weight_version=0,
+            )
+        )
+    return trajectories, torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0][:count])
+
+
+def exported_gradients(trainer: Any) -> dict[str, torch.Tensor]:
+    """The gradients of the last step under Hugging Face names, gathered over TP like the weights
+    (collective): each parameter's Megatron gradient (`main_grad`, clipped as the optimizer saw
+    it) stands in for its data while Bridge exports, so the same name mapping and TP gathers
+    apply."""
+    params = [param for chunk in trainer._model for param in chunk.parameters()]
+    data = [param.data for param in params]
+    for param in params:
+        param.data = param.main_grad.to(param.dtype)
+    try:
+        return trainer.export_weights()
+    finally:
+        for param, saved in zip(params, data, strict=True):
+            param.data = saved
+
+
+def tensor_parallel_run(
+    rank: int, world_size: int, tp: int, folder: str, port: int, out: str
+) -> None:
+    """One rank of a run at TP `tp` over `world_size` ranks (a `torch.multiprocessing.spawn`
+    target): log-probabilities of the fixed batch, one train step, its gradients and the weights
+    after it; rank 0 saves them to `out`."""
+    import os
+
+    import megatron_on_cpu
+
+    from gymrl.trainer.megatron.distributed import distributed_env
+    from gymrl.trainer.megatron.worker import MegatronPolicyTrainer
+
+    megatron_on_cpu.prepare_process()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank)
+    torch.set_num_threads(1)
+    os.environ.update(distributed_env(rank, world_size, "127.0.0.1", port))
+    os.environ["LOCAL_RANK"] = str(rank)  # all ranks on this machine
+    config = tiny_config(Path(folder), tp=tp, ranks=world_size)
+    trainer = MegatronPolicyTrainer(config, temperature=0.8)
+    trajectories, advantages = megatron_batch(trainer._vocab_size)
+    logprobs = trainer.compute_logprobs(trajectories)
+    metrics = trainer.train_step(trajectories, advantages)
+    gradients = exported_gradients(trainer)
+    weights = trainer.export_weights()
+    if rank == 0:
+        torch.save(
+            {"logprobs": logprobs, "metrics": metrics, "gradients": gradients, "weights": weights},
+            out,
+        )
+    torch.distributed.destroy_process_group()
