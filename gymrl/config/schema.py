@@ -408,6 +408,11 @@ class SGLangLaunchConfig(Strict):
         description="SGLang's --skip-server-warmup: healthy without the warm-up request (a "
         "faster start; the first real request pays for it instead).",
     )
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Extra environment variables of each server process (e.g. "
+        "SGLANG_CPU_OMP_THREADS_BIND, or a PYTHONPATH holding a CPU build of sgl_kernel).",
+    )
     deterministic_inference: bool = Field(
         default=False,
         description="SGLang's --enable-deterministic-inference: batch-invariant kernels, and "
@@ -461,6 +466,9 @@ class SGLangGenerationConfig(Strict):
 
     @property
     def num_gpus(self) -> int:
+        """GPUs the engines take: none when they run on the CPU (`launch.device: cpu`)."""
+        if self.launch.device == "cpu":
+            return 0
         return self.num_engines * self.tensor_parallel_size
 
 

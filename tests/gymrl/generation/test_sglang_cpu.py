@@ -1,10 +1,9 @@
 """The flagship's SGLang path against the real SGLang 0.5.23 server, on this CPU.
 
 One server (SmolLM2-135M-Instruct, float32) is started for the whole module by the project's own
-launcher (`server_command` with a CPU `generation.launch`, `SGLangServerProcess`), from the venv
-`make sglang-venv` builds (`SGLANG_VENV`, default `.venv-sglang`); a second one only for the
-routing and killed-mid-refit test. The test-only `sgl_kernel` stand-in
-(`sgl_kernel_cpu_standin/`) is on the servers' PYTHONPATH. Marker `sglang_cpu`, run by `.ci/run`
+launcher (`server_command` with a CPU `generation.launch`, `SGLangServerProcess`: `real_sglang`),
+from the venv `make sglang-venv` builds (`SGLANG_VENV`, default `.venv-sglang`); a second one
+only for the routing and killed-mid-refit test. Marker `sglang_cpu`, run by `.ci/run`
 after `make sglang-venv`: `python -m pytest -m sglang_cpu`.
 """
 
@@ -15,60 +14,33 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
+from pydantic import SecretStr
+from real_sglang import VENV, cpu_generation, start_cpu_server
 
-from gymrl.config.schema import (
-    PolicyConfig,
-    RefitConfig,
-    SGLangGenerationConfig,
-    SGLangLaunchConfig,
-)
+from gymrl.generation.policy_server import create_policy_server_app
 from gymrl.generation.sglang_engine import SGLangEngine, SGLangError
-from gymrl.generation.sglang_servers import SGLangServerProcess, server_command
+from gymrl.generation.sglang_servers import SGLangServerProcess
 from gymrl.generation.torch_engine import TorchGenerationEngine
 from gymrl.generation.types import GenerationRequest, SamplingParams
 from gymrl.generation.weight_sync import Backend, WeightSender, WeightSyncError
 from gymrl.generation.weights_checker import WeightCheckUnavailableError, WeightsChecker
 from gymrl.model.loading import load_pretrained
 from gymrl.model.tokens import model_end_token_ids
-from nemo_gym_ext.ports import free_port
+from nemo_gym_ext.envs.registry import make_rows, start_builtin_environment
+from nemo_gym_ext.http_server import serve_in_thread
 
 pytestmark = pytest.mark.sglang_cpu
 
-REPO = Path(__file__).resolve().parents[3]
-VENV = Path(os.environ.get("SGLANG_VENV", REPO / ".venv-sglang"))
-KERNEL_STANDIN = Path(__file__).with_name("sgl_kernel_cpu_standin")
 CONTEXT = 2048
 # float32 on both sides; SGLang's torch_native attention and the torch engine's differ in
 # summation order only, which moves log-probabilities by about 1e-5 on this model.
 LOGPROB_TOLERANCE = 1e-3
-
-
-def cpu_generation(**overrides) -> SGLangGenerationConfig:
-    """The SGLang config the real server runs with on this CPU."""
-    launch = SGLangLaunchConfig(
-        python=str(VENV / "bin" / "python"),
-        device="cpu",
-        cpu_threads=1,
-        attention_backend="torch_native",
-        cuda_graphs=False,
-        max_total_tokens=4096,
-        skip_server_warmup=True,
-    )
-    fields = dict(
-        mem_fraction_static=0.3,
-        max_running_requests=8,
-        server_start_timeout_s=300.0,
-        launch=launch,
-        refit=RefitConfig(verify_weights=False, timeout_s=60.0, bucket_bytes=64 << 20),
-    )
-    return SGLangGenerationConfig(**(fields | overrides))
 
 
 @dataclass
@@ -92,45 +64,10 @@ class RealServer:
         )
 
 
-@contextmanager
-def _kernel_standin_on_path() -> Iterator[None]:
-    """The server's environment is copied from this process's when it is made."""
-    before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(KERNEL_STANDIN), before]))
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = before
-
-
 def start_server(folder: Path, log_path: Path) -> SGLangServerProcess:
     if not (VENV / "bin" / "python").is_file():
         pytest.fail(f"no SGLang venv at {VENV}: run `make sglang-venv` (or set SGLANG_VENV)")
-    generation = cpu_generation()
-    policy = PolicyConfig(
-        name="smollm2", source="pretrained", path=str(folder), max_total_sequence_length=CONTEXT
-    )
-    port = free_port()
-    command = server_command(
-        generation, policy, model_path=str(folder), port=port, seed=0, host="127.0.0.1"
-    )
-    with _kernel_standin_on_path():
-        server = SGLangServerProcess(
-            command,
-            base_url=f"http://127.0.0.1:{port}",
-            log_path=log_path,
-            launch=generation.launch,
-        )
-    server.start()
-    try:
-        server.wait_healthy(generation.server_start_timeout_s)
-    except BaseException:
-        server.stop()
-        raise
-    return server
+    return start_cpu_server(folder, log_path, context_length=CONTEXT)
 
 
 @pytest.fixture(scope="module")
@@ -142,11 +79,16 @@ def real_server(smollm2_dir, tmp_path_factory) -> Iterator[RealServer]:
         server.stop()
 
 
-@pytest.fixture(scope="module")
-def prompt(tokenizer) -> list[int]:
-    messages = [{"role": "user", "content": "Name three colours."}]
+def _chat(tokenizer, question: str) -> list[int]:
+    messages = [{"role": "user", "content": question}]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+@pytest.fixture(scope="module")
+def prompt(tokenizer) -> list[int]:
+    """Answered at length: greedy runs past 48 tokens."""
+    return _chat(tokenizer, "Name three colours.")
 
 
 def _greedy(prompt: list[int], max_new_tokens: int, **params) -> GenerationRequest:
@@ -179,13 +121,14 @@ def test_ids_and_logprobs_match_the_torch_engine_on_the_same_weights(real_server
     assert served.finish_reason == "length" and served.weight_version == real_server.version
 
 
-def test_stop_ids_and_the_models_own_end(real_server, prompt):
+def test_stop_ids_and_the_models_own_end(real_server, prompt, tokenizer):
     with real_server.engine() as engine:
         [free] = engine.generate([_greedy(prompt, 6)])
         stop = free.token_ids[3]
         [stopped] = engine.generate([_greedy(prompt, 6, stop_token_ids=(stop,))])
-        # No stop ids: the server stops at generation_config.json's eos_token_id by itself.
-        [ended] = engine.generate([_greedy(prompt, 96)])
+        # No stop ids: the server stops at generation_config.json's eos_token_id by itself
+        # (greedy SmolLM2 answers this in 12 tokens, the last <|im_end|>).
+        [ended] = engine.generate([_greedy(_chat(tokenizer, "What is 2+2?"), 48)])
     first = free.token_ids.index(stop)
     assert stopped.token_ids == free.token_ids[: first + 1] and stopped.finish_reason == "stop"
     assert model_end_token_ids(real_server.folder) == (2,)
@@ -305,7 +248,8 @@ def test_sessions_are_enforced_by_the_server_with_its_own_messages(real_server):
         outside = client.post(f"{real_server.url}/update_weights_from_distributed", json=update)
         assert time.monotonic() - start < 30
         end = client.post(f"{real_server.url}/end_weight_update", json={})
-    assert outside.status_code == 400 and "session" in outside.json()["message"]
+    assert outside.status_code == 400
+    assert "must run between begin_weight_update() and end_weight_update()" in outside.text
     assert end.status_code == 400 and "no weight-update session is open" in end.text
 
 
@@ -339,6 +283,46 @@ def test_the_weights_checker_actions_and_a_compare_that_cannot_run_here(real_ser
         again = client.post(url, json={"action": "checksum"}).json()
     assert again["per_engine_checksum"] == first["per_engine_checksum"]
     assert restored.token_ids == before.token_ids and restored.weight_version == version
+
+
+# ----------------------------------------------------------------------------- policy server
+def test_the_policy_server_in_front_of_the_real_server_serves_an_agents_episode(
+    real_server, chat_format
+):
+    """NeMo-Gym's built-in calculator agent, its resources server, the policy server (OpenAI
+    API, token bundle) and the real SGLang server, all over loopback HTTP."""
+    key = "sglang-cpu-test-key"
+    with real_server.engine() as engine:
+        app = create_policy_server_app(
+            engine,
+            chat_format,
+            model_name="policy",
+            api_key=SecretStr(key),
+            honor_prompt_token_ids=True,
+            default_max_tokens=24,
+            max_context_tokens=CONTEXT,
+            request_timeout_s=300.0,
+        )
+        with (
+            serve_in_thread(app) as policy,
+            start_builtin_environment(
+                "calculator",
+                policy_base_url=f"{policy.url}/v1",
+                policy_api_key=key,
+                options={"max_turns": 2, "max_tokens": 24, "continue_after_length": True},
+            ) as environment,
+        ):
+            row = make_rows("calculator", 1, seed=0)[0]
+            response = httpx.post(f"{environment.agent_url}/run", json=row, timeout=600.0)
+    assert response.status_code == 200, response.text
+    result = response.json()
+    turns = [item for item in result["response"]["output"] if "generation_token_ids" in item]
+    assert turns, result["response"]["output"]
+    for turn in turns:
+        assert len(turn["generation_token_ids"]) == len(turn["generation_log_probs"]) > 0
+        assert all(logprob <= 0 for logprob in turn["generation_log_probs"])
+        assert turn["prompt_token_ids"]
+    assert "reward" in result
 
 
 # ------------------------------------------------------------------------- two real servers
