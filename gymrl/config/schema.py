@@ -336,7 +336,10 @@ class RefitConfig(Strict):
         default=0,
         ge=0,
         description="With verify_weights: check the first refit and then every n-th; 0 = the "
-        "first refit only.",
+        "first refit only. The first is the one that finds a name the export and the server "
+        "disagree on (a tensor the refit never writes), and such a name stays wrong at every "
+        "later refit, so 0 catches it; a later n catches what differs between refits (a "
+        "server that missed one), at a checksum of every weight per check.",
     )
     verify_rows: int = Field(
         default=8,

@@ -22,6 +22,7 @@ import pytest
 import torch
 from pydantic import SecretStr
 from real_sglang import VENV, cpu_generation, start_cpu_server
+from sglang_standin import make_standin
 
 from gymrl.generation.policy_server import create_policy_server_app
 from gymrl.generation.sglang_engine import SGLangEngine, SGLangError
@@ -283,6 +284,83 @@ def test_the_weights_checker_actions_and_a_compare_that_cannot_run_here(real_ser
         again = client.post(url, json={"action": "checksum"}).json()
     assert again["per_engine_checksum"] == first["per_engine_checksum"]
     assert restored.token_ids == before.token_ids and restored.weight_version == version
+
+
+# ------------------------------------------------------------------------ stand-in vs real
+def _shape(value):
+    """A JSON value's skeleton: dicts by key, lists by their first item, scalars by type (an int
+    is a number too, as JSON has it)."""
+    if isinstance(value, dict):
+        return {key: _shape(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_shape(value[0])] if value else []
+    if isinstance(value, bool) or value is None:
+        return type(value).__name__
+    return "number" if isinstance(value, int | float) else type(value).__name__
+
+
+def _differences(standin, real, where: str = "") -> list[str]:
+    """Where the stand-in's answer has a key the real one lacks, or another type there."""
+    if isinstance(standin, dict) and isinstance(real, dict):
+        found = []
+        for key, item in standin.items():
+            if key not in real:
+                found.append(f"{where}.{key}: only the stand-in answers it")
+            else:
+                found += _differences(item, real[key], f"{where}.{key}")
+        return found
+    if isinstance(standin, list) and isinstance(real, list):
+        return _differences(standin[0], real[0], f"{where}[0]") if standin and real else []
+    return [] if standin == real else [f"{where}: stand-in {standin}, real {real}"]
+
+
+def test_the_standin_answers_what_the_real_server_answers(real_server, prompt):
+    """The same requests to the stand-in the CPU tests use and to the real server: each status
+    must agree, and every key the stand-in answers must be in the real answer with its type."""
+    norm = load_pretrained(real_server.folder, torch.float32).state_dict()["model.norm.weight"]
+    app, _ = make_standin(context_length=CONTEXT, model_weights={"model.norm.weight": norm})
+    generate = {
+        "input_ids": prompt,
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0.0, "stop_token_ids": [2]},
+        "return_logprob": True,
+        "logprob_start_len": -1,
+    }
+    update = {
+        "names": ["model.norm.weight"],
+        "dtypes": ["float32"],
+        "shapes": [[576]],
+        "group_name": "never-formed",
+        "load_format": "flattened_bucket",
+        "flush_cache": False,
+    }
+    calls = [
+        ("/generate", generate),
+        ("/generate", generate | {"input_ids": [100] * (CONTEXT + 1)}),
+        ("/pause_generation", {"mode": "abort"}),
+        ("/continue_generation", {}),
+        ("/flush_cache", None),
+        ("/end_weight_update", {}),
+        ("/update_weights_from_distributed", update),
+        ("/destroy_weights_update_group", {"group_name": "never-formed"}),
+        ("/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 2}),
+        ("/weights_checker", {"action": "checksum"}),
+    ]
+    found = []
+    with serve_in_thread(app) as standin, httpx.Client(timeout=120.0) as client:
+        for route, body in calls:
+            answers = [
+                client.post(f"{url}{route}", json=body) for url in (standin.url, real_server.url)
+            ]
+            ours, theirs = answers
+            if ours.status_code != theirs.status_code:
+                found.append(f"{route}: status {ours.status_code} here, {theirs.status_code} real")
+                continue
+            if ours.headers.get("content-type", "").startswith("application/json"):
+                found += [
+                    f"{route}{where}"
+                    for where in _differences(_shape(ours.json()), _shape(theirs.json()))
+                ]
+    assert found == []
 
 
 # ----------------------------------------------------------------------------- policy server
