@@ -127,7 +127,9 @@ def plan_placement(config: RecipeConfig, *, with_trainer: bool = True) -> Placem
         return list(range(len(bundles) - len(new), len(bundles)))
 
     generation = config.generation
-    if isinstance(generation, SGLangGenerationConfig):
+    if isinstance(generation, SGLangGenerationConfig) and generation.launch.device == "cpu":
+        generation_role = server_role = _CPU_ROLE  # real SGLang servers on the CPU (docs)
+    elif isinstance(generation, SGLangGenerationConfig):
         tp = generation.tensor_parallel_size
         engines = add([{"GPU": float(tp), "CPU": 1.0}] * generation.num_engines)
         generation_role = RolePlacement(float(tp), 1.0, tuple(engines))

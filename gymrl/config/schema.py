@@ -352,7 +352,10 @@ class RefitConfig(Strict):
         default=0,
         ge=0,
         description="With verify_weights: check the first refit and then every n-th; 0 = the "
-        "first refit only.",
+        "first refit only. The first is the one that finds a name the export and the server "
+        "disagree on (a tensor the refit never writes), and such a name stays wrong at every "
+        "later refit, so 0 catches it; a later n catches what differs between refits (a "
+        "server that missed one), at a checksum of every weight per check.",
     )
     verify_rows: int = Field(
         default=8,
@@ -424,6 +427,11 @@ class SGLangLaunchConfig(Strict):
         description="SGLang's --skip-server-warmup: healthy without the warm-up request (a "
         "faster start; the first real request pays for it instead).",
     )
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Extra environment variables of each server process (e.g. "
+        "SGLANG_CPU_OMP_THREADS_BIND, or a PYTHONPATH holding a CPU build of sgl_kernel).",
+    )
     deterministic_inference: bool = Field(
         default=False,
         description="SGLang's --enable-deterministic-inference: batch-invariant kernels, and "
@@ -477,6 +485,9 @@ class SGLangGenerationConfig(Strict):
 
     @property
     def num_gpus(self) -> int:
+        """GPUs the engines take: none when they run on the CPU (`launch.device: cpu`)."""
+        if self.launch.device == "cpu":
+            return 0
         return self.num_engines * self.tensor_parallel_size
 
 

@@ -1,9 +1,12 @@
 """The SGLang engine: a token-in/token-out client of SGLang servers over their native HTTP API.
 
-The servers are `gymrl.generation.sglang_servers`; SGLang needs CUDA, so nothing here imports
-it, which is what makes the client testable on a CPU against a stand-in server
+The servers are `gymrl.generation.sglang_servers`; nothing here imports SGLang (its pinned
+environment is not the recipe's). The client is tested against the real server on a CPU
+(`tests/gymrl/generation/test_sglang_cpu.py`) and, in the default suite, against a stand-in
 (`tests/gymrl/generation/sglang_standin.py`) whose routes and request fields the contract test
-checks against the pinned wheel's own source (`test_sglang_contract.py`).
+checks against the pinned wheel's own source (`test_sglang_contract.py`). Every answer's
+`meta_info.weight_version` must be one the engine's servers hold (the servers start at version
+0, `--weight-version 0`): a server that restarted or missed a refit stops generation.
 
 The HTTP API used (SGLang 0.5.23, pinned exactly: `sglang/srt/entrypoints/http_server.py` and
 `managers/io_struct.py`; docs/cluster.md says which of its behaviours the engine relies on):

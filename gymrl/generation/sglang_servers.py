@@ -12,7 +12,7 @@ reported log-probabilities to the pre-temperature distribution; see `sglang_engi
 weight-sync NCCL settings the trainer's rank 0 also runs with
 (`gymrl.generation.weight_sync.WEIGHT_SYNC_NCCL_ENV`). On a CPU (`generation.launch.device:
 cpu`) it also gets `SGLANG_USE_CPU_ENGINE=1`, which SGLang needs to choose its CPU platform, and
-`OMP_NUM_THREADS` from `launch.cpu_threads`.
+`OMP_NUM_THREADS` from `launch.cpu_threads`; `launch.env` is added last.
 """
 
 from __future__ import annotations
@@ -111,10 +111,12 @@ def server_environment(
     """This process's environment as one SGLang server gets it (see the module docstring)."""
     env = dict(os.environ) | dict(WEIGHT_SYNC_NCCL_ENV)
     env.pop(ORIGINAL_LOGPROB_ENV, None)
-    if launch is not None and launch.device == "cpu":
-        env[CPU_ENGINE_ENV] = "1"
-        if launch.cpu_threads is not None:
-            env["OMP_NUM_THREADS"] = str(launch.cpu_threads)
+    if launch is not None:
+        if launch.device == "cpu":
+            env[CPU_ENGINE_ENV] = "1"
+            if launch.cpu_threads is not None:
+                env["OMP_NUM_THREADS"] = str(launch.cpu_threads)
+        env |= launch.env
     if gpu_ids is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu) for gpu in gpu_ids)
     return env
@@ -209,7 +211,8 @@ class SGLangServerActor:
 
     Started by :class:`SGLangServerGroup` with `tensor_parallel_size` GPUs of one placement
     bundle, so the whole TP group is on one node; Ray sets `CUDA_VISIBLE_DEVICES`, which the
-    server inherits.
+    server inherits (a CPU server, `launch.device: cpu`, takes no GPU and no bundle). The server
+    listens on the node address it is reached at.
     """
 
     def __init__(
@@ -225,7 +228,9 @@ class SGLangServerActor:
 
         port = free_port()
         host = ray.util.get_node_ip_address()
-        command = server_command(generation, policy, model_path=model_path, port=port, seed=seed)
+        command = server_command(
+            generation, policy, model_path=model_path, port=port, seed=seed, host=host
+        )
         self._server = SGLangServerProcess(
             command,
             base_url=f"http://{host}:{port}",

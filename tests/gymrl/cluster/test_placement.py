@@ -41,6 +41,17 @@ def test_the_cpu_default_reserves_nothing():
     assert actor_options(placement.trainer, 0, None) == {"num_gpus": 0.0, "num_cpus": 0.0}
 
 
+def test_real_sglang_servers_on_the_cpu_reserve_nothing():
+    """`+experiment=sglang_cpu_smoke`: SGLang servers with `launch.device: cpu` take no GPU and
+    no bundle, like every other role of a CPU run."""
+    config = _config("+experiment=sglang_cpu_smoke")
+    assert config.generation.num_gpus == 0
+    placement = plan_placement(config)
+    assert placement.bundles == ()
+    assert placement.generation.gpus_per_actor == 0.0 and placement.generation.bundle_of_actor == ()
+    assert actor_options(placement.generation, 0, None) == {"num_gpus": 0.0, "num_cpus": 0.0}
+
+
 def test_math_1p5b_gives_four_engines_one_gpu_each_and_the_trainer_a_whole_node():
     config = _config("+experiment=math_1p5b")
     placement = plan_placement(config)

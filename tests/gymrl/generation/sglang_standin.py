@@ -1,9 +1,13 @@
 """A loopback stand-in for an SGLang 0.5.23 server, for the CPU tests and the routing benchmark.
 
-SGLang needs CUDA, so the CPU tests run this small FastAPI server instead. It implements the
-routes `gymrl.generation.sglang_engine` uses with SGLang's field names and rules: `/generate`
-accepts SGLang's `GenerateReqInput` and `SamplingParams` fields (stricter than SGLang, it rejects
-unknown ones, so a misspelt key fails here instead of being ignored there) and answers
+The default test suite runs this small FastAPI server instead of SGLang: it starts in
+milliseconds, needs no 6 GB venv, and is made to produce what the real server does not do on
+demand (timed refusals, slow tokens, flush refusals, NCCL's refusal, a server that skips a tensor).
+The real server runs on this CPU too (`test_sglang_cpu.py`, marker `sglang_cpu`), where a
+differential test sends both the same requests and fails where status, keys or types differ.
+It implements the routes `gymrl.generation.sglang_engine` uses with SGLang's field names and rules:
+`/generate` accepts SGLang's `GenerateReqInput` and `SamplingParams` fields (stricter than SGLang,
+it rejects unknown ones, so a misspelt key fails here instead of being ignored there) and answers
 `meta_info.output_token_logprobs` triples, `finish_reason` objects and `cached_tokens`.
 
 It reproduces the behaviours of the pinned server the engine must cope with (read in

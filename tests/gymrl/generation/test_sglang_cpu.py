@@ -1,10 +1,9 @@
 """The flagship's SGLang path against the real SGLang 0.5.23 server, on this CPU.
 
 One server (SmolLM2-135M-Instruct, float32) is started for the whole module by the project's own
-launcher (`server_command` with a CPU `generation.launch`, `SGLangServerProcess`), from the venv
-`make sglang-venv` builds (`SGLANG_VENV`, default `.venv-sglang`); a second one only for the
-routing and killed-mid-refit test. The test-only `sgl_kernel` stand-in
-(`sgl_kernel_cpu_standin/`) is on the servers' PYTHONPATH. Marker `sglang_cpu`, run by `.ci/run`
+launcher (`server_command` with a CPU `generation.launch`, `SGLangServerProcess`: `real_sglang`),
+from the venv `make sglang-venv` builds (`SGLANG_VENV`, default `.venv-sglang`); a second one
+only for the routing and killed-mid-refit test. Marker `sglang_cpu`, run by `.ci/run`
 after `make sglang-venv`: `python -m pytest -m sglang_cpu`.
 """
 
@@ -15,60 +14,34 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
+from pydantic import SecretStr
+from real_sglang import VENV, cpu_generation, start_cpu_server
+from sglang_standin import make_standin
 
-from gymrl.config.schema import (
-    PolicyConfig,
-    RefitConfig,
-    SGLangGenerationConfig,
-    SGLangLaunchConfig,
-)
+from gymrl.generation.policy_server import create_policy_server_app
 from gymrl.generation.sglang_engine import SGLangEngine, SGLangError
-from gymrl.generation.sglang_servers import SGLangServerProcess, server_command
+from gymrl.generation.sglang_servers import SGLangServerProcess
 from gymrl.generation.torch_engine import TorchGenerationEngine
 from gymrl.generation.types import GenerationRequest, SamplingParams
 from gymrl.generation.weight_sync import Backend, WeightSender, WeightSyncError
 from gymrl.generation.weights_checker import WeightCheckUnavailableError, WeightsChecker
 from gymrl.model.loading import load_pretrained
 from gymrl.model.tokens import model_end_token_ids
-from nemo_gym_ext.ports import free_port
+from nemo_gym_ext.envs.registry import make_rows, start_builtin_environment
+from nemo_gym_ext.http_server import serve_in_thread
 
 pytestmark = pytest.mark.sglang_cpu
 
-REPO = Path(__file__).resolve().parents[3]
-VENV = Path(os.environ.get("SGLANG_VENV", REPO / ".venv-sglang"))
-KERNEL_STANDIN = Path(__file__).with_name("sgl_kernel_cpu_standin")
 CONTEXT = 2048
 # float32 on both sides; SGLang's torch_native attention and the torch engine's differ in
 # summation order only, which moves log-probabilities by about 1e-5 on this model.
 LOGPROB_TOLERANCE = 1e-3
-
-
-def cpu_generation(**overrides) -> SGLangGenerationConfig:
-    """The SGLang config the real server runs with on this CPU."""
-    launch = SGLangLaunchConfig(
-        python=str(VENV / "bin" / "python"),
-        device="cpu",
-        cpu_threads=1,
-        attention_backend="torch_native",
-        cuda_graphs=False,
-        max_total_tokens=4096,
-        skip_server_warmup=True,
-    )
-    fields = dict(
-        mem_fraction_static=0.3,
-        max_running_requests=8,
-        server_start_timeout_s=300.0,
-        launch=launch,
-        refit=RefitConfig(verify_weights=False, timeout_s=60.0, bucket_bytes=64 << 20),
-    )
-    return SGLangGenerationConfig(**(fields | overrides))
 
 
 @dataclass
@@ -92,45 +65,10 @@ class RealServer:
         )
 
 
-@contextmanager
-def _kernel_standin_on_path() -> Iterator[None]:
-    """The server's environment is copied from this process's when it is made."""
-    before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(KERNEL_STANDIN), before]))
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = before
-
-
 def start_server(folder: Path, log_path: Path) -> SGLangServerProcess:
     if not (VENV / "bin" / "python").is_file():
         pytest.fail(f"no SGLang venv at {VENV}: run `make sglang-venv` (or set SGLANG_VENV)")
-    generation = cpu_generation()
-    policy = PolicyConfig(
-        name="smollm2", source="pretrained", path=str(folder), max_total_sequence_length=CONTEXT
-    )
-    port = free_port()
-    command = server_command(
-        generation, policy, model_path=str(folder), port=port, seed=0, host="127.0.0.1"
-    )
-    with _kernel_standin_on_path():
-        server = SGLangServerProcess(
-            command,
-            base_url=f"http://127.0.0.1:{port}",
-            log_path=log_path,
-            launch=generation.launch,
-        )
-    server.start()
-    try:
-        server.wait_healthy(generation.server_start_timeout_s)
-    except BaseException:
-        server.stop()
-        raise
-    return server
+    return start_cpu_server(folder, log_path, context_length=CONTEXT)
 
 
 @pytest.fixture(scope="module")
@@ -142,11 +80,16 @@ def real_server(smollm2_dir, tmp_path_factory) -> Iterator[RealServer]:
         server.stop()
 
 
-@pytest.fixture(scope="module")
-def prompt(tokenizer) -> list[int]:
-    messages = [{"role": "user", "content": "Name three colours."}]
+def _chat(tokenizer, question: str) -> list[int]:
+    messages = [{"role": "user", "content": question}]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+@pytest.fixture(scope="module")
+def prompt(tokenizer) -> list[int]:
+    """Answered at length: greedy runs past 48 tokens."""
+    return _chat(tokenizer, "Name three colours.")
 
 
 def _greedy(prompt: list[int], max_new_tokens: int, **params) -> GenerationRequest:
@@ -179,13 +122,14 @@ def test_ids_and_logprobs_match_the_torch_engine_on_the_same_weights(real_server
     assert served.finish_reason == "length" and served.weight_version == real_server.version
 
 
-def test_stop_ids_and_the_models_own_end(real_server, prompt):
+def test_stop_ids_and_the_models_own_end(real_server, prompt, tokenizer):
     with real_server.engine() as engine:
         [free] = engine.generate([_greedy(prompt, 6)])
         stop = free.token_ids[3]
         [stopped] = engine.generate([_greedy(prompt, 6, stop_token_ids=(stop,))])
-        # No stop ids: the server stops at generation_config.json's eos_token_id by itself.
-        [ended] = engine.generate([_greedy(prompt, 96)])
+        # No stop ids: the server stops at generation_config.json's eos_token_id by itself
+        # (greedy SmolLM2 answers this in 12 tokens, the last <|im_end|>).
+        [ended] = engine.generate([_greedy(_chat(tokenizer, "What is 2+2?"), 48)])
     first = free.token_ids.index(stop)
     assert stopped.token_ids == free.token_ids[: first + 1] and stopped.finish_reason == "stop"
     assert model_end_token_ids(real_server.folder) == (2,)
@@ -305,7 +249,8 @@ def test_sessions_are_enforced_by_the_server_with_its_own_messages(real_server):
         outside = client.post(f"{real_server.url}/update_weights_from_distributed", json=update)
         assert time.monotonic() - start < 30
         end = client.post(f"{real_server.url}/end_weight_update", json={})
-    assert outside.status_code == 400 and "session" in outside.json()["message"]
+    assert outside.status_code == 400
+    assert "must run between begin_weight_update() and end_weight_update()" in outside.text
     assert end.status_code == 400 and "no weight-update session is open" in end.text
 
 
@@ -339,6 +284,123 @@ def test_the_weights_checker_actions_and_a_compare_that_cannot_run_here(real_ser
         again = client.post(url, json={"action": "checksum"}).json()
     assert again["per_engine_checksum"] == first["per_engine_checksum"]
     assert restored.token_ids == before.token_ids and restored.weight_version == version
+
+
+# ------------------------------------------------------------------------ stand-in vs real
+def _shape(value):
+    """A JSON value's skeleton: dicts by key, lists by their first item, scalars by type (an int
+    is a number too, as JSON has it)."""
+    if isinstance(value, dict):
+        return {key: _shape(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_shape(value[0])] if value else []
+    if isinstance(value, bool) or value is None:
+        return type(value).__name__
+    return "number" if isinstance(value, int | float) else type(value).__name__
+
+
+def _differences(standin, real, where: str = "") -> list[str]:
+    """Where the stand-in's answer has a key the real one lacks, or another type there."""
+    if isinstance(standin, dict) and isinstance(real, dict):
+        found = []
+        for key, item in standin.items():
+            if key not in real:
+                found.append(f"{where}.{key}: only the stand-in answers it")
+            else:
+                found += _differences(item, real[key], f"{where}.{key}")
+        return found
+    if isinstance(standin, list) and isinstance(real, list):
+        return _differences(standin[0], real[0], f"{where}[0]") if standin and real else []
+    return [] if standin == real else [f"{where}: stand-in {standin}, real {real}"]
+
+
+def test_the_standin_answers_what_the_real_server_answers(real_server, prompt):
+    """The same requests to the stand-in the CPU tests use and to the real server: each status
+    must agree, and every key the stand-in answers must be in the real answer with its type."""
+    norm = load_pretrained(real_server.folder, torch.float32).state_dict()["model.norm.weight"]
+    app, _ = make_standin(context_length=CONTEXT, model_weights={"model.norm.weight": norm})
+    generate = {
+        "input_ids": prompt,
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0.0, "stop_token_ids": [2]},
+        "return_logprob": True,
+        "logprob_start_len": -1,
+    }
+    update = {
+        "names": ["model.norm.weight"],
+        "dtypes": ["float32"],
+        "shapes": [[576]],
+        "group_name": "never-formed",
+        "load_format": "flattened_bucket",
+        "flush_cache": False,
+    }
+    calls = [
+        ("/generate", generate),
+        ("/generate", generate | {"input_ids": [100] * (CONTEXT + 1)}),
+        ("/pause_generation", {"mode": "abort"}),
+        ("/continue_generation", {}),
+        ("/flush_cache", None),
+        ("/end_weight_update", {}),
+        ("/update_weights_from_distributed", update),
+        ("/destroy_weights_update_group", {"group_name": "never-formed"}),
+        ("/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 2}),
+        ("/weights_checker", {"action": "checksum"}),
+    ]
+    found = []
+    with serve_in_thread(app) as standin, httpx.Client(timeout=120.0) as client:
+        for route, body in calls:
+            answers = [
+                client.post(f"{url}{route}", json=body) for url in (standin.url, real_server.url)
+            ]
+            ours, theirs = answers
+            if ours.status_code != theirs.status_code:
+                found.append(f"{route}: status {ours.status_code} here, {theirs.status_code} real")
+                continue
+            if ours.headers.get("content-type", "").startswith("application/json"):
+                found += [
+                    f"{route}{where}"
+                    for where in _differences(_shape(ours.json()), _shape(theirs.json()))
+                ]
+    assert found == []
+
+
+# ----------------------------------------------------------------------------- policy server
+def test_the_policy_server_in_front_of_the_real_server_serves_an_agents_episode(
+    real_server, chat_format
+):
+    """NeMo-Gym's built-in calculator agent, its resources server, the policy server (OpenAI
+    API, token bundle) and the real SGLang server, all over loopback HTTP."""
+    key = "sglang-cpu-test-key"
+    with real_server.engine() as engine:
+        app = create_policy_server_app(
+            engine,
+            chat_format,
+            model_name="policy",
+            api_key=SecretStr(key),
+            honor_prompt_token_ids=True,
+            default_max_tokens=24,
+            max_context_tokens=CONTEXT,
+            request_timeout_s=300.0,
+        )
+        with (
+            serve_in_thread(app) as policy,
+            start_builtin_environment(
+                "calculator",
+                policy_base_url=f"{policy.url}/v1",
+                policy_api_key=key,
+                options={"max_turns": 2, "max_tokens": 24, "continue_after_length": True},
+            ) as environment,
+        ):
+            row = make_rows("calculator", 1, seed=0)[0]
+            response = httpx.post(f"{environment.agent_url}/run", json=row, timeout=600.0)
+    assert response.status_code == 200, response.text
+    result = response.json()
+    turns = [item for item in result["response"]["output"] if "generation_token_ids" in item]
+    assert turns, result["response"]["output"]
+    for turn in turns:
+        assert len(turn["generation_token_ids"]) == len(turn["generation_log_probs"]) > 0
+        assert all(logprob <= 0 for logprob in turn["generation_log_probs"])
+        assert turn["prompt_token_ids"]
+    assert "reward" in result
 
 
 # ------------------------------------------------------------------------- two real servers

@@ -427,6 +427,9 @@ def test_server_command_takes_cpu_flags_from_config():
     assert "--enable-deterministic-inference" not in command
     env = server_environment(None, launch)
     assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["OMP_NUM_THREADS"] == "1"
+    with_env = launch.model_copy(update={"env": {"OMP_NUM_THREADS": "2", "X": "y"}})
+    assert server_environment(None, with_env)["OMP_NUM_THREADS"] == "2"  # launch.env comes last
+    assert server_environment(None, with_env)["X"] == "y"
     default = server_command(SGLangGenerationConfig(), _policy(), model_path="/c", port=1, seed=0)
     assert default[0] == sys.executable and default[default.index("--device") + 1] == "cuda"
     for flag in ("--attention-backend", "--max-total-tokens", "--skip-server-warmup"):

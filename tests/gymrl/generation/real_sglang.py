@@ -1,0 +1,96 @@
+"""The real SGLang 0.5.23 server on this CPU, started by the project's launcher: shared by the
+`sglang_cpu` tests and `benchmarks/bench_sglang_cpu.py`.
+
+The server runs from the venv `make sglang-venv` builds (`SGLANG_VENV`, default `.venv-sglang`)
+with the CPU `generation.launch` below, and with the test-only `sgl_kernel` stand-in
+(`sgl_kernel_cpu_standin/`) on its PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from gymrl.config.schema import (
+    PolicyConfig,
+    RefitConfig,
+    SGLangGenerationConfig,
+    SGLangLaunchConfig,
+)
+from gymrl.generation.sglang_servers import SGLangServerProcess, server_command
+from nemo_gym_ext.ports import free_port
+
+REPO = Path(__file__).resolve().parents[3]
+VENV = Path(os.environ.get("SGLANG_VENV", REPO / ".venv-sglang"))
+KERNEL_STANDIN = Path(__file__).with_name("sgl_kernel_cpu_standin")
+
+
+def cpu_generation(cpu_threads: int = 1, **overrides: Any) -> SGLangGenerationConfig:
+    """The SGLang config the real server runs with on this CPU (float32 comes from the policy)."""
+    launch = SGLangLaunchConfig(
+        python=str(VENV / "bin" / "python"),
+        device="cpu",
+        cpu_threads=cpu_threads,
+        attention_backend="torch_native",
+        cuda_graphs=False,
+        max_total_tokens=4096,
+        skip_server_warmup=True,
+    )
+    fields: dict[str, Any] = dict(
+        mem_fraction_static=0.3,
+        max_running_requests=8,
+        server_start_timeout_s=300.0,
+        launch=launch,
+        refit=RefitConfig(verify_weights=False, timeout_s=60.0, bucket_bytes=64 << 20),
+    )
+    return SGLangGenerationConfig(**(fields | overrides))
+
+
+@contextmanager
+def kernel_standin_on_path() -> Iterator[None]:
+    """While a server is made: its environment is copied from this process's then."""
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(KERNEL_STANDIN), before]))
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
+
+
+def start_cpu_server(
+    folder: Path, log_path: Path, *, context_length: int, cpu_threads: int = 1
+) -> SGLangServerProcess:
+    """A healthy real server of the model in `folder` on a free loopback port; stop it."""
+    if not (VENV / "bin" / "python").is_file():
+        raise FileNotFoundError(f"no SGLang venv at {VENV}: run `make sglang-venv`")
+    generation = cpu_generation(cpu_threads)
+    policy = PolicyConfig(
+        name="smollm2",
+        source="pretrained",
+        path=str(folder),
+        max_total_sequence_length=context_length,
+    )
+    port = free_port()
+    command = server_command(
+        generation, policy, model_path=str(folder), port=port, seed=0, host="127.0.0.1"
+    )
+    with kernel_standin_on_path():
+        server = SGLangServerProcess(
+            command,
+            base_url=f"http://127.0.0.1:{port}",
+            log_path=log_path,
+            launch=generation.launch,
+        )
+    server.start()
+    try:
+        server.wait_healthy(generation.server_start_timeout_s)
+    except BaseException:
+        server.stop()
+        raise
+    return server
