@@ -42,27 +42,43 @@ class UnknownAgentError(ValueError):
 
 
 class RolloutBudgetExceeded(RuntimeError):
-    """More episodes failed (after retries) than env.rollout.failure_budget allows."""
+    """More episodes failed (after retries) than env.rollout.failure_budget and
+    env.rollout.failure_rate allow."""
 
 
 class FailureBudget:
-    """Counts episodes that failed after their retries; past `limit`, the run stops with the
-    last cause, instead of quietly training on ever fewer episodes."""
+    """Counts episodes that failed after their retries; once they are more than `limit` plus
+    `rate` times the episodes run so far (those that came back and those that failed), the run
+    stops with the last cause, instead of quietly training on ever fewer episodes. A budget per
+    run alone would not scale with its length; the rate lets a long run tolerate a share.
 
-    def __init__(self, limit: int):
+    With `charge` false (`env.rollout.on_episode_error=reward`: the user counts an environment's
+    failure as the model's, e.g. a server that answers 500 to a reply without a parsable move)
+    failures are counted and never stop the run."""
+
+    def __init__(self, limit: int, *, rate: float = 0.0, charge: bool = True):
         self.limit = limit
+        self.rate = rate
+        self.charge = charge
         self.count = 0
+        self.episodes = 0
         self.last_cause = ""
 
-    def record(self, failures: list[str]) -> None:
+    def record(self, failures: list[str], *, episodes: int) -> None:
+        """`failures` (their causes) of a group of `episodes` episodes, failed ones included."""
+        self.episodes += episodes
         if not failures:
             return
         self.count += len(failures)
         self.last_cause = failures[-1]
-        if self.count > self.limit:
+        allowed = self.limit + self.rate * self.episodes
+        if self.charge and self.count > allowed:
             raise RolloutBudgetExceeded(
-                f"{self.count} episodes failed after retries, more than "
-                f"env.rollout.failure_budget={self.limit}; last cause: {self.last_cause}"
+                f"{self.count} of {self.episodes} episodes failed after retries, more than "
+                f"env.rollout.failure_budget={self.limit} + env.rollout.failure_rate={self.rate:g}"
+                f" x {self.episodes} episodes = {allowed:g}; last cause: {self.last_cause}. If "
+                "these failures are the model's (an environment refusing its replies), "
+                "env.rollout.on_episode_error=reward counts them as a reward instead"
             )
 
 

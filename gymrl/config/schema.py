@@ -750,8 +750,24 @@ class RolloutConfig(Strict):
     failure_budget: int = Field(
         default=4,
         ge=0,
-        description="Failed episodes (after retries) tolerated per run before "
-        "it fails fast with the last cause.",
+        description="Failed episodes (after retries) tolerated per run, on top of failure_rate's "
+        "share, before it fails fast with the last cause.",
+    )
+    failure_rate: float = Field(
+        default=0.0,
+        ge=0,
+        lt=1,
+        description="Failed episodes tolerated per episode run, on top of failure_budget: the "
+        "run stops once failures exceed failure_budget + failure_rate x episodes run (failed "
+        "ones included), so a long run's allowance grows with it (0.01: one in a hundred).",
+    )
+    on_episode_error: Literal["fail", "reward"] = Field(
+        default="fail",
+        description="What an episode that failed after its retries is. fail: an infrastructure "
+        "failure, charged to failure_budget and failure_rate. reward: the model's fault (an "
+        "environment that answers 500 to a reply it cannot parse): counted "
+        "(rollout/failures_total), never stopping the run, and in its group's baseline with "
+        "loss.episodes.failed_reward, which must then be set.",
     )
     max_result_bytes: int = Field(
         default=256 * 1024 * 1024,

@@ -137,7 +137,7 @@ class RolloutProducer(threading.Thread):
         buffer: GroupSink,
         *,
         first_step: int,
-        failure_budget: int,
+        failures: FailureBudget,
         rules: EpisodeRules,
         group_deadline_s: float,
     ):
@@ -162,7 +162,7 @@ class RolloutProducer(threading.Thread):
         # Written by the producer thread, read by the trainer's: only under `_counts_lock`.
         self._counts_lock = threading.Lock()
         self._retries = self._dropped_groups = self._timeouts = 0
-        self._failures = FailureBudget(failure_budget)
+        self._failures = failures
         self._uniform_dropped: Counter[str] = Counter()
         self._uniform_over_budget = 0
         self._uniform_dropped_this_step = 0
@@ -326,7 +326,10 @@ class RolloutProducer(threading.Thread):
             if not baseline:
                 lost = untrained_episodes(agents, results, "failed_or_masked")
                 self._untrained_tokens.update(lost)
-            self._failures.record(outcome.failures)  # past the budget: raises, ends the thread
+            # Past the budget: raises, ends the thread.
+            self._failures.record(
+                outcome.failures, episodes=len(outcome.episodes) + len(outcome.failures)
+            )
         if not baseline:
             return
         heads = [

@@ -225,6 +225,7 @@ def _cross_field_issues(config: RecipeConfig) -> list[ConfigIssue]:
             )
         )
     issues.extend(_overlong_penalty_issues(config))
+    issues.extend(_episode_error_issues(config))
     if config.grpo.async_enabled and config.loss.off_policy_correction.mode == "none":
         issues.append(
             ConfigIssue(
@@ -556,6 +557,28 @@ def _role_environment_issues(config: RecipeConfig) -> list[ConfigIssue]:
             )
         )
     return issues
+
+
+def _episode_error_issues(config: RecipeConfig) -> list[ConfigIssue]:
+    """Failures counted as a reward need the reward: every agent's `failed_reward`."""
+    if config.env.rollout.on_episode_error != "reward":
+        return []
+    loss = config.loss
+    named = {"loss.episodes": loss.episodes} | {
+        f"loss.episodes_per_agent.{agent}": rules
+        for agent, rules in loss.episodes_per_agent.items()
+    }
+    return [
+        ConfigIssue(
+            f"{key}.failed_reward",
+            None,
+            "env.rollout.on_episode_error=reward counts a failed episode as a reward, and this "
+            "one says none",
+            f"set {key}.failed_reward (e.g. 0.0) or env.rollout.on_episode_error=fail",
+        )
+        for key, rules in named.items()
+        if rules.failed_reward is None
+    ]
 
 
 def _overlong_penalty_issues(config: RecipeConfig) -> list[ConfigIssue]:

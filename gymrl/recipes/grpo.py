@@ -69,7 +69,7 @@ from gymrl.trainer.parity import PASSED_METRIC, ParityGateError, first_step_chec
 from nemo_gym_ext.gym_launch import GymStartError, GymVenvMissingError, PolicyEndpoint, gym_launcher
 from nemo_gym_ext.metrics import per_agent_metrics
 from nemo_gym_ext.postprocess import MalformedGymResultError, NonContiguousEpisodeError
-from nemo_gym_ext.rollout import RolloutBudgetExceeded, UnknownAgentError
+from nemo_gym_ext.rollout import FailureBudget, RolloutBudgetExceeded, UnknownAgentError
 
 # Errors that end a run with a message a user can act on (printed without a traceback).
 RUN_STOPPING_ERRORS = (
@@ -255,13 +255,18 @@ class GRPORecipe:
         )
         self._on_cleanup("the metrics logger", self.logger.close)
         self.episode_rules = EpisodeRules(config.loss, config.generation.server.max_tokens_per_turn)
+        rollout = config.env.rollout
         self.producer = RolloutProducer(
             grpo,
             self.rows,
             RayGroupRunner(shards_by_agent),
             self.buffer,
             first_step=self.first_step,
-            failure_budget=config.env.rollout.failure_budget,
+            failures=FailureBudget(
+                rollout.failure_budget,
+                rate=rollout.failure_rate,
+                charge=rollout.on_episode_error == "fail",
+            ),
             rules=self.episode_rules,
             group_deadline_s=_group_deadline_s(config),
         )

@@ -46,6 +46,15 @@ class PrefixTree:
     def num_nodes(self) -> int:
         return int(self.token_ids.shape[0])
 
+    def is_chain(self) -> bool:
+        """Whether the tree is one path (one sequence, or sequences each a prefix of the next):
+        every node at its index as its depth. Then plain causal attention is its mask, and the
+        `[N, N]` one need not be built: a sequence longer than a micro-batch's budget is packed
+        alone, so this is what bounds the memory of long episodes."""
+        return bool(
+            torch.equal(self.positions, torch.arange(self.num_nodes, device=self.positions.device))
+        )
+
     def visible(self) -> torch.Tensor:
         """`[N, N]` booleans: node i may attend to node j iff j is i or one of its ancestors."""
         nodes = torch.arange(self.num_nodes, device=self.subtree_end.device)

@@ -189,9 +189,15 @@ class TorchPolicyTrainer:
             return masked_token_logprobs(
                 hidden, output_layer, batch["input_ids"], batch["loss_mask"], self._temperature
             )
-        # The mask in the dtype attention computes in, so autocast has nothing to convert
-        # and the layers share one copy of it.
-        mask = additive_mask(tree.visible()[None, None], self._compute_dtype or model.dtype)
+        # A chain (a sequence packed alone: every long episode) is causal attention, which the
+        # attention kernels compute without an [N, N] mask; a branching tree has at most
+        # max_packed_tokens nodes. The mask is in the dtype attention computes in, so autocast
+        # has nothing to convert and the layers share one copy of it.
+        mask = (
+            None
+            if tree.is_chain()
+            else additive_mask(tree.visible()[None, None], self._compute_dtype or model.dtype)
+        )
         hidden = self._hidden(
             model,
             input_ids=tree.token_ids[None],
@@ -207,7 +213,7 @@ class TorchPolicyTrainer:
             self._temperature,
         )
 
-    def _hidden(self, model: PreTrainedModel, **inputs: torch.Tensor) -> torch.Tensor:
+    def _hidden(self, model: PreTrainedModel, **inputs: torch.Tensor | None) -> torch.Tensor:
         """The body's last hidden states under this trainer's autocast, in the weights' dtype
         (the output layer and the log-softmax run outside autocast)."""
         with body_autocast(self._device, self._compute_dtype):

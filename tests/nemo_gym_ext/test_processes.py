@@ -10,10 +10,10 @@ from nemo_gym_ext.processes import LOG_TAIL_CHARS, first_error
     ("log", "expected"),
     [
         (  # a traceback among other lines: from its start to the line naming the exception
-            "starting\nTraceback (most recent call last):\n  File \"a.py\", line 1\n"
+            'starting\nTraceback (most recent call last):\n  File "a.py", line 1\n'
             "    except ImportError: pass\nImportError: cannot import name 'x'\nmore\n"
             "ValueError: a later one\n",
-            "Traceback (most recent call last):\n  File \"a.py\", line 1\n"
+            'Traceback (most recent call last):\n  File "a.py", line 1\n'
             "    except ImportError: pass\nImportError: cannot import name 'x'",
         ),
         (  # without a traceback, the first line naming an error

@@ -146,16 +146,18 @@ def test_a_row_for_an_agent_the_shard_does_not_serve_is_refused(tokenizer):
 
 def test_the_failure_budget_stops_the_run_with_the_last_cause():
     budget = FailureBudget(limit=2)
-    budget.record([])
-    budget.record(["agent 'a' row '1' failed after 3 attempts: ConnectError"])
-    budget.record(["agent 'a' row '2' failed after 3 attempts: ReadTimeout"])
+    budget.record([], episodes=4)
+    budget.record(["agent 'a' row '1' failed after 3 attempts: ConnectError"], episodes=4)
+    budget.record(["agent 'a' row '2' failed after 3 attempts: ReadTimeout"], episodes=4)
     assert budget.count == 2
     with pytest.raises(RolloutBudgetExceeded) as stopped:
-        budget.record(["agent 'a' row '3' failed after 3 attempts: ConnectError"])
-    assert str(stopped.value) == (
-        "3 episodes failed after retries, more than env.rollout.failure_budget=2; "
-        "last cause: agent 'a' row '3' failed after 3 attempts: ConnectError"
+        budget.record(["agent 'a' row '3' failed after 3 attempts: ConnectError"], episodes=4)
+    assert str(stopped.value).startswith(
+        "3 of 16 episodes failed after retries, more than env.rollout.failure_budget=2 + "
+        "env.rollout.failure_rate=0 x 16 episodes = 2; "
+        "last cause: agent 'a' row '3' failed after 3 attempts: ConnectError. "
     )
+    assert "env.rollout.on_episode_error=reward" in str(stopped.value)
 
 
 def _long_row():
@@ -198,3 +200,21 @@ def test_a_prompt_the_policy_server_refuses_is_named_from_the_result_and_not_ret
         f"row {ROW['id']!r} (agent {AGENT!r}): the policy server refused the prompt, longer than "
         "its context (the first model call ended at the token limit with no token generated)"
     )
+
+
+def test_the_failure_rate_lets_the_allowance_grow_with_the_run():
+    """failure_budget=2, failure_rate=0.1: 12 failures in 100 episodes are within 2 + 10; the
+    thirteenth is not. A budget of 2 alone would have stopped at the third."""
+    budget = FailureBudget(limit=2, rate=0.1)
+    for group in range(25):
+        budget.record(["crashed"] * (group >= 13), episodes=4)  # the failures come late
+    assert (budget.count, budget.episodes) == (12, 100)
+    with pytest.raises(RolloutBudgetExceeded, match=r"13 of 104 episodes .* = 12\.4;"):
+        budget.record(["crashed"], episodes=4)
+
+
+def test_failures_counted_as_a_reward_never_stop_the_run():
+    budget = FailureBudget(limit=0, charge=False)
+    for _ in range(10):
+        budget.record(["the environment answered 500"] * 4, episodes=4)
+    assert budget.count == 40

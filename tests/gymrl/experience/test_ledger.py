@@ -16,7 +16,7 @@ from gymrl.experience.rollout_group import RolloutGroup, scalar_fields
 from gymrl.experience.rows import RowStream
 from nemo_gym_ext.config import NemoGymPostprocessConfig
 from nemo_gym_ext.postprocess import postprocess_gym_result
-from nemo_gym_ext.rollout import GroupOutcome
+from nemo_gym_ext.rollout import FailureBudget, GroupOutcome
 from tests.gymrl.experience.test_producer import FakeRunner, _buffer, _grpo, _settled
 
 TRUNCATE = NemoGymPostprocessConfig(
@@ -164,7 +164,7 @@ def test_the_producer_counts_the_tokens_of_the_groups_it_drops():
         runner,
         _buffer(grpo),
         first_step=0,
-        failure_budget=4,
+        failures=FailureBudget(4),
         rules=EpisodeRules(LossConfig(), default_limit_tokens=64),
         group_deadline_s=60.0,
     )

@@ -16,7 +16,12 @@ from gymrl.config.schema import DynamicSamplingConfig, EpisodeRulesConfig, GRPOC
 from gymrl.experience.producer import ProducerCounts, RolloutProducer
 from gymrl.experience.replay_buffer import ReplayBuffer
 from gymrl.experience.rows import RowStream
-from nemo_gym_ext.rollout import GroupOutcome, RolloutBudgetExceeded, UnknownAgentError
+from nemo_gym_ext.rollout import (
+    FailureBudget,
+    GroupOutcome,
+    RolloutBudgetExceeded,
+    UnknownAgentError,
+)
 
 AGENT = "calc_agent"
 LIMIT = 8  # the per-call token limit of the soft overlong penalty
@@ -117,14 +122,14 @@ def started():
     """Start producers and stop them after the test, whatever happened."""
     producers = []
 
-    def start(grpo, runner, buffer, *, first_step=0, failure_budget=4, rows=None, loss=None):
+    def start(grpo, runner, buffer, *, first_step=0, failures=None, rows=None, loss=None):
         producer = RolloutProducer(
             grpo,
             RowStream(rows or _rows()),
             runner,
             buffer,
             first_step=first_step,
-            failure_budget=failure_budget,
+            failures=failures or FailureBudget(4),
             rules=EpisodeRules(loss or LossConfig(), default_limit_tokens=LIMIT),
             group_deadline_s=GROUP_DEADLINE_S,
         )
@@ -233,10 +238,23 @@ def test_retries_are_summed_and_each_group_carries_its_summaries_and_time(starte
 def test_past_the_failure_budget_the_producer_stops_with_the_cause(started):
     grpo = _grpo(max_age=0, prompts=2)
     runner = FakeRunner(lambda row, size: _outcome(row, size, failures=["agent crashed"]))
-    producer = started(grpo, runner, _buffer(grpo), failure_budget=1)
+    producer = started(grpo, runner, _buffer(grpo), failures=FailureBudget(1))
     _eventually(lambda: producer.fatal is not None)
     assert isinstance(producer.fatal, RolloutBudgetExceeded)
     assert "agent crashed" in str(producer.fatal)
+
+
+def test_failures_counted_as_a_reward_never_stop_the_producer(started):
+    """env.rollout.on_episode_error=reward: the same failures as above, past the same budget,
+    are counted and the groups keep coming."""
+    grpo = _grpo(max_age=0, prompts=2)
+    runner = FakeRunner(lambda row, size: _outcome(row, size, failures=["the env answered 500"]))
+    buffer = _buffer(grpo)
+    producer = started(grpo, runner, buffer, failures=FailureBudget(1, charge=False))
+    groups = buffer.get_batch(2, current_step=0, timeout_s=5)
+    assert [group.failed_episodes for group in groups] == [1, 1]
+    _eventually(lambda: producer.counts().failures >= 2)
+    assert producer.fatal is None
 
 
 def test_a_row_for_an_agent_no_shard_serves_stops_the_run(started):
@@ -291,7 +309,7 @@ def _producer(grpo, rows, runner, buffer, *, first_step=0):
         runner,
         buffer,
         first_step=first_step,
-        failure_budget=4,
+        failures=FailureBudget(4),
         rules=RULES,
         group_deadline_s=GROUP_DEADLINE_S,
     )

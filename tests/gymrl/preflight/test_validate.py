@@ -391,3 +391,19 @@ def test_an_unknown_verify_method_is_named_with_the_choices():
     issues = _issues(["+experiment=math_1p5b", "generation.refit.verify_method=checksum"])
     issue = issues["generation.refit.verify_method"]
     assert issue.value == "checksum" and "weights_checker" in issue.problem + issue.fix
+
+
+def test_failures_counted_as_a_reward_need_every_agents_failed_reward():
+    issues = _issues(
+        [
+            "env.rollout.on_episode_error=reward",
+            "+loss.episodes_per_agent.calculator_agent.overlong_mask=true",
+        ]
+    )
+    for key in ("loss.episodes", "loss.episodes_per_agent.calculator_agent"):
+        issue = issues[f"{key}.failed_reward"]
+        assert "env.rollout.on_episode_error=reward" in issue.problem
+        assert f"set {key}.failed_reward" in issue.fix
+    validate_config(
+        compose_raw(["env.rollout.on_episode_error=reward", "loss.episodes.failed_reward=0.0"])
+    )

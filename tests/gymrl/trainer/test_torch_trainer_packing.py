@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from gymrl.algo.trajectory import Trajectory, collate
 from gymrl.config.schema import LossConfig, TorchOptimizerConfig, TorchTrainerConfig
-from gymrl.trainer.prefix_packing import pack_prefix_tree
+from gymrl.trainer.prefix_packing import PrefixTree, pack_prefix_tree
 from gymrl.trainer.torch_trainer import TorchPolicyTrainer
 
 SYSTEM = list(range(3, 13))
@@ -174,6 +174,33 @@ def test_a_packed_step_has_the_padded_steps_gradients(packing, loss):
         assert got_metrics[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
     if loss.kl_coef:
         assert want_metrics["kl"] > 1e-3
+
+
+def test_sequences_packed_alone_build_no_square_mask_and_keep_the_padded_gradients(
+    monkeypatch,
+):
+    """A sequence longer than max_packed_tokens is packed alone; its tree is a chain, so plain
+    causal attention computes it without the [N, N] mask (10^9 entries at 32k tokens)."""
+    model = _model()
+    padded = _trainer(copy.deepcopy(model), prefix_packing=False, micro_batch_size=3)
+    packed = _trainer(copy.deepcopy(model), prefix_packing=True, max_packed_tokens=1)
+    trajectories, advantages = _batch()
+    want, _ = _step_gradients(padded, trajectories, advantages)
+
+    def refuse(tree):
+        raise AssertionError(f"a dense [{tree.num_nodes}, {tree.num_nodes}] mask was built")
+
+    monkeypatch.setattr(PrefixTree, "visible", refuse)
+    got, _ = _step_gradients(packed, trajectories, advantages)
+    for name, gradient in want.items():
+        torch.testing.assert_close(got[name], gradient, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_only_a_single_path_counts_as_a_chain():
+    assert pack_prefix_tree([[1, 2, 3]]).is_chain()
+    assert pack_prefix_tree([[1, 2], [1, 2, 3, 4], [1, 2, 3]]).is_chain()  # nested prefixes
+    assert not pack_prefix_tree([[1, 2, 3], [1, 2, 4]]).is_chain()
+    assert not pack_prefix_tree([[1, 2], [3, 4]]).is_chain()
 
 
 def test_packing_refuses_attention_that_would_ignore_the_mask():
