@@ -420,6 +420,10 @@ class WeightSender:
                     # A server that refuses may drop its end of the group first, so the
                     # broadcast can break before its answer arrives; the refusal is the cause.
                     self._raise_refusal(route, what, pending, grace_s=_REFUSAL_GRACE_S)
+                    if pending:  # the servers still inside the call: where to look first
+                        raise WeightSyncError(
+                            f"{broken}; servers not answering: {', '.join(sorted(pending))}"
+                        ) from broken
                     raise broken
             if work_done and not pending:
                 return
@@ -445,7 +449,8 @@ class WeightSender:
         if grace_s > 0 and pending:
             wait(pending.values(), timeout=grace_s)
         for url, call in list(pending.items()):
-            if call.done():
+            # A call that timed out is a silent server, not a refusal: the deadline names it.
+            if call.done() and not isinstance(call.exception(), httpx.TimeoutException):
                 del pending[url]
                 failure = _failure(call)
                 if failure is not None:

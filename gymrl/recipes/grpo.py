@@ -282,10 +282,10 @@ class GRPORecipe:
     def _on_cleanup(self, what: str, close: Callable[[], object]) -> None:
         self._closers.callback(close_reporting_failure, what, close)
 
-    def _resume(self) -> tuple[int, int]:
+    def _resume(self) -> tuple[int, DataState]:
         """The step and data state to start from: 0 and the first row, or a checkpoint's."""
         if not self.config.resume:
-            return 0, 0
+            return 0, DataState(0)
         checkpoint, rejected = latest_verified_checkpoint(self.checkpoint_dir)
         for problem in rejected:
             log.warning(f"skipping a damaged checkpoint: {problem}")

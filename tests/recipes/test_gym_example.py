@@ -3,6 +3,8 @@ NeMo-Gym's own example environments (stock simple_agent and vllm_model servers, 
 Gym's venv). Needs `.venv-gym` (`make gym-venv`, which .ci/run runs before the slow suite) and
 several minutes on two cores: `slow`."""
 
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -47,3 +49,41 @@ def _processes_mentioning(text: str) -> list[str]:
         if text in command:
             found.append(command)
     return found
+
+
+def test_a_gym_row_longer_than_the_context_is_named_counted_and_skipped(tmp_path):
+    """Gym's own example_multi_step row (a system prompt of about 3,400 tokens as SmolLM2's
+    template renders it, against its 2,048-token context) first, then the example rows: the
+    run names the row, its agent, its prompt tokens and the context, counts it, skips it and
+    trains on the others, instead of stopping with a result without token ids (what the
+    vllm_model adapter makes of the policy server's 400) or failing it after every retry."""
+    if not (ROOT / ".venv-gym" / "bin" / "ng_run").is_file():
+        pytest.fail("NeMo-Gym's venv is missing: run `make gym-venv` first")
+    (gym_rows,) = (ROOT / ".venv-gym" / "lib").glob("python3*/site-packages/resources_servers")
+    (long_row,) = [
+        json.loads(line)
+        for line in (gym_rows / "example_multi_step/data/example.jsonl").read_text().splitlines()
+    ][:1]
+    long_row |= {"id": "gym-multi-step-0", "agent_ref": {"name": AGENTS[0]}}
+    data = tmp_path / "rows.jsonl"
+    ours = (ROOT / "data/gym_example/train.jsonl").read_text()
+    data.write_text(json.dumps(long_row) + "\n" + ours)
+    out = tmp_path / "run"
+    done = run_recipe(
+        out,
+        "+experiment=gym_example",
+        "grpo.num_steps=1",
+        "grpo.async_enabled=false",
+        f"env.data.train_jsonl={data}",
+        timeout=1500,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    (record,) = read_metrics(out)
+    assert record["rollout/prompt_too_long_total"] == 1.0
+    assert record["rollout/failures_total"] == 0.0
+    log = (out / "grpo.log").read_text()
+    assert re.search(
+        rf"skipping row 0 for the rest of the run: row 'gym-multi-step-0' \(agent '{AGENTS[0]}'\):"
+        r" its prompt is \d{4} tokens, no fewer than the policy server's context of 2048 tokens",
+        log,
+    ), log[-3000:]

@@ -2,6 +2,7 @@
 collection stops making progress ends with a message that names each role's wait, instead of
 idling until the longest deadline. Minutes per case on two cores, so `slow`."""
 
+import json
 import os
 import signal
 import subprocess
@@ -70,3 +71,37 @@ def test_a_frozen_gym_shard_trips_the_watchdog_naming_what_each_role_waited_on(t
     while (left := marked_processes(marker)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert left == [], f"processes left: {[(p.pid, p.name()) for p in left]}"
+
+
+@pytest.mark.parametrize("async_enabled", [False, True], ids=["sync", "async"])
+def test_a_run_longer_than_its_data_goes_on_into_the_next_pass(tmp_path, async_enabled):
+    """Two rows per agent (four in all) and 3 steps of 4 prompts: every step after the first is
+    a further pass over the data (reshuffled by seed, gymrl/experience/rows.py); nothing waits
+    for a collector that was never restarted. Sync and async."""
+    started = time.monotonic()
+    done = subprocess.run(
+        [
+            sys.executable,
+            "recipes/grpo.py",
+            "+experiment=smoke",
+            "env.data.num_builtin_rows_per_agent=2",
+            "grpo.num_prompts_per_step=4",
+            f"grpo.async_enabled={str(async_enabled).lower()}",
+            "grpo.val_period=0",
+            "grpo.val_at_end=false",
+            "checkpoint.every_n_steps=0",
+            f"run.output_dir={tmp_path}",
+            f"hydra.run.dir={tmp_path}",
+            "logger.progress_bar=false",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    mode = "async" if async_enabled else "sync"
+    print(f"3 passes over 4 rows ({mode}): {time.monotonic() - started:.1f} s")
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in records] == [1, 2, 3]
