@@ -49,13 +49,12 @@ class CudaOnCpu(TorchFunctionMode):
       optimizer's and grad clipping's scalars (`optimizer/optimizer.py`, `optimizer/
       clip_grads.py`), the schedule's token count (`pipeline_parallel/schedules.py`), the
       saver's validation tensor (`dist_checkpointing/strategies/state_dict_saver.py`).
-    - `Tensor.cuda()` and `Tensor.to("cuda")` return the CPU tensor: Bridge's `module.cuda()`
-      (`megatron/bridge/models/model_provider.py`), the optimizer's state moves.
+    - `Tensor.cuda()` and `Tensor.to("cuda")` return the CPU tensor: Bridge's
+      `model_module.cuda(torch.cuda.current_device())` (`megatron/bridge/models/
+      model_provider.py`), the optimizer's state moves (`optimizer/optimizer.py`).
     - `Tensor.type()` answers with the CUDA type name: the fp32 parameter checks of
       `optimizer/distrib_optimizer.py` and `optimizer/optimizer.py` accept only
       `torch.cuda.FloatTensor`.
-    - `pin_memory=True` is dropped (pinning needs a CUDA driver): the distributed checkpoint's
-      staging copies.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -67,8 +66,6 @@ class CudaOnCpu(TorchFunctionMode):
             return name.replace("torch.", "torch.cuda.", 1) if ".cuda." not in name else name
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = CPU
-        if kwargs.get("pin_memory"):
-            kwargs["pin_memory"] = False
         if func is torch.Tensor.to:
             args = tuple(CPU if _is_cuda(arg) else arg for arg in args)
         return func(*args, **kwargs)
