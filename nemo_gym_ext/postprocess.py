@@ -50,6 +50,7 @@ WITHHELD_FLAG = "noncontiguous_withheld"
 MALFORMED_FLAG = "malformed_sample"
 TURNS_FIELD = "trainable_turns"
 GENERATED_TOKENS_FIELD = "generated_tokens"
+LONGEST_CALL_FIELD = "longest_call_tokens"
 _WINDOW = 8
 _ROW_ID_FIELDS = ("id", "task_id", "instance_id")
 
@@ -138,8 +139,10 @@ def postprocess_gym_result(
     `message_log` alternates user-delta entries (`{"role": "user", "token_ids"}`) and assistant
     entries (`{"role": "assistant", "token_ids", "generation_logprobs"}`). `full_result` is a
     shallow copy of `result` with `noncontiguous_truncated`, `noncontiguous_dropped_turns`,
-    `malformed_sample`, `trainable_turns` (model calls trained on) and `generated_tokens` (all
-    set afresh on every call, so they are rates across a batch, for stock Gym results too).
+    `malformed_sample`, `trainable_turns` (model calls trained on), `generated_tokens` and
+    `longest_call_tokens` (the most tokens one model call generated, over every call of the
+    episode, dropped ones included: what the soft overlong penalty measures) (all set afresh on
+    every call, so they are rates across a batch, for stock Gym results too).
     A truncated episode's `full_result` also holds `noncontiguous_dropped_tokens` (the generated
     tokens of the dropped turns, which the token ledger counts) and, for every cause that can be
     told with the given `decode` (`CAUSES` with one, `UNDECODED_CAUSES` without),
@@ -189,6 +192,7 @@ def postprocess_gym_result(
     full_result[MALFORMED_FLAG] = False
     full_result[TURNS_FIELD] = 0
     full_result[GENERATED_TOKENS_FIELD] = 0
+    full_result[LONGEST_CALL_FIELD] = 0
     # A result fed back in must not keep an earlier verdict.
     verdicts = (
         DROPPED_TOKENS_FIELD,
@@ -208,6 +212,8 @@ def postprocess_gym_result(
     _check_reward(result, agent, row_id)
     try:
         turns = _trainable_turns(result, agent, row_id)
+        # Of every call, kept or not: the episode the overlong penalty judges is all of it.
+        full_result[LONGEST_CALL_FIELD] = max(len(turn[2]) for turn in turns)
         withheld = _withheld_turn(result, turns) if server_stops_divergences else None
         if server_stops_divergences:
             full_result[WITHHELD_FLAG] = withheld is not None

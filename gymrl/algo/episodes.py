@@ -63,7 +63,8 @@ class EpisodeRules:
         with `overlong_mask`, its tokens dropped if it hit a limit (a masked episode)."""
         rules = self.loss.episode_rules(trajectory.agent)
         limit = rules.overlong_penalty_limit_tokens or self.default_limit_tokens
-        penalty = overlong_penalty(trajectory.turn_lengths, rules, limit)
+        calls = (*trajectory.turn_lengths, trajectory.longest_call_tokens)
+        penalty = overlong_penalty(calls, rules, limit)
         if rules.overlong_mask and trajectory.overlong:
             return dataclasses.replace(
                 trajectory,

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from nemo_gym_ext.postprocess import LONGEST_CALL_FIELD
 from nemo_gym_ext.wire import agent_name_of
 
 
@@ -34,7 +35,9 @@ class Trajectory:
     version of the weights that generated it (the oldest one, if a refit happened mid-episode);
     the replay buffer bounds staleness with it. `overlong`: some model call of the episode ended
     at its token limit (also when truncation dropped that call); `turn_lengths`: the generated
-    tokens of each model call trained on (what the soft overlong penalty measures).
+    tokens of each model call trained on; `longest_call_tokens`: the most tokens any model call
+    of the whole episode generated (the prefix, its tail segments and a dropped tail alike:
+    what the soft overlong penalty measures, so every trajectory of an episode carries it).
     `length_penalty` is what the episode rules (`gymrl.algo.episodes`) took off its reward for
     the GRPO advantage: `reward` stays the environment's. `segment` is 0 for an episode's own
     trajectory and k for its k-th tail segment (`split_noncontiguous_segments`): a segment
@@ -50,6 +53,7 @@ class Trajectory:
     weight_version: int
     overlong: bool = False
     turn_lengths: tuple[int, ...] = ()
+    longest_call_tokens: int = 0
     length_penalty: float = 0.0
     segment: int = 0
 
@@ -157,6 +161,10 @@ class Trajectory:
             weight_version=weight_version,
             overlong=bool(out["overlong"]),
             turn_lengths=tuple(turn_lengths),
+            # A mapping that did not come through the postprocessor: its own calls are all.
+            longest_call_tokens=int(
+                full_result.get(LONGEST_CALL_FIELD, max(turn_lengths, default=0))
+            ),
             segment=segment,
         )
 

@@ -124,8 +124,9 @@ class RolloutProducer(threading.Thread):
     """Submits rows to a group runner within a credit limit and puts completed groups in a sink.
 
     Credits: the trainer allows groups up to `(step + 1 + lookahead) * prompts_per_step`, so the
-    producer never runs further ahead than the trajectory-age bound makes useful. A group that
-    comes back with fewer than two episodes (no baseline) is dropped and does not use a credit;
+    producer never runs further ahead than the trajectory-age bound makes useful. A group whose
+    baseline would hold fewer than two entries (its episodes, plus its failed ones where the
+    agent's `failed_reward` counts them) is dropped and does not use a credit;
     a group the buffer evicts as stale did use one, and the trainer gives it back in `advance`.
     """
 
@@ -316,7 +317,12 @@ class RolloutProducer(threading.Thread):
     def _accept(
         self, outcome: GroupOutcome, group_id: str, version: int, seconds: float, position: int
     ) -> None:
-        baseline = len(outcome.episodes) >= 2  # without two episodes, another row replaces it
+        # A baseline needs two entries: the episodes, and the failed ones where the agent's
+        # failed_reward counts them (so a lone survivor keeps its group); without, another
+        # row replaces the group.
+        rules = self._rules.loss.episode_rules(outcome.agent)
+        failed = len(outcome.failures) if rules.failed_reward is not None else 0
+        baseline = bool(outcome.episodes) and len(outcome.episodes) + failed >= 2
         results = [episode["full_result"] for episode in outcome.episodes]
         agents = [outcome.agent] * len(results)
         with self._counts_lock:

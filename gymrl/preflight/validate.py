@@ -66,6 +66,7 @@ def validate_config(raw: Mapping[str, Any]) -> RecipeConfig:
         issues.extend(_cross_field_issues(config))
         issues.extend(_text_only_issues(config, shards))
         issues.extend(_stop_on_divergence_issues(config, shards))
+        issues.extend(_split_episode_weight_issues(config, shards))
     if issues:
         raise ConfigError(issues)
     assert config is not None
@@ -625,6 +626,43 @@ def _stop_on_divergence_issues(
         )
         for shard in shards
         if not shard.postprocess.truncate_noncontiguous_episodes
+    ]
+
+
+def _split_episode_weight_issues(
+    config: RecipeConfig, shards: list[GymActorConfig]
+) -> list[ConfigIssue]:
+    """A split episode is one episode (docs/configuration.md, "What the episode is"), but its
+    tail segments are trained as sequences of their own: a loss that weighs or judges each
+    sequence as a whole (a per-sequence mean, a sequence-level importance ratio) would count it
+    once per segment, on a ratio of part of it. Refused until the loss sees episodes."""
+    loss = config.loss
+    whole_sequence = {
+        "loss.token_level_normalization": (
+            False if not loss.token_level_normalization else None,
+            "set loss.token_level_normalization=true",
+        ),
+        "loss.off_policy_correction.mode": (
+            loss.off_policy_correction.mode
+            if loss.off_policy_correction.mode.startswith("sequence_")
+            else None,
+            "use a token mode (token_truncate or token_mask)",
+        ),
+    }
+    return [
+        ConfigIssue(
+            key,
+            value,
+            f"{shard.key_prefix}.split_noncontiguous_segments="
+            f"{shard.postprocess.split_noncontiguous_segments} trains a split episode's tail "
+            "segments as sequences of their own, so this would weigh (or judge) the episode once "
+            "per segment",
+            f"{fix}, or {shard.key_prefix}.split_noncontiguous_segments=0",
+        )
+        for shard in shards
+        if shard.postprocess.split_noncontiguous_segments
+        for key, (value, fix) in whole_sequence.items()
+        if value is not None
     ]
 
 

@@ -257,6 +257,27 @@ def test_failures_counted_as_a_reward_never_stop_the_producer(started):
     assert producer.fatal is None
 
 
+@pytest.mark.parametrize("failed_reward", [None, 0.0])
+def test_a_lone_survivor_keeps_its_group_when_failed_episodes_count_with_a_reward(
+    started, failed_reward
+):
+    """One episode came back, two failed: with loss.episodes.failed_reward the failed ones are
+    its baseline (docs/configuration.md, "What the episode is"); without, the group has none
+    and another row replaces it."""
+    grpo = _grpo(max_age=0, prompts=1)
+    runner = FakeRunner(lambda row, size: _outcome(row, 1, failures=["crashed", "crashed"]))
+    buffer = _buffer(grpo)
+    loss = LossConfig(episodes=EpisodeRulesConfig(failed_reward=failed_reward))
+    producer = started(grpo, runner, buffer, failures=FailureBudget(1000), loss=loss)
+    if failed_reward is None:
+        _eventually(lambda: producer.counts().dropped_groups >= 2)
+        assert buffer.stats()["size"] == 0
+        return
+    (group,) = buffer.get_batch(1, current_step=0, timeout_s=5)
+    assert (len(group.trajectories), group.failed_episodes) == (1, 2)
+    assert producer.counts().dropped_groups == 0
+
+
 def test_a_row_for_an_agent_no_shard_serves_stops_the_run(started):
     grpo, runner = _grpo(), FakeRunner()
     producer = started(grpo, runner, _buffer(grpo), rows=_rows(agent="nobody"))
