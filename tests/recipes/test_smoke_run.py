@@ -110,6 +110,14 @@ def test_smoke_validates_every_second_step_and_at_the_end_on_held_out_rows(smoke
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_healthy_run_logs_its_stall_counters_at_zero(smoke_run):
+    """docs/reliability.md, "Stalls": no prompt refused for its length, no episode attempt past
+    its deadline in a run where nothing stalls; both counters are logged every step."""
+    for record in read_metrics(smoke_run):
+        assert record["rollout/prompt_too_long_total"] == 0.0
+        assert record["rollout/episode_timeouts_total"] == 0.0
+
+
 def test_every_logged_key_is_documented(smoke_run):
     patterns = documented_patterns()
     keys = {key for record in read_metrics(smoke_run) for key in record} - {"step"}
