@@ -29,20 +29,24 @@ from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
+from transformers import PreTrainedModel
 
 from gymrl.generation.torch_engine import TorchGenerationEngine, _DecodeBatch
 from gymrl.generation.types import GenerationRequest, SamplingParams
 from gymrl.model.loading import ensure_smollm2_checkpoint, load_pretrained
 
 VOCAB = 49152
+PATHS = ["transformers", "fused"]
 
 
-def step_weights(model: torch.nn.Module) -> list[torch.Tensor]:
+def step_weights(model: PreTrainedModel) -> list[torch.Tensor]:
     """The weights one decode step reads: every parameter but the token embedding (a step reads
     only the rows of its tokens), which the output layer reads whole when it is tied to it."""
     embedding = model.get_input_embeddings().weight
-    output = model.get_output_embeddings().weight
-    weights = [p for p in model.parameters() if p is not embedding]
+    output_layer = model.get_output_embeddings()
+    assert output_layer is not None
+    output = output_layer.weight
+    weights: list[torch.Tensor] = [p for p in model.parameters() if p is not embedding]
     if output is embedding:
         weights.append(output)
     return weights
@@ -62,13 +66,15 @@ def cache_tensors(batch: _DecodeBatch) -> list[torch.Tensor]:
     return [part.contiguous() for layer in batch.layers for part in layer.cached()]
 
 
-def new_engine(model: torch.nn.Module, batch_size: int) -> TorchGenerationEngine:
+def new_engine(model: PreTrainedModel, batch_size: int, path: str) -> TorchGenerationEngine:
+    """An engine on `model` (shared: the fused path's weight layout serves both paths)."""
     return TorchGenerationEngine(
         model,
         max_batch_size=batch_size,
         compute_dtype="bfloat16",
         prefill_token_budget=512,
         prefix_cache_tokens=0,
+        decode_path=path,  # type: ignore[arg-type]
     )
 
 
@@ -134,15 +140,21 @@ def labelled(method: Callable, label: str) -> Callable:
 def profiled_shares(engine: TorchGenerationEngine, batch: _DecodeBatch, steps: int) -> dict:
     """Self CPU time per step by scope (the model's forward, sampling) and kind of op; a scope's
     own self time is Python and dispatch outside any op."""
-    engine._forward = labelled(engine._forward, "forward")  # type: ignore[method-assign]
-    engine._sample_into = labelled(engine._sample_into, "sampling")  # type: ignore[method-assign]
-    engine._decode_step = labelled(engine._decode_step, "step")  # type: ignore[method-assign]
+    # The forward pass: the model's (transformers path) or the fused step's and output layer's.
+    wrapped = [(engine, "_forward", "forward"), (engine, "_sample_into", "sampling")]
+    wrapped.append((engine, "_decode_step", "step"))
+    if engine._decoder is not None:
+        wrapped += [(engine._decoder, "hidden", "forward"), (engine._decoder, "logits", "forward")]
+    for owner, name, label in wrapped:
+        setattr(owner, name, labelled(getattr(owner, name), label))
     with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             engine._decode_step(batch)
+    for owner, name, _ in wrapped:
+        delattr(owner, name)
     totals: dict[str, float] = defaultdict(float)
     labels = {"forward", "sampling", "step"}
-    for event in prof.events():
+    for event in prof.events() or []:
         scope, parent = None, event
         while parent is not None:
             if parent.name in labels:
@@ -155,7 +167,6 @@ def profiled_shares(engine: TorchGenerationEngine, batch: _DecodeBatch, steps: i
         if event.name == "step" or scope == "step":
             scope = "step (outside forward and sampling)"
         totals[f"{scope}: {kind}"] += event.self_cpu_time_total / 1000 / steps
-    del engine._forward, engine._sample_into, engine._decode_step
     return dict(totals)
 
 
@@ -166,7 +177,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--profile", action="store_true", help="also profile one step per batch")
+    parser.add_argument(
+        "--paths", nargs="+", default=PATHS, choices=PATHS, help="the engine's decode paths to time"
+    )
+    parser.add_argument("--profile", action="store_true", help="also profile each path's step")
     parser.add_argument(
         "--cache-dir", type=Path, default=Path("~/.cache/gym-grpo-recipes/models").expanduser()
     )
@@ -177,15 +191,21 @@ def main() -> None:
     print(f"torch threads {torch.get_num_threads()}; context {args.context} tokens per row")
     results = []
     for batch_size in args.batch_sizes:
-        engine = new_engine(model, batch_size)  # rounds the body's weights once, in place
-        weights = step_weights(model)
-        batch = prefilled_batch(engine, batch_size, args.context, room)
-        cache = cache_tensors(batch)
-        contenders: dict[str, Callable[[], float]] = {
-            "weights streamed": lambda w=weights: streamed_ms(w),
-            "weights + KV cache streamed": lambda w=weights, c=cache: streamed_ms([*w, *c]),
-            "engine step": lambda e=engine, b=batch: decode_ms(e, b, args.steps),
+        # Every engine shares `model` (rounded and laid out once, in place) and starts from the
+        # same prompts.
+        engines = {path: new_engine(model, batch_size, path) for path in args.paths}
+        batches = {
+            path: prefilled_batch(engine, batch_size, args.context, room)
+            for path, engine in engines.items()
         }
+        weights = step_weights(model)
+        cache = cache_tensors(next(iter(batches.values())))
+        contenders: dict[str, Callable[[], float]] = {
+            "weights": lambda w=weights: streamed_ms(w),
+            "weights + KV cache": lambda w=weights, c=cache: streamed_ms([*w, *c]),
+        }
+        for path, engine in engines.items():
+            contenders[path] = lambda e=engine, b=batches[path]: decode_ms(e, b, args.steps)
         times: dict[str, list[float]] = {name: [] for name in contenders}
         for run in contenders.values():
             run()  # warm-up
@@ -197,22 +217,25 @@ def main() -> None:
         cache_mb = sum(c.numel() * c.element_size() for c in cache) / 1e6
         results.append((batch_size, weight_mb, cache_mb, medians))
         if args.profile:
-            shares = profiled_shares(engine, batch, steps=2)
-            print(f"\nprofile, batch {batch_size} (ms of self CPU time per step, under profiler):")
-            for key, ms in sorted(shares.items(), key=lambda item: -item[1]):
-                print(f"  {key:55s} {ms:8.2f}")
-            print(f"  {'total':55s} {sum(shares.values()):8.2f}")
-    print(f"\nms per decode step, median of {args.repeats} x {args.steps} steps")
+            for path, engine in engines.items():
+                shares = profiled_shares(engine, batches[path], steps=2)
+                print(f"\nprofile, {path}, batch {batch_size} (self CPU ms per step, profiled):")
+                for key, ms in sorted(shares.items(), key=lambda item: -item[1]):
+                    print(f"  {key:55s} {ms:8.2f}")
+                print(f"  {'total':55s} {sum(shares.values()):8.2f}")
+    print(f"\nms per decode step, median of {args.repeats} x {args.steps} steps; bound = streaming")
     print(
-        "| batch | weights MB | KV cache MB | bound: weights | bound: weights + cache "
-        "| engine step | step / weights bound |"
+        "| batch | weights MB | KV cache MB | bound: weights | bound: weights + cache | "
+        + " | ".join(f"{path} step (x bound)" for path in args.paths)
+        + " |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:" * (5 + len(args.paths)) + "|")
     for batch_size, weight_mb, cache_mb, medians in results:
-        bound, bound_cache, step = medians.values()
+        bound = medians["weights"]
+        steps = " | ".join(f"{medians[p]:.1f} ({medians[p] / bound:.1f}x)" for p in args.paths)
         print(
-            f"| {batch_size} | {weight_mb:.0f} | {cache_mb:.0f} | {bound:.1f} | {bound_cache:.1f} "
-            f"| {step:.1f} | {step / bound:.1f}x |"
+            f"| {batch_size} | {weight_mb:.0f} | {cache_mb:.0f} | {bound:.1f} "
+            f"| {medians['weights + KV cache']:.1f} | {steps} |"
         )
 
 
