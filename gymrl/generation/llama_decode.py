@@ -2,10 +2,9 @@
 
 A decode step at the engine's batch sizes reads every weight once for little arithmetic, so it
 should cost about the time to stream the weights from memory. Through the Hugging Face model it
-costs several times that (benchmarks/README.md, "Issue 36"): per layer, the model's Python, the
-cache object, mask preparation and autocast add dozens of small ops and copies (autocast copies
-every layer's whole key cache to bfloat16 at every step, since under bfloat16 autocast the
-rotated keys come out float32). This module runs the same computation with the few ops it needs:
+costs several times that (benchmarks/README.md, "Issue 36"): matrix products that re-pack their
+weights at every call, attention that copies the cache, and per layer the model's Python, cache
+object and autocast casts. This module runs the same computation with the few ops it needs:
 
 - the query, key and value projections as one matrix product, and the gate and up projections as
   another (the model's own weights become row views of the fused matrices);
@@ -16,14 +15,20 @@ rotated keys come out float32). This module runs the same computation with the f
   re-packed at every refit (`refresh`);
 - keys and values written straight into the engine's cache buffers, which hold them in the
   compute dtype, what attention reads them in;
-- one attention call per layer over the cache with the query heads grouped by key/value head (no
-  repeated keys), and the rotary tables computed once per step, not per layer.
+- attention written out as two batched matrix products over the *whole* cache buffer (spare
+  columns masked): the query heads that share a key/value head are that head's queries (no
+  repeated keys), and a dense buffer is multiplied in place, where a view of its filled part
+  would be copied at every layer; SDPA's CPU kernel, for one query per head, took several times
+  as long. The scale is folded into the packed query weights, the rotary tables are computed
+  once per step.
 
-Every op that touches a value is the one the model runs, in the same dtype and order (the norms
-in float32, the matrix products in the compute dtype, the rotary embedding in float32 as under
-autocast), so the hidden states come out equal to the model's own decode step, up to how the
-matrix library sums a fused product (the tests compare against the model). Models this does not
-cover (`unsupported_reason`) decode through the model itself.
+Every other op is the one the model runs, in the same dtype and order (the norms in float32, the
+matrix products in the compute dtype, the rotary embedding in float32 as under autocast). In
+float32 the log-probabilities match the model's own step to 1e-6; in bfloat16 attention sums in
+another order than SDPA's kernel (scores rounded to bfloat16 before the softmax), a difference of
+the size of bfloat16 rounding itself, checked against the parity gate's tolerance on SmolLM2
+(tests/gymrl/generation/test_llama_decode.py). Models this does not cover
+(`unsupported_reason`) decode through the model itself.
 """
 
 from __future__ import annotations
@@ -154,11 +159,13 @@ class LlamaDecoder:
     def refresh(self) -> None:
         """Prepare the matrix products' operands from the model's weights as they are now."""
         prepare = self._products.prepare
+        # The queries' rows carry attention's scale (exact when it is a power of two: 1/8 at 64).
+        queries = self._heads * self._head_dim
         with torch.no_grad():
             self._layers = [
                 _Layer(
                     input_norm=layer.input_layernorm.weight,
-                    qkv=prepare(qkv),
+                    qkv=prepare(torch.cat([qkv[:queries] * self._scaling, qkv[queries:]])),
                     output=prepare(layer.self_attn.o_proj.weight),
                     post_norm=layer.post_attention_layernorm.weight,
                     gate_up=prepare(gate_up),
@@ -190,6 +197,7 @@ class LlamaDecoder:
         cos, sin = cos[:, :, None], sin[:, :, None]  # broadcast over heads
         heads, kv_heads, dim = self._heads, self._kv_heads, self._head_dim
         rotated = (heads + kv_heads) * dim
+        mask = self._operand(mask)
         for layer, layer_cache in zip(self._layers, cache, strict=True):
             qkv = self._linear(self._norm(hidden, layer.input_norm), layer.qkv)
             # Queries and keys rotated together: `[batch, 1, heads + kv_heads, head_dim]`.
@@ -198,11 +206,16 @@ class LlamaDecoder:
                 qk[:, 0, heads:, None], qkv[:, rotated:].view(batch, kv_heads, 1, dim)
             )
             keys, values = layer_cache.buffers()
-            # The query heads that share a key/value head, as that head's queries.
-            queries = qk[:, 0, :heads].reshape(batch, kv_heads, -1, dim) * self._scaling
-            scores = torch.matmul(self._operand(queries), self._operand(keys).transpose(-1, -2))
-            weights = torch.softmax(scores + mask, dim=-1, dtype=torch.float32)
-            attended = torch.matmul(self._operand(weights), self._operand(values))
+            # The query heads that share a key/value head, as that head's queries (scaled by the
+            # packed weights).
+            queries = qk[:, 0, :heads].to(
+                self._compute_dtype or qk.dtype, memory_format=torch.contiguous_format
+            )  # dense: the matrix product copies a strided operand
+            queries = queries.view(batch, kv_heads, -1, dim)
+            scores = torch.matmul(queries, self._operand(keys).transpose(-1, -2))
+            # Softmax sums in float32 and rounds the weights to the compute dtype.
+            weights = torch.softmax(scores + mask, dim=-1)
+            attended = torch.matmul(weights, self._operand(values))
             hidden = hidden + self._linear(attended.reshape(batch, heads * dim), layer.output)
             gate, up = self._linear(self._norm(hidden, layer.post_norm), layer.gate_up).split(
                 self._intermediate, dim=-1
@@ -218,10 +231,9 @@ class LlamaDecoder:
         return self._products(self._operand(inputs), weight)
 
     def _norm(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """LlamaRMSNorm's ops in its order: in float32, the result back in the stream's dtype."""
-        wide = hidden.float()
-        variance = wide.pow(2).mean(-1, keepdim=True)
-        return weight * (wide * torch.rsqrt(variance + self._eps)).to(hidden.dtype)
+        """LlamaRMSNorm: in float32, the result back in the stream's dtype, times the weight."""
+        normed = torch.rms_norm(hidden.float(), (hidden.shape[-1],), None, self._eps)
+        return weight * normed.to(hidden.dtype)
 
 
 def _rotate(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -59,6 +59,10 @@ from gymrl.model.precision import (
 )
 
 _SEED_BOUND = 2**62
+# Spare columns a decode batch's cache keeps for the tokens to come. The fused decode step attends
+# over the whole buffer, spare room included (masked), so room costs attention at every step;
+# a batch that fills it grows by as much again, copying its cache once per that many steps.
+_DECODE_ROOM = 64
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +103,9 @@ class _BufferedLayer(DynamicLayer):
         else:
             end = self._length + key_states.shape[-2]
             if end > self._key_buffer.shape[-2]:
-                self._key_buffer = _grown(self._key_buffer, self._length, 2 * end)
-                self._value_buffer = _grown(self._value_buffer, self._length, 2 * end)
+                capacity = end + _DECODE_ROOM
+                self._key_buffer = _grown(self._key_buffer, self._length, capacity)
+                self._value_buffer = _grown(self._value_buffer, self._length, capacity)
             self._key_buffer[:, :, self._length : end] = key_states
             self._value_buffer[:, :, self._length : end] = value_states
             self._length = end
@@ -229,8 +234,9 @@ class _DecodeBatch:
         """Keep rows `keep` (indices into `self.rows`), append `arrivals`, and re-pack the cache.
 
         The new cache is as wide as the longest row (columns that are padding in every row are
-        dropped) and has room for the most tokens any row may still add, so decoding never
-        reallocates; that room holds zeros, so attention may read it (masked) as finite numbers.
+        dropped) and room for the most tokens any row may still add, up to `_DECODE_ROOM` (then
+        it grows by as much again); that room holds zeros, so attention may read it (masked) as
+        finite numbers.
         """
         kept = [self.rows[i] for i in keep]
         rows = kept + [arrival.row for arrival in arrivals]
@@ -239,7 +245,7 @@ class _DecodeBatch:
             return
         width = max(row.cached for row in rows)
         shortest = min(row.cached for row in rows)
-        capacity = width + max(row.remaining for row in rows)
+        capacity = width + min(_DECODE_ROOM, max(row.remaining for row in rows))
         kept_width = max((row.cached for row in kept), default=0)
         keep_index = torch.tensor(list(keep), dtype=torch.long)
         depth = len(self.layers) if self.layers else len(arrivals[0].keys)
