@@ -120,6 +120,12 @@ def main() -> None:
         help="the engine's policy.compute_dtype (generate always runs float32)",
     )
     parser.add_argument(
+        "--decode-path",
+        choices=["auto", "fused", "transformers"],
+        default=TorchGenerationConfig().decode_path,
+        help="the engine's generation.decode_path",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -137,7 +143,10 @@ def main() -> None:
     model = load_pretrained(path, torch.float32)
     stop_ids = {tokenizer.eos_token_id}
     torch.manual_seed(args.seed)
-    print(f"torch threads: {torch.get_num_threads()}, dtype: fp32, new tokens: {args.new_tokens}")
+    print(
+        f"torch threads: {torch.get_num_threads()}, compute dtype: {args.compute_dtype}, "
+        f"decode path: {args.decode_path}, new tokens: {args.new_tokens}"
+    )
 
     rows = []
     for batch_size in args.batch_sizes:
@@ -152,6 +161,7 @@ def main() -> None:
             # Off: the repeats send the same prompts, which the cache would answer from memory;
             # this measures the engine's own prefill and decoding against `generate`'s.
             prefix_cache_tokens=0,
+            decode_path=args.decode_path,
         )
         contenders: dict[str, Callable[[], int]] = {
             "generate": lambda p=prompts: run_generate(model, p, args.new_tokens, stop_ids),

@@ -7,7 +7,9 @@ Both sides load SmolLM2-135M-Instruct as the embedded default does (`build_polic
 (`TorchPolicyTrainer`) recomputes them in one train step (advantages 0, so the weights do not
 move) whose metrics are exactly what the gate reads at a run's first step
 (`gymrl.algo.loss.finish_agent_statistics`). Prints the figures and the gate's verdict against
-`grpo.parity_gate`'s default tolerances.
+`grpo.parity_gate`'s default tolerances, for each of the engine's decode paths
+(`generation.decode_path`: the model's forward, or the fused step of
+gymrl/generation/llama_decode.py).
 
     python benchmarks/bench_parity.py --threads 2
     python benchmarks/bench_parity.py --threads 2 --dtypes float32 --episodes 32
@@ -23,6 +25,7 @@ import torch
 from gymrl.algo.loss import finish_agent_statistics
 from gymrl.algo.trajectory import Trajectory
 from gymrl.config.compose import compose_raw
+from gymrl.config.schema import TorchGenerationConfig
 from gymrl.generation.torch_engine import TorchGenerationEngine
 from gymrl.generation.types import GenerationRequest, SamplingParams
 from gymrl.model.policy import build_policy
@@ -43,8 +46,13 @@ QUESTIONS = [
 ]
 
 
-def figures_for(dtype: str, episodes: int, max_new_tokens: int) -> dict[str, float]:
-    config = validate_config(compose_raw([f"policy.compute_dtype={dtype}"]))
+def figures_for(
+    dtype: str, decode_path: str, episodes: int, max_new_tokens: int
+) -> dict[str, float]:
+    config = validate_config(
+        compose_raw([f"policy.compute_dtype={dtype}", f"generation.decode_path={decode_path}"])
+    )
+    assert isinstance(config.generation, TorchGenerationConfig)
     policy, temperature = config.policy, config.generation.sampling.temperature
     engine_model, tokenizer = build_policy(policy, seed=0)
     trainer_model, _ = build_policy(policy, seed=0)
@@ -56,6 +64,7 @@ def figures_for(dtype: str, episodes: int, max_new_tokens: int) -> dict[str, flo
         compute_dtype=policy.compute_dtype,
         prefill_token_budget=config.generation.prefill_token_budget,
         prefix_cache_tokens=config.generation.prefix_cache_tokens,
+        decode_path=config.generation.decode_path,
     )
     texts = [
         tokenizer.apply_chat_template(
@@ -109,22 +118,32 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--decode-paths",
+        nargs="+",
+        default=["transformers", "fused"],
+        help="the engine's generation.decode_path values to compare",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch threads {torch.get_num_threads()}, {args.episodes} episodes")
     print(
-        "| compute dtype | tokens | mean abs diff | max abs diff | ratio std | ratio min | "
-        "ratio max | gate |"
+        "| compute dtype | decode path | tokens | mean abs diff | max abs diff | ratio std "
+        "| ratio min | ratio max | gate |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
     for dtype in args.dtypes:
-        f = figures_for(dtype, args.episodes, args.max_new_tokens)
-        print(
-            f"| {dtype} (resolved {f['resolved']}) | {f['tokens']:.0f} | "
-            f"{f['logprob_diff/mean']:.2e} | {f['logprob_diff/max']:.2e} | {f['ratio/std']:.2e} | "
-            f"{f['ratio/min']:.4f} | {f['ratio/max']:.4f} | {'pass' if f['passed'] else 'FAIL'} |",
-            flush=True,
-        )
+        for path in args.decode_paths:
+            print_figures(dtype, path, figures_for(dtype, path, args.episodes, args.max_new_tokens))
+
+
+def print_figures(dtype: str, path: str, f: dict[str, float]) -> None:
+    print(
+        f"| {dtype} (resolved {f['resolved']}) | {path} | {f['tokens']:.0f} | "
+        f"{f['logprob_diff/mean']:.2e} | {f['logprob_diff/max']:.2e} | {f['ratio/std']:.2e} | "
+        f"{f['ratio/min']:.4f} | {f['ratio/max']:.4f} | {'pass' if f['passed'] else 'FAIL'} |",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

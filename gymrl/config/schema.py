@@ -294,9 +294,17 @@ class TorchGenerationConfig(Strict):
         "prompt that starts the same way (the episode's next turn; any episode's system prompt) "
         "prefills only the rest (gymrl/generation/prefix_cache.py); least recently used beyond "
         "this, all dropped at a refit; 0 = off. Memory: layers x kv_heads x head_dim x (bytes "
-        "of a key + of a value) per token (SmolLM2-135M: 46 KB in float32, so 16384 tokens are "
-        "about 750 MB; under bfloat16 autocast keys stay float32 and values are bfloat16: 35 "
-        "KB, 560 MB).",
+        "of a key + of a value) per token, in the compute dtype (SmolLM2-135M: 46 KB in "
+        "float32, so 16384 tokens are about 750 MB; 23 KB and 380 MB in bfloat16).",
+    )
+    decode_path: Literal["auto", "fused", "transformers"] = Field(
+        default="auto",
+        description="How the torch engine decodes: fused runs its own decode step for Llama "
+        "models (gymrl/generation/llama_decode.py: fused projections, weights packed once for "
+        "the CPU's matrix library, attention over the cache without copies; the same "
+        "computation, several times faster at one token per row), and refuses another model; "
+        "transformers calls the model's forward at every step; auto is fused where the model "
+        "allows it, else transformers (logged). Prefill always runs the model's forward.",
     )
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     server: TorchModelServerConfig = Field(default_factory=TorchModelServerConfig)

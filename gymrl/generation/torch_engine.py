@@ -28,17 +28,20 @@ How requests run:
 from __future__ import annotations
 
 import inspect
+import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
 
+from gymrl.generation.llama_decode import LlamaDecoder, unsupported_reason
 from gymrl.generation.prefix_cache import CachedPrefix, PrefixCache, plan_prefill
 from gymrl.generation.types import (
     EngineUnavailableError,
@@ -56,6 +59,14 @@ from gymrl.model.precision import (
 )
 
 _SEED_BOUND = 2**62
+# Spare columns a decode batch's cache keeps for the tokens to come. The fused decode step attends
+# over the whole buffer, spare room included (masked), so room costs attention at every step;
+# a batch that fills it grows by as much again, copying its cache once per that many steps.
+_DECODE_ROOM = 64
+
+log = logging.getLogger(__name__)
+
+DecodePath = Literal["auto", "fused", "transformers"]
 
 
 class _BufferedLayer(DynamicLayer):
@@ -71,11 +82,14 @@ class _BufferedLayer(DynamicLayer):
         key_buffer: torch.Tensor | None = None,
         value_buffer: torch.Tensor | None = None,
         length: int = 0,
+        dtype: torch.dtype | None = None,
     ) -> None:
+        """`dtype`: what an empty layer stores its first keys and values in (None: theirs)."""
         super().__init__()
         self._key_buffer = key_buffer
         self._value_buffer = value_buffer
         self._length = length
+        self._dtype = dtype
         if key_buffer is not None:
             self._expose()
 
@@ -83,13 +97,15 @@ class _BufferedLayer(DynamicLayer):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self._key_buffer is None or self._value_buffer is None:
-            self._key_buffer, self._value_buffer = key_states, value_states
+            self._key_buffer = key_states.to(self._dtype or key_states.dtype)
+            self._value_buffer = value_states.to(self._dtype or value_states.dtype)
             self._length = key_states.shape[-2]
         else:
             end = self._length + key_states.shape[-2]
             if end > self._key_buffer.shape[-2]:
-                self._key_buffer = _grown(self._key_buffer, self._length, 2 * end)
-                self._value_buffer = _grown(self._value_buffer, self._length, 2 * end)
+                capacity = end + _DECODE_ROOM
+                self._key_buffer = _grown(self._key_buffer, self._length, capacity)
+                self._value_buffer = _grown(self._value_buffer, self._length, capacity)
             self._key_buffer[:, :, self._length : end] = key_states
             self._value_buffer[:, :, self._length : end] = value_states
             self._length = end
@@ -100,6 +116,14 @@ class _BufferedLayer(DynamicLayer):
         if self._key_buffer is None or self._value_buffer is None:
             raise RuntimeError("this cache layer was read before the model wrote to it")
         return self._key_buffer[:, :, : self._length], self._value_buffer[:, :, : self._length]
+
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole key and value buffers, spare capacity included: dense tensors, which the
+        matrix products of the fused decode step read without copying (a view of the filled
+        part is not). A decode batch's spare capacity holds zeros (`_DecodeBatch.rebuild`)."""
+        if self._key_buffer is None or self._value_buffer is None:
+            raise RuntimeError("this cache layer was read before the model wrote to it")
+        return self._key_buffer, self._value_buffer
 
     def _expose(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Point `keys`/`values` (what the attention code reads) at the filled part."""
@@ -112,7 +136,7 @@ class _BufferedLayer(DynamicLayer):
 def _grown(buffer: torch.Tensor, filled: int, capacity: int) -> torch.Tensor:
     """A copy of `buffer`'s first `filled` columns in a buffer of `capacity` columns."""
     batch, heads, _, dim = buffer.shape
-    bigger = buffer.new_empty(batch, heads, capacity, dim)
+    bigger = buffer.new_zeros(batch, heads, capacity, dim)
     bigger[:, :, :filled] = buffer[:, :, :filled]
     return bigger
 
@@ -202,12 +226,17 @@ class _DecodeBatch:
     def width(self) -> int:
         return self.layers[0].get_seq_length() if self.layers else 0
 
+    @property
+    def capacity(self) -> int:
+        return self.layers[0].buffers()[0].shape[-2] if self.layers else 0
+
     def rebuild(self, keep: Sequence[int], arrivals: Sequence[_Arrival]) -> None:
         """Keep rows `keep` (indices into `self.rows`), append `arrivals`, and re-pack the cache.
 
         The new cache is as wide as the longest row (columns that are padding in every row are
-        dropped) and has room for the most tokens any row may still add, so decoding never
-        reallocates.
+        dropped) and room for the most tokens any row may still add, up to `_DECODE_ROOM` (then
+        it grows by as much again); that room holds zeros, so attention may read it (masked) as
+        finite numbers.
         """
         kept = [self.rows[i] for i in keep]
         rows = kept + [arrival.row for arrival in arrivals]
@@ -216,7 +245,7 @@ class _DecodeBatch:
             return
         width = max(row.cached for row in rows)
         shortest = min(row.cached for row in rows)
-        capacity = width + max(row.remaining for row in rows)
+        capacity = width + min(_DECODE_ROOM, max(row.remaining for row in rows))
         kept_width = max((row.cached for row in kept), default=0)
         keep_index = torch.tensor(list(keep), dtype=torch.long)
         depth = len(self.layers) if self.layers else len(arrivals[0].keys)
@@ -230,6 +259,7 @@ class _DecodeBatch:
                 heads, dim = template.shape[-3], template.shape[-1]
                 buffer = template.new_empty(len(rows), heads, capacity, dim)
                 buffer[:, :, : width - shortest].zero_()
+                buffer[:, :, width:].zero_()
                 if kept:
                     old = getattr(self.layers[layer], name)
                     old_width = old.shape[-2]
@@ -367,6 +397,7 @@ class TorchGenerationEngine:
         prefix_cache_tokens: int,
         weight_version: int = 0,
         compute_dtype: ComputeDtype,
+        decode_path: DecodePath = "transformers",
     ) -> None:
         """`eos_token_ids` end every request (on top of each request's own stop tokens); `seed`
         seeds the generator that draws a seed for every request that brings none;
@@ -374,7 +405,10 @@ class TorchGenerationEngine:
         (its mask is quadratic in that number); `prefix_cache_tokens` bounds the finished rows'
         tokens whose keys and values are kept for reuse (0: none); `compute_dtype` is
         `policy.compute_dtype` (`gymrl.model.precision`: the body under autocast, logits in the
-        weights' dtype)."""
+        weights' dtype); `decode_path` is `generation.decode_path`: `fused` decodes through
+        `gymrl.generation.llama_decode` (Llama models only; another model is refused), `auto`
+        does where the model allows and says so, `transformers` (this constructor's default, the
+        reference the fused step is tested against) calls the model itself at every step."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if prefill_token_budget < 1:
@@ -401,7 +435,11 @@ class TorchGenerationEngine:
         self._device = next(model.parameters()).device
         self._dtype = next(model.parameters()).dtype
         self._compute_dtype = resolve_compute_dtype(compute_dtype, self._device)
+        # Keys and values are kept in the dtype attention reads them in (under bfloat16 autocast
+        # the rotated keys come out float32, and autocast rounds them again at every step).
+        self._cache_dtype = self._compute_dtype or self._dtype
         round_body_matmul_weights(model, self._compute_dtype)
+        self._decoder = self._fused_decoder(model, decode_path)
         output_layer = model.get_output_embeddings()
         if output_layer is None:
             raise ValueError(f"{type(model).__name__} has no output layer (lm_head) to sample from")
@@ -423,6 +461,29 @@ class TorchGenerationEngine:
         self._loop: threading.Thread | None = None
         self._counters = EngineCounters()  # replaced whole under `_schedule`, read from any thread
         self._timeline: list[EngineStep] | None = None  # recorded only when asked for
+
+    def _fused_decoder(self, model: PreTrainedModel, path: DecodePath) -> LlamaDecoder | None:
+        """The fused decode step `path` asks for, if any; `fused` refuses a model it cannot
+        decode, `auto` falls back to the model's own forward and logs why."""
+        if path == "transformers":
+            return None
+        reason = unsupported_reason(model)
+        if reason is None:
+            return LlamaDecoder(model, self._compute_dtype, self._max_batch_size)
+        if path == "fused":
+            raise ValueError(
+                f"generation.decode_path=fused cannot decode {type(model).__name__}: {reason}; "
+                "set generation.decode_path=auto (or transformers) to decode through the model"
+            )
+        log.info(
+            "torch engine: decoding through %s's own forward (%s)", type(model).__name__, reason
+        )
+        return None
+
+    @property
+    def decode_path(self) -> Literal["fused", "transformers"]:
+        """The decode step this engine runs."""
+        return "transformers" if self._decoder is None else "fused"
 
     @property
     def weight_version(self) -> int:
@@ -464,6 +525,8 @@ class TorchGenerationEngine:
             with self._model_lock, torch.no_grad():
                 self._check_version(version)
                 self._model.load_state_dict(state_dict, strict=True)
+                if self._decoder is not None:
+                    self._decoder.refresh()
                 self._prefix_cache.clear()  # computed by the old weights
                 self._version = version
         finally:
@@ -727,7 +790,7 @@ class TorchGenerationEngine:
         """One cache layer per model layer, holding `prefixes` side by side, with room for
         `room` more tokens (empty layers, the model allocates, when there is no prefix)."""
         if not prefixes:
-            return [_BufferedLayer() for _ in range(self._num_layers)]
+            return [_BufferedLayer(dtype=self._cache_dtype) for _ in range(self._num_layers)]
         length = sum(prefix.length for prefix in prefixes)
         layers = []
         for layer in range(self._num_layers):
@@ -764,15 +827,15 @@ class TorchGenerationEngine:
         """Feed every row its last sampled token and sample the next one."""
         width = batch.width + 1
         cached = torch.tensor([row.cached for row in batch.rows], device=self._device)
-        allowed = torch.arange(width, device=self._device) >= (width - 1 - cached)[:, None]
+        # The fused step attends over the whole buffer (dense, see `_BufferedLayer.buffers`).
+        columns = torch.arange(width if self._decoder is None else batch.capacity)
+        allowed = (columns >= (width - 1 - cached)[:, None]) & (columns < width)
         last = torch.tensor([row.token_ids[-1] for row in batch.rows], device=self._device)
-        logits = self._forward(
-            last[:, None],
-            additive_mask(allowed[:, None, None, :], self._dtype),
-            cached[:, None],
-            batch.layers,
-            1,
-        )[:, -1]
+        mask = additive_mask(allowed[:, None, None, :], self._dtype)
+        if self._decoder is None:
+            logits = self._forward(last[:, None], mask, cached[:, None], batch.layers, 1)[:, -1]
+        else:
+            logits = self._decoder.logits(self._decoder.hidden(last, cached, mask, batch.layers))
         self._sample_into(batch.rows, logits)
 
     def _forward(

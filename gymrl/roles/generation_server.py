@@ -207,6 +207,7 @@ def build_torch_backend(
         compute_dtype=config.policy.compute_dtype,
         prefill_token_budget=generation.prefill_token_budget,
         prefix_cache_tokens=generation.prefix_cache_tokens,
+        decode_path=generation.decode_path,
     )
     started.callback(engine.close)
     return EngineBackend(engine, tokenizer, local=engine)

@@ -1,0 +1,243 @@
+"""The torch engine's decode step against the machine's weight-streaming bound, in one run.
+
+A decode step at small batch reads every matmul weight once (and the KV cache once) for very
+little arithmetic, so the least it can cost is the time to stream those bytes from memory. This
+script measures that bound on the machine, with the engine's thread count, by summing every
+weight tensor a step reads, in the dtype the engine stores it (viewed as float32: a pure
+streaming read), and the KV cache's bytes the same way; then it times the engine's own decode step
+(`TorchGenerationEngine._decode_step`, the loop's compute for one token per row) on
+SmolLM2-135M-Instruct at each batch size, rows of `--context` random prompt tokens, and
+optionally profiles one step (`--profile`): where its time goes, by kind of op, and how much is
+Python and dispatch outside any op.
+
+    python benchmarks/bench_decode_bound.py --threads 2
+    python benchmarks/bench_decode_bound.py --threads 2 --profile --batch-sizes 1 8 16
+
+Figures are medians of `--repeats` timings of `--steps` decode steps each; the bound and the
+steps alternate so that a shared machine's drift hits both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+from transformers import PreTrainedModel
+
+from gymrl.generation.torch_engine import TorchGenerationEngine, _DecodeBatch
+from gymrl.generation.types import GenerationRequest, SamplingParams
+from gymrl.model.loading import ensure_smollm2_checkpoint, load_pretrained
+
+VOCAB = 49152
+PATHS = ["transformers", "fused"]
+
+
+def step_weights(model: PreTrainedModel) -> list[torch.Tensor]:
+    """The weights one decode step reads: every parameter but the token embedding (a step reads
+    only the rows of its tokens), which the output layer reads whole when it is tied to it."""
+    embedding = model.get_input_embeddings().weight
+    output_layer = model.get_output_embeddings()
+    assert output_layer is not None
+    output = output_layer.weight
+    weights: list[torch.Tensor] = [p for p in model.parameters() if p is not embedding]
+    if output is embedding:
+        weights.append(output)
+    return weights
+
+
+def streamed_ms(tensors: Sequence[torch.Tensor]) -> float:
+    """Milliseconds to read every byte of `tensors` once (a float32 sum over each)."""
+    views = [t.detach().reshape(-1).view(torch.float32) for t in tensors]
+    started = time.perf_counter()
+    for view in views:
+        view.sum()
+    return (time.perf_counter() - started) * 1000
+
+
+def cache_tensors(batch: _DecodeBatch) -> list[torch.Tensor]:
+    """The filled part of the batch's keys and values, what attention reads in one step."""
+    return [part.contiguous() for layer in batch.layers for part in layer.cached()]
+
+
+def new_engine(model: PreTrainedModel, batch_size: int, path: str) -> TorchGenerationEngine:
+    """An engine on `model` (shared: the fused path's weight layout serves both paths)."""
+    return TorchGenerationEngine(
+        model,
+        max_batch_size=batch_size,
+        compute_dtype="bfloat16",
+        prefill_token_budget=512,
+        prefix_cache_tokens=0,
+        decode_path=path,  # type: ignore[arg-type]
+    )
+
+
+def prefilled_batch(
+    engine: TorchGenerationEngine, batch_size: int, context: int, room: int
+) -> _DecodeBatch:
+    """`batch_size` rows of `context` random tokens, prefilled, with room for `room` more."""
+    generator = torch.Generator().manual_seed(batch_size)
+    params = SamplingParams(max_new_tokens=room, temperature=1.0, top_p=1.0, seed=0)
+    rows = []
+    for _ in range(batch_size):
+        prompt = torch.randint(0, VOCAB, (context,), generator=generator).tolist()
+        future: Future = Future()
+        future.set_running_or_notify_cancel()
+        rows.append(engine._new_row(GenerationRequest(prompt, params), future))
+    batch = _DecodeBatch()
+    with torch.inference_mode():
+        batch.rebuild([], engine._prefill(rows))
+    return batch
+
+
+def decode_ms(engine: TorchGenerationEngine, batch: _DecodeBatch, steps: int) -> float:
+    """Milliseconds per decode step over `steps` steps."""
+    with torch.inference_mode():
+        started = time.perf_counter()
+        for _ in range(steps):
+            engine._decode_step(batch)
+        return (time.perf_counter() - started) / steps * 1000
+
+
+# Op name -> kind, for the profile; anything else is "other ops" (elementwise, norms, views).
+KINDS = {
+    "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn", "aten::_mkl", "aten::linear"),
+    "attention": ("aten::_scaled_dot_product", "aten::scaled_dot_product", "aten::_softmax"),
+    "copies": (
+        "aten::copy_",
+        "aten::_to_copy",
+        "aten::cat",
+        "aten::index",
+        "aten::clone",
+        "aten::contiguous",
+        "aten::slice_scatter",
+        "aten::masked_fill",
+    ),
+}
+
+
+def kind_of(name: str) -> str:
+    for kind, prefixes in KINDS.items():
+        if name.startswith(prefixes):
+            return kind
+    return "other ops"
+
+
+def labelled(method: Callable, label: str) -> Callable:
+    def wrapped(*args: object, **kwargs: object) -> object:
+        with record_function(label):
+            return method(*args, **kwargs)
+
+    return wrapped
+
+
+def profiled_shares(engine: TorchGenerationEngine, batch: _DecodeBatch, steps: int) -> dict:
+    """Self CPU time per step by scope (the model's forward, sampling) and kind of op; a scope's
+    own self time is Python and dispatch outside any op."""
+    # The forward pass: the model's (transformers path) or the fused step's and output layer's.
+    wrapped = [(engine, "_forward", "forward"), (engine, "_sample_into", "sampling")]
+    wrapped.append((engine, "_decode_step", "step"))
+    if engine._decoder is not None:
+        wrapped += [(engine._decoder, "hidden", "forward"), (engine._decoder, "logits", "forward")]
+    for owner, name, label in wrapped:
+        setattr(owner, name, labelled(getattr(owner, name), label))
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine._decode_step(batch)
+    for owner, name, _ in wrapped:
+        delattr(owner, name)
+    totals: dict[str, float] = defaultdict(float)
+    labels = {"forward", "sampling", "step"}
+    for event in prof.events() or []:
+        scope, parent = None, event
+        while parent is not None:
+            if parent.name in labels:
+                scope = parent.name
+                break
+            parent = parent.cpu_parent
+        if scope is None:
+            continue
+        kind = "python + dispatch" if event.name in labels else kind_of(event.name)
+        if event.name == "step" or scope == "step":
+            scope = "step (outside forward and sampling)"
+        totals[f"{scope}: {kind}"] += event.self_cpu_time_total / 1000 / steps
+    return dict(totals)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 16])
+    parser.add_argument("--context", type=int, default=400, help="prompt tokens per row")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--paths", nargs="+", default=PATHS, choices=PATHS, help="the engine's decode paths to time"
+    )
+    parser.add_argument("--profile", action="store_true", help="also profile each path's step")
+    parser.add_argument(
+        "--cache-dir", type=Path, default=Path("~/.cache/gym-grpo-recipes/models").expanduser()
+    )
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model = load_pretrained(ensure_smollm2_checkpoint(args.cache_dir), torch.float32)
+    room = args.steps * (args.repeats + 1) + 4
+    print(f"torch threads {torch.get_num_threads()}; context {args.context} tokens per row")
+    results = []
+    for batch_size in args.batch_sizes:
+        # Every engine shares `model` (rounded and laid out once, in place) and starts from the
+        # same prompts.
+        engines = {path: new_engine(model, batch_size, path) for path in args.paths}
+        batches = {
+            path: prefilled_batch(engine, batch_size, args.context, room)
+            for path, engine in engines.items()
+        }
+        weights = step_weights(model)
+        cache = cache_tensors(next(iter(batches.values())))
+        contenders: dict[str, Callable[[], float]] = {
+            "weights": lambda w=weights: streamed_ms(w),
+            "weights + KV cache": lambda w=weights, c=cache: streamed_ms([*w, *c]),
+        }
+        for path, engine in engines.items():
+            contenders[path] = lambda e=engine, b=batches[path]: decode_ms(e, b, args.steps)
+        times: dict[str, list[float]] = {name: [] for name in contenders}
+        for run in contenders.values():
+            run()  # warm-up
+        for _ in range(args.repeats):
+            for name, run in contenders.items():
+                times[name].append(run())
+        medians = {name: statistics.median(values) for name, values in times.items()}
+        weight_mb = sum(w.numel() * w.element_size() for w in weights) / 1e6
+        cache_mb = sum(c.numel() * c.element_size() for c in cache) / 1e6
+        results.append((batch_size, weight_mb, cache_mb, medians))
+        if args.profile:
+            for path, engine in engines.items():
+                shares = profiled_shares(engine, batches[path], steps=2)
+                print(f"\nprofile, {path}, batch {batch_size} (self CPU ms per step, profiled):")
+                for key, ms in sorted(shares.items(), key=lambda item: -item[1]):
+                    print(f"  {key:55s} {ms:8.2f}")
+                print(f"  {'total':55s} {sum(shares.values()):8.2f}")
+    print(f"\nms per decode step, median of {args.repeats} x {args.steps} steps; bound = streaming")
+    print(
+        "| batch | weights MB | KV cache MB | bound: weights | bound: weights + cache | "
+        + " | ".join(f"{path} step (x bound)" for path in args.paths)
+        + " |"
+    )
+    print("|---:" * (5 + len(args.paths)) + "|")
+    for batch_size, weight_mb, cache_mb, medians in results:
+        bound = medians["weights"]
+        steps = " | ".join(f"{medians[p]:.1f} ({medians[p] / bound:.1f}x)" for p in args.paths)
+        print(
+            f"| {batch_size} | {weight_mb:.0f} | {cache_mb:.0f} | {bound:.1f} "
+            f"| {medians['weights + KV cache']:.1f} | {steps} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
