@@ -62,6 +62,13 @@ ALLOWED = {
     "(join_weight_update_group): it fails at that deadline",
     (
         "gymrl/generation/weight_sync.py",
+        "_broadcast_bucket",
+        "work.wait",
+    ): "runs on the sender's pool thread while its caller waits with generation.refit.timeout_s "
+    "(WeightSender._await); the group itself was made with that timeout, so the broadcast fails "
+    "at it too",
+    (
+        "gymrl/generation/weight_sync.py",
         "_finished",
         "work.wait",
     ): "called only after work.is_completed(): returns at once, or raises what failed it",

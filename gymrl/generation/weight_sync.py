@@ -532,7 +532,8 @@ class WeightSender:
 
 def _broadcast_bucket(group: Any, flat: torch.Tensor) -> None:
     """Broadcast one bucket from rank 0 and wait for it (on a pool thread)."""
-    start_broadcast(group, flat).wait()
+    work = start_broadcast(group, flat)
+    work.wait()
 
 
 def _finished(work: Any, route: str, what: str) -> bool:
