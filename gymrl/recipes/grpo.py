@@ -11,8 +11,9 @@ the producer makes exactly one step's groups, then waits for the trainer and the
 
 Nothing waits without a deadline: the trainer's wait for a batch is bounded by
 `grpo.batch_timeout_s`; every episode by `env.rollout.run_timeout_s`. A failed episode is retried
-`env.rollout.max_retries` times, then counted against `env.rollout.failure_budget`; past it, or on
-a contiguity/malformed-result error (never retried), the run stops with the cause.
+`env.rollout.max_retries` times, then counted against `env.rollout.failure_budget` and
+`env.rollout.failure_rate` (not with `env.rollout.on_episode_error=reward`); past them, or on a
+contiguity/malformed-result error (never retried), the run stops with the cause.
 """
 
 from __future__ import annotations

@@ -153,6 +153,7 @@ def test_postprocessed_batch_has_exactly_the_documented_keys(episode_builder, tu
         "malformed_sample",
         "trainable_turns",
         "generated_tokens",
+        "longest_call_tokens",
         "overlong",
     )
     reductions = ("mean", "min", "max")

@@ -226,3 +226,15 @@ def test_a_tool_answer_to_an_earlier_call_and_a_max_tokens_beyond_the_context_ar
     assert huge.status_code == 200, huge.text[:300]
     usage = huge.json()["usage"]
     assert usage["total_tokens"] <= 256  # the server's max_context_tokens
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_parsed(client):
+    """The server's body limit (generation.server.max_request_bytes; 1 MB here) answers 413 from
+    the declared length, before a byte is parsed or tokenised: 2 MB of text that would take
+    seconds to tokenise and then not fit the context."""
+    body = {**VALID, "messages": [{"role": "user", "content": "x " * 1_000_000}]}
+    response = _post(client, body)
+    assert response.status_code == 413, response.text[:300]
+    error = response.json()["error"]
+    assert error["param"] == "body" and "1000000" in error["message"]
+    _serves(client)
