@@ -23,7 +23,7 @@ train: install
 test: install lint
 	$(PYTHON) -m pytest
 
-test-slow: gym-venv
+test-slow: gym-venv sglang-venv
 	$(PYTHON) -m pytest -m slow
 
 # NeMo-Gym's own environment, for env=gym_launch (docs/environments.md): its servers run as

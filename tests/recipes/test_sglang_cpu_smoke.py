@@ -6,6 +6,7 @@ Marked `slow` and `sglang_cpu`: `.ci/run` builds the venv before the slow suite.
 """
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -46,5 +47,7 @@ def test_the_real_server_serves_a_training_run_refit_every_step(tmp_path):
     assert records[0]["parity/passed"] == 1  # the real server's log-probs are the trainer's
     for record in records:
         assert record["async/weight_version"] == record["step"]  # refit after every step
-        assert record["train/loss"] != 0 and record["train/num_tokens"] > 0
+        # The loss is 0 when every group's rewards tie (2 episodes per group of an untrained
+        # model often do), so only that it was computed over trained tokens is asserted.
+        assert math.isfinite(record["train/loss"]) and record["train/num_tokens"] > 0
         assert record["perf/generated_tokens_per_s"] > 0
