@@ -107,8 +107,14 @@ def decode_ms(engine: TorchGenerationEngine, batch: _DecodeBatch, steps: int) ->
 
 # Op name -> kind, for the profile; anything else is "other ops" (elementwise, norms, views).
 KINDS = {
-    "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn", "aten::_mkl", "aten::linear"),
-    "attention": ("aten::_scaled_dot_product", "aten::scaled_dot_product", "aten::_softmax"),
+    "matmul": ("aten::mm", "aten::addmm", "mkldnn", "aten::_mkl", "aten::linear"),
+    # SDPA (the model's), or the fused step's two batched products and softmax.
+    "attention": (
+        "aten::_scaled_dot_product",
+        "aten::scaled_dot_product",
+        "aten::_softmax",
+        "aten::bmm",
+    ),
     "copies": (
         "aten::copy_",
         "aten::_to_copy",
