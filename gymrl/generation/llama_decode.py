@@ -106,7 +106,11 @@ class _Products:
     that has it (for `batch_size` rows), as they are elsewhere."""
 
     def __init__(self, device: torch.device, batch_size: int) -> None:
-        self._packed = device.type == "cpu" and torch.backends.mkldnn.is_available()
+        self._packed = (
+            device.type == "cpu"
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")  # a private op of torch's
+        )
         self._batch_size = batch_size
 
     def prepare(self, weight: torch.Tensor) -> torch.Tensor:

@@ -110,6 +110,22 @@ def test_fused_decoding_matches_the_models_own_in_float32(tokenizer, prompts, te
         torch.testing.assert_close(torch.tensor(mine.logprobs), expected, atol=1e-4, rtol=0)
 
 
+def test_without_onednn_the_fused_step_multiplies_the_plain_weights(
+    tokenizer, prompts, monkeypatch
+):
+    """Where the weights cannot be packed (no oneDNN; a GPU), the same step runs on them as
+    they are."""
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    reference = gqa_llama(tokenizer, seed=0)
+    fused = make_engine(copy.deepcopy(reference))
+    assert fused._decoder is not None and not fused._decoder._products._packed
+    requests = requests_for(prompts, 1.0)
+    plain = make_engine(reference, "transformers").generate(requests)
+    for mine, theirs in zip(fused.generate(requests), plain, strict=True):
+        assert mine.token_ids == theirs.token_ids
+        torch.testing.assert_close(mine.logprobs, theirs.logprobs, atol=1e-5, rtol=0)
+
+
 def test_fused_decoding_in_bfloat16_is_the_trainers_recomputation(tokenizer, prompts):
     """Under bfloat16 the fused step rounds where the model's step does, but its attention sums in
     another order: within the rounding that separates cached decoding from one pass anyway."""
