@@ -75,7 +75,7 @@ $(SGLANG_VENV)/.installed-$(SGLANG_VERSION): locks/sglang.txt
 	$(SGLANG_VENV)/bin/pip install --no-deps sglang==$(SGLANG_VERSION)
 	touch $@
 
-# The Megatron trainer on this CPU (tests marked megatron_cpu, `.ci/run`; docs/cluster.md):
+# The Megatron trainer on this CPU (tests marked megatron, `.ci/run`; docs/cluster.md):
 # megatron-core and Megatron-Bridge over gloo with the CPU role's torch. The venv sees the CPU
 # role's packages (--system-site-packages: its torch 2.13.0 CPU build, Ray, pytest, the recipe's
 # own dependencies) and adds only Megatron's layer at the exact versions of locks/megatron.txt
@@ -84,7 +84,7 @@ $(SGLANG_VENV)/.installed-$(SGLANG_VERSION): locks/sglang.txt
 # (Bridge's ceiling) with the tokenizers and huggingface-hub it accepts (all three shadow the CPU
 # role's newer ones), triton (imported by megatron-core's schedules at import time), einops,
 # and nvidia-modelopt with pulp (Bridge's Hugging Face export imports them). `pip check` lists
-# the GPU extras as missing; the tests are the check. About 40 s and 1.2 GB (triton: 0.9 GB).
+# the GPU extras as missing; the tests are the check. 40-75 s and 1.2 GB (triton: 0.9 GB).
 MEGATRON_VENV ?= .venv-megatron
 MEGATRON_PACKAGES := megatron-core megatron-bridge transformers tokenizers huggingface-hub \
 	triton einops nvidia-modelopt pulp

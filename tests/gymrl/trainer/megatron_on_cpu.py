@@ -42,14 +42,16 @@ def _is_cuda(device: Any) -> bool:
 class CudaOnCpu(TorchFunctionMode):
     """Every torch call that asks for a CUDA tensor gets a CPU one.
 
-    - `device="cuda"` / `torch.cuda.current_device()` keywords: the causal mask
-      (`megatron/core/transformer/utils.py` get_default_causal_mask, taken when the mask is None,
-      as the trainer passes it), rotary `inv_freq` (`models/common/embeddings/
+    - `device="cuda"` / `device=torch.cuda.current_device()` keywords, `Tensor.to`'s included:
+      the causal mask (`megatron/core/transformer/utils.py` get_default_causal_mask, taken when
+      the mask is None, as the trainer passes it), rotary `inv_freq` (`models/common/embeddings/
       rotary_pos_embedding.py`), DDP's grad buffers (`distributed/param_and_grad_buffer.py`), the
       optimizer's and grad clipping's scalars (`optimizer/optimizer.py`, `optimizer/
       clip_grads.py`), the schedule's token count (`pipeline_parallel/schedules.py`), the
       saver's validation tensor (`dist_checkpointing/strategies/state_dict_saver.py`).
-    - `Tensor.cuda()` and `Tensor.to("cuda")` return the CPU tensor: Bridge's
+    - `Tensor.to(torch.cuda.current_device())` stays on the CPU: Bridge's TP scatter of the
+      Hugging Face weights (`megatron/bridge/models/conversion/param_mapping.py`, TP > 1).
+    - `Tensor.cuda()` returns the CPU tensor: Bridge's
       `model_module.cuda(torch.cuda.current_device())` (`megatron/bridge/models/
       model_provider.py`), the optimizer's state moves (`optimizer/optimizer.py`).
     - `Tensor.type()` answers with the CUDA type name: the fp32 parameter checks of
@@ -72,8 +74,9 @@ class CudaOnCpu(TorchFunctionMode):
 
 
 class _Stream:
-    """`torch.cuda.Stream` on the CPU: work is already ordered. DDP makes one
-    (`distributed/distributed_data_parallel.py`), the schedules and the optimizer wait on them."""
+    """`torch.cuda.Stream` on the CPU, where work is already in order: DDP's communication
+    stream (`distributed/distributed_data_parallel.py`) that the grad buffers
+    (`distributed/param_and_grad_buffer.py`) enter and wait on."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         del args, kwargs
@@ -84,47 +87,10 @@ class _Stream:
     def wait_event(self, event: Any) -> None:
         del event
 
-    def record_event(self, event: Any = None) -> _Event:
-        return event if event is not None else _Event()
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-
-class _Event:
-    """`torch.cuda.Event` on the CPU (the timers of `megatron/core/utils.py`, the schedules)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        del args, kwargs
-
-    def record(self, stream: Any = None) -> None:
-        del stream
-
-    def wait(self, stream: Any = None) -> None:
-        del stream
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def elapsed_time(self, other: Any) -> float:
-        del other
-        return 0.0
-
 
 def _cpu_rng_state(device: Any = "cuda") -> torch.Tensor:
     del device
     return torch.get_rng_state()
-
-
-def _set_cpu_rng_state(state: torch.Tensor, device: Any = "cuda") -> None:
-    del device
-    torch.set_rng_state(state)
 
 
 def _seed_cpu(seed: int) -> None:
@@ -192,16 +158,13 @@ def _patch_torch_cuda(patches: _Patches) -> None:
     patches.set(cuda, "set_device", lambda device: None)
     patches.set(cuda, "synchronize", lambda device=None: None)
     patches.set(cuda, "Stream", _Stream)
-    patches.set(cuda, "Event", _Event)
     patches.set(cuda, "current_stream", lambda device=None: _Stream())
-    patches.set(cuda, "default_stream", lambda device=None: _Stream())
     patches.set(cuda, "stream", lambda stream=None: contextlib.nullcontext())
     # The RNG tracker (`tensor_parallel/random.py`: model_parallel_cuda_manual_seed and the
     # tracker's fork, which `transformer/dot_product_attention.py` and the weight init enter):
     # the CPU generator is the device generator of CPU tensors.
     patches.set(cuda, "manual_seed", _seed_cpu)
     patches.set(cuda, "get_rng_state", _cpu_rng_state)
-    patches.set(cuda, "set_rng_state", _set_cpu_rng_state)
     patches.set(cuda.random, "get_rng_state", _cpu_rng_state)
     patches.set(cuda, "default_generators", (torch.default_generator,))
     patches.set(cuda, "_lazy_call", _run_now)

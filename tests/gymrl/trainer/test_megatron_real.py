@@ -107,8 +107,8 @@ def test_megatron_train_step(tiny_trainer):
 
 def test_megatron_resumed_step_equals_the_uninterrupted_one(tiny_trainer, tmp_path):
     """Save, step (the uninterrupted run), step again, load, step: the resumed step gives the
-    uninterrupted one's metrics and weights, bit for bit (weights, Adam's moments and step
-    count, the scheduler and the RNG all come back through `dist_checkpointing`)."""
+    uninterrupted one's metrics and weights, bit for bit on the CPU (weights, Adam's moments and
+    step count, the scheduler and the RNG all come back through `dist_checkpointing`)."""
     trainer, _, hf_model = tiny_trainer
     trajectories, advantages = megatron_batch(hf_model.config.vocab_size)
     # Megatron's optimizer without Transformer Engine or Apex saves its state only once it has
@@ -126,9 +126,15 @@ def test_megatron_resumed_step_equals_the_uninterrupted_one(tiny_trainer, tmp_pa
     assert state["weight_version"] == version == trainer.weight_version
     restored = trainer.export_weights()
     assert [name for name in saved if not torch.equal(saved[name], restored[name])] == []
-    assert trainer.train_step(trajectories, advantages) == uninterrupted
+    resumed_metrics = trainer.train_step(trajectories, advantages)
     resumed = trainer.export_weights()
-    assert [name for name in expected if not torch.equal(expected[name], resumed[name])] == []
+    if DEVICE == "cpu":
+        assert resumed_metrics == uninterrupted
+        assert [name for name in expected if not torch.equal(expected[name], resumed[name])] == []
+    else:  # CUDA's atomic adds (the embedding's backward among them) may reorder sums
+        assert resumed_metrics == pytest.approx(uninterrupted, rel=1e-5)
+        for name, tensor in expected.items():
+            torch.testing.assert_close(resumed[name], tensor, rtol=1e-5, atol=1e-7)
 
 
 def test_megatron_hf_checkpoint_reloads_in_transformers(tiny_trainer, tmp_path):
