@@ -3,7 +3,7 @@
 PYTHON ?= python
 
 .PHONY: install train test test-slow test-gpu test-gpu-quick envs-lock envs-check lint format gym-venv \
-	sglang-venv megatron-venv
+	sglang-venv megatron-venv test-sglang test-megatron
 
 # Installing is skipped while the stamp is newer than what defines the environment.
 INSTALL_STAMP := .make/installed
@@ -99,6 +99,14 @@ $(MEGATRON_VENV)/.installed: locks/megatron.txt Makefile
 
 test-gpu:
 	$(PYTHON) -m pytest -m gpu
+
+# The flagship's libraries for real on this CPU (docs/cluster.md): the SGLang server's tests
+# (the end-to-end run against it is in test-slow), and the Megatron trainer's in its own venv.
+test-sglang: install sglang-venv
+	$(PYTHON) -m pytest -m 'sglang_cpu and not slow'
+
+test-megatron: install megatron-venv
+	$(MEGATRON_VENV)/bin/python -m pytest -m megatron
 
 # One GPU machine without network: wheels it lacks come from $(WHEELS) (launch/gpu_check/run.sh).
 test-gpu-quick:
