@@ -50,4 +50,4 @@ def test_the_real_server_serves_a_training_run_refit_every_step(tmp_path):
         # The loss is 0 when every group's rewards tie (2 episodes per group of an untrained
         # model often do), so only that it was computed over trained tokens is asserted.
         assert math.isfinite(record["train/loss"]) and record["train/num_tokens"] > 0
-        assert record["perf/generated_tokens_per_s"] > 0
+        assert record["perf/train_tokens_per_s"] > 0
