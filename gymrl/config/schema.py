@@ -302,7 +302,8 @@ class TorchGenerationConfig(Strict):
         description="How the torch engine decodes: fused runs its own decode step for Llama "
         "models (gymrl/generation/llama_decode.py: fused projections, weights packed once for "
         "the CPU's matrix library, attention over the cache without copies; the same "
-        "computation, several times faster at one token per row), and refuses another model; "
+        "computation, a decode step 1.4-1.9x faster on SmolLM2, benchmarks/README.md, issue "
+        "36), and refuses another model; "
         "transformers calls the model's forward at every step; auto is fused where the model "
         "allows it, else transformers (logged). Prefill always runs the model's forward.",
     )
