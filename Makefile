@@ -29,7 +29,8 @@ test-slow: gym-venv sglang-venv
 # NeMo-Gym's own environment, for env=gym_launch (docs/environments.md): its servers run as
 # child processes from here, never inside the recipe's interpreter. The 0.7.0 wheel declares
 # Python >= 3.13 but runs on 3.11; --prefer-binary keeps its dependencies at releases that still
-# ship 3.11 wheels instead of building newer ones from source. About 2-3 minutes, 1.5 GB.
+# ship 3.11 wheels instead of building newer ones from source. About 3-11 minutes (the package index
+# decides), 1.5 GB.
 GYM_VENV ?= .venv-gym
 NEMO_GYM_VERSION := 0.7.0
 # Every Gym server runs in this venv, so an environment that needs packages of its own (its
