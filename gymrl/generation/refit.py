@@ -27,6 +27,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from gymrl.config.schema import RefitConfig
 from gymrl.generation.sglang_engine import remove_loaded_refits
 from gymrl.generation.weight_check import WeightCheck
@@ -34,6 +36,12 @@ from gymrl.generation.weight_sync import Backend, WeightSender
 from gymrl.model.policy import DTYPES
 
 Wait = Callable[[Any, str], Any]
+
+
+def broadcast_backend(device: torch.device | str) -> Backend:
+    """The weight-update group's backend for weights the trainer holds on `device`: NCCL from a
+    GPU, gloo from the CPU (a trainer without CUDA: the CPU tests, the Megatron CPU shim)."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
 def weight_sender(

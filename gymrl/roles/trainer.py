@@ -31,6 +31,7 @@ from gymrl.config.schema import (
     TorchTrainerConfig,
 )
 from gymrl.generation.refit import (
+    broadcast_backend,
     refit_by_broadcast,
     refit_from_disk,
     refit_through_object_store,
@@ -104,7 +105,7 @@ class PolicyTrainerActor:
                 tp_sizes,
                 refit,
                 master_address=ray.util.get_node_ip_address(),
-                backend="nccl" if self._device.startswith("cuda") else "gloo",
+                backend=broadcast_backend(self._device),
                 served_dtype=self._served_dtype,
             )
         self._sender.send(self._trainer.export_weights().items(), version)

@@ -12,7 +12,7 @@ import torch
 
 from gymrl.algo.trajectory import Trajectory
 from gymrl.config.schema import RecipeConfig, RefitConfig
-from gymrl.generation.refit import weight_sender
+from gymrl.generation.refit import broadcast_backend, weight_sender
 from gymrl.generation.weight_sync import WeightSender
 from gymrl.run.checkpoint import TrainerState, capture_rng_state, restore_rng_state
 from gymrl.trainer.grpo_step import loss_normalizer, micro_batch_loss, reduce_loss_metrics
@@ -303,7 +303,8 @@ class MegatronPolicyTrainer:
     ) -> int:
         """Broadcast the Hugging Face weights to the SGLang servers (collective: every rank
         exports, rank 0 sends each tensor as it comes, so no rank holds the whole model twice).
-        Rank 0 forms the weight-update group on the first call; returns the bytes it sent."""
+        Rank 0 forms the weight-update group on the first call, over NCCL from GPUs and gloo
+        where the model lives on the CPU; returns the bytes it sent."""
         weights = self._bridge.export_hf_weights(self._model, cpu=False, show_progress=False)
         if self.rank != 0:
             for _ in weights:  # the export's gathers need every rank
@@ -317,7 +318,7 @@ class MegatronPolicyTrainer:
                 tp_sizes,
                 refit,
                 master_address=ray.util.get_node_ip_address(),
-                backend="nccl",
+                backend=broadcast_backend(next(self._model[0].parameters()).device),
                 served_dtype=self._config.policy.dtype,
             )
         self._sender.send(weights, version)

@@ -14,6 +14,7 @@ import torch
 from sglang_standin import WEIGHT_OFFSET
 
 from gymrl.generation import weight_sync
+from gymrl.generation.refit import broadcast_backend
 from gymrl.generation.sglang_engine import SGLangEngine
 from gymrl.generation.types import GenerationRequest, SamplingParams
 from gymrl.generation.weight_check import WeightCheck, WeightMismatchError, checksum
@@ -456,3 +457,10 @@ def test_the_group_meets_a_member_built_the_way_sglang_builds_its_end():
     broadcast(group, [torch.arange(4.0)])
     thread.join(30)
     assert torch.equal(received["tensor"], torch.arange(4.0))
+
+
+def test_the_broadcast_backend_follows_where_the_weights_live():
+    """Both trainers (torch, Megatron) pick the weight-update group's backend this way: NCCL
+    cannot send CPU tensors and gloo is the only one a CPU-only trainer has."""
+    assert broadcast_backend("cuda") == broadcast_backend(torch.device("cuda", 1)) == "nccl"
+    assert broadcast_backend("cpu") == broadcast_backend(torch.device("cpu")) == "gloo"
