@@ -182,7 +182,9 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description="Write data/learn_gym/train.jsonl and val.jsonl from Gym's venv."
+    )
     parser.add_argument("--gym-venv", type=Path, default=Path(".venv-gym"))
     parser.add_argument("--out-dir", type=Path, default=OUT_DIR)
     parser.add_argument("--num-val", type=int, default=128)

@@ -1,13 +1,13 @@
 """Prompt lengths of a run's Gym rows against the context, for the dry-run plan.
 
 A row whose prompt (its input items and tools, rendered with the policy's chat template) leaves
-less than one turn (`generation.server.max_tokens_per_turn`) of the context cannot be played: the
-run names and skips it when it comes up (`rollout/prompt_too_long_total`). The dry run names such
-rows before anything starts, with the longest prompt and what is left to act in, so a user adding
-an environment sees whether its rows fit the model at all. The rendering is the policy server's
-for a first turn: Gym's `vllm_model` adapter sends the same messages (its own conversion of the
-row's Responses items), so the count is the one the server will make, give or take the adapter's
-rendering of items the recipe's conversion treats alike.
+less than one turn (`generation.server.max_tokens_per_turn`) of the context cannot be played out:
+in a run the policy server refuses the prompt or cuts the turn at the context's end. The dry run
+names such rows before anything starts, with the longest prompt and what is left to act in, so a
+user adding an environment sees whether its rows fit the model at all. The rendering is the
+policy server's for a first turn: Gym's `vllm_model` adapter sends the same messages (its own
+conversion of the row's Responses items), so the count is the one the server will make, give or
+take the adapter's rendering of items the recipe's conversion treats alike.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ class RowLengths:
             lines = ", ".join(f"line {line} ({tokens})" for line, tokens in self.too_long[:5])
             more = f" and {len(self.too_long) - 5} more" if len(self.too_long) > 5 else ""
             text += (
-                f"; {len(self.too_long)} leave less than one turn ({turn_tokens} tokens) and will "
-                f"be skipped: {lines}{more}"
+                f"; {len(self.too_long)} leave less than one turn ({turn_tokens} tokens) of the "
+                f"context: {lines}{more}"
             )
         if self.unreadable:
             line, reason = self.unreadable[0]

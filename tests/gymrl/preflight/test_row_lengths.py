@@ -71,7 +71,7 @@ def test_rows_over_the_context_less_one_turn_and_rows_that_do_not_render_are_nam
     assert [line for line, _ in measured.unreadable] == [4]
     text = measured.describe(2048, 64)
     assert f"{rows}: 4 rows, longest prompt {measured.longest} tokens (line 2)" in text
-    assert "1 leave less than one turn (64 tokens) and will be skipped: line 2" in text
+    assert "1 leave less than one turn (64 tokens) of the context: line 2" in text
     assert "1 do not render, first line 4: ValidationError" in text
 
 
@@ -80,7 +80,7 @@ def test_the_dry_run_plan_counts_the_rows_of_a_gym_experiment():
     plan = render_plan(config, "out")
     (line,) = [line for line in plan.splitlines() if line.strip().startswith("prompts")]
     assert "data/gym_example/train.jsonl: 8 rows, longest prompt" in line
-    assert "of context 2048" in line and "skipped" not in line
+    assert "of context 2048" in line and "less than one turn" not in line
     # A run's own plan leaves them to the run (each row is named as it comes up).
     started = render_plan(validate_config(compose_raw(["+experiment=gym_example"])), "out")
     assert "    prompts   " not in started
