@@ -6,6 +6,7 @@ is cut to one step. Needs `.venv-gym` (`make gym-venv`) and several minutes: `sl
 
 import json
 import os
+import random
 import re
 import shlex
 import subprocess
@@ -74,9 +75,12 @@ def test_the_section_s_commands_run_as_written(tmp_path):
         elif command.startswith("python recipes/grpo.py") and "dry_run=true" in command:
             command += f" hydra.run.dir={tmp_path / 'dry'}"
         elif command.startswith("python recipes/grpo.py"):
+            # A port slice of its own: two Gym launches on one machine (the CI's other slow
+            # tests) can race for the first free port of the default slice.
+            low = random.randrange(30000, 60000, 1000)
             command += (
                 f" grpo.num_steps=1 run.output_dir={run_dir} hydra.run.dir={run_dir}"
-                " logger.progress_bar=false"
+                f" logger.progress_bar=false 'env.gym.port_range=[{low},{low + 1000}]'"
             )
         elif command.startswith("python -m gymrl.plot"):
             command = re.sub(r"-o \S+", f"-o {tmp_path / 'run.png'}", command)
