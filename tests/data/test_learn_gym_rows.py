@@ -1,0 +1,65 @@
+"""The rows of `+experiment=learn_gym` (data/learn_gym/): train and held-out share no task, and
+the committed files are what `data/learn_gym/make_rows.py` writes from Gym's venv."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT / "data" / "learn_gym"
+GYM_VENV = ROOT / ".venv-gym"
+
+
+def _rows(name: str) -> list[dict]:
+    return [json.loads(line) for line in (DATA / name).read_text().splitlines()]
+
+
+def _task(row: dict) -> str:
+    """What the model is asked: the last user message (the solved example comes before it)."""
+    inputs = row["responses_create_params"]["input"]
+    return [item["content"] for item in inputs if item.get("role") == "user"][-1]
+
+
+def test_train_and_held_out_rows_share_no_task():
+    train, val = _rows("train.jsonl"), _rows("val.jsonl")
+    assert len(val) >= 128
+    train_tasks, val_tasks = {_task(r) for r in train}, {_task(r) for r in val}
+    assert len(train_tasks) == len(train) and len(val_tasks) == len(val), "a task repeats"
+    assert train_tasks.isdisjoint(val_tasks)
+    assert all(len(json.loads(r["ground_truth"])) == 1 for r in train + val)
+
+
+def test_no_row_shows_its_own_task_as_the_solved_example():
+    for row in _rows("train.jsonl") + _rows("val.jsonl"):
+        inputs = row["responses_create_params"]["input"]
+        users = [item["content"] for item in inputs if item.get("role") == "user"]
+        assert len(users) == 2 and users[0] != users[1]
+
+
+def test_every_row_names_the_environment_s_agent_and_offers_its_tools():
+    for row in _rows("train.jsonl") + _rows("val.jsonl"):
+        assert row["agent_ref"] == {
+            "type": "responses_api_agents",
+            "name": "math_advanced_calculations_simple_agent",
+        }
+        names = {tool["name"] for tool in row["responses_create_params"]["tools"]}
+        assert {"add", "subtract", "multiply", "divide", "sin", "log"} <= names
+
+
+def _make_rows_module():
+    spec = importlib.util.spec_from_file_location("make_rows", DATA / "make_rows.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_script_writes_the_committed_files_again(tmp_path):
+    """Reproducible: the same seed and Gym's shipped environment give the same bytes."""
+    if not (GYM_VENV / "bin" / "ng_run").is_file():
+        pytest.skip("NeMo-Gym's venv is missing (`make gym-venv`); the script reads it")
+    _make_rows_module().main(["--gym-venv", str(GYM_VENV), "--out-dir", str(tmp_path)])
+    for name in ("train.jsonl", "val.jsonl"):
+        assert (tmp_path / name).read_bytes() == (DATA / name).read_bytes(), name
