@@ -16,8 +16,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gymrl.generation.chat_template import ChatFormat
-from nemo_gym_ext.wire import ChatMessage, Row, ToolSpec, chat_tools, items_to_chat_messages
+from gymrl.generation.chat_template import ChatFormat, row_prompt_token_count
+from nemo_gym_ext.wire import Row
 
 
 @dataclass(frozen=True)
@@ -53,15 +53,6 @@ class RowLengths:
         return text
 
 
-def prompt_tokens(row: dict, chat_format: ChatFormat) -> int:
-    """Tokens of the first model call's prompt of `row` (Gym's JSONL row shape)."""
-    params = Row.model_validate(row).responses_create_params
-    messages = items_to_chat_messages(params.input, include_token_ids=False)
-    tools = [ToolSpec.model_validate(tool) for tool in chat_tools(params.tools or [])]
-    text = chat_format.render([ChatMessage.model_validate(m) for m in messages], tools or None)
-    return len(chat_format.encode(text))
-
-
 def measure_rows(
     path: str, chat_format: ChatFormat, *, context: int, turn_tokens: int
 ) -> RowLengths:
@@ -75,7 +66,9 @@ def measure_rows(
                 continue
             rows += 1
             try:
-                tokens = prompt_tokens(json.loads(line), chat_format)
+                row = json.loads(line)
+                Row.model_validate(row)  # what Gym would refuse, named as such
+                tokens = row_prompt_token_count(row, chat_format)
             except ValueError as error:  # bad JSON, a row Gym would refuse, a template error
                 unreadable.append((number, f"{type(error).__name__}: {str(error)[:200]}"))
                 continue

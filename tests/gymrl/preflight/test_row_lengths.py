@@ -4,8 +4,9 @@ names the rows that leave less than one turn of the context and those that do no
 import json
 
 from gymrl.config.compose import compose_raw
+from gymrl.generation.chat_template import row_prompt_token_count
 from gymrl.preflight.plan import render_plan
-from gymrl.preflight.row_lengths import measure_rows, prompt_tokens
+from gymrl.preflight.row_lengths import measure_rows
 from gymrl.preflight.validate import validate_config
 
 AGENT_REF = {"type": "responses_api_agents", "name": "some_agent"}
@@ -42,12 +43,12 @@ def test_the_count_is_the_rendered_prompt_s_tokens(chat_format):
         add_generation_prompt=True,
         tokenize=False,
     )
-    assert prompt_tokens(row, chat_format) == len(chat_format.encode(text))
+    assert row_prompt_token_count(row, chat_format) == len(chat_format.encode(text))
     # A solved example (tool call and output) and the tools count too.
-    assert prompt_tokens(_row("What is 2 + 3?", example=True), chat_format) > len(
+    assert row_prompt_token_count(_row("What is 2 + 3?", example=True), chat_format) > len(
         chat_format.encode(text)
     )
-    assert prompt_tokens(_row("What is 2 + 3?", tools=()), chat_format) < len(
+    assert row_prompt_token_count(_row("What is 2 + 3?", tools=()), chat_format) < len(
         chat_format.encode(text)
     )
 
