@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import statistics
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,10 +16,9 @@ from gymrl.config.schema import ParityGateConfig, TorchGenerationConfig
 from gymrl.generation.llama_decode import unsupported_reason
 from gymrl.generation.torch_engine import TorchGenerationEngine
 from gymrl.generation.types import GenerationOutput, GenerationRequest, SamplingParams
-from gymrl.model.loading import ensure_smollm2_checkpoint, load_pretrained, load_tokenizer
+from gymrl.model.loading import load_pretrained
 from gymrl.model.precision import body_autocast
 
-CACHE_DIR = Path("~/.cache/gym-grpo-recipes/models").expanduser()
 TEXTS = [
     "Hello there!",
     "Summarise the plot of a long novel about whales, the sea, and obsession.",
@@ -28,11 +26,6 @@ TEXTS = [
     "Write one line of Python that reverses a list called items.",
     "ok",
 ]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(ensure_smollm2_checkpoint(CACHE_DIR))
 
 
 def gqa_llama(tokenizer, seed: int, **overrides) -> LlamaForCausalLM:
@@ -181,11 +174,11 @@ def test_auto_falls_back_for_a_model_it_does_not_cover_and_fused_refuses_it(toke
 
 
 @pytest.mark.slow
-def test_smollm2_fused_decoding_is_within_the_parity_gate(tokenizer):
+def test_smollm2_fused_decoding_is_within_the_parity_gate(tokenizer, smollm2_dir):
     """The real model in bfloat16: the fused engine's log-probabilities against the trainer's
     recomputation are within the parity gate's bfloat16 tolerance, as the model's own step's are,
     and both steps pick the same greedy tokens."""
-    model = load_pretrained(ensure_smollm2_checkpoint(CACHE_DIR), torch.float32)
+    model = load_pretrained(smollm2_dir, torch.float32)
     chats = [
         "What is 17 times 23?",
         "Name three primary colours.",
