@@ -233,17 +233,22 @@ def test_a_broadcast_refit_over_gloo_changes_the_weights_and_brings_them_back(re
     assert gone.status_code == 400
 
 
+# A one-tensor distributed update naming a group that was never formed: the server must refuse
+# it outside a weight-update session without joining any broadcast.
+UPDATE_OUTSIDE_A_SESSION = {
+    "names": ["model.norm.weight"],
+    "dtypes": ["float32"],
+    "shapes": [[576]],
+    "group_name": "never-formed",
+    "load_format": "flattened_bucket",
+    "flush_cache": False,
+}
+
+
 def test_sessions_are_enforced_by_the_server_with_its_own_messages(real_server):
     """An update outside a session is refused (400) at once and joins no broadcast; an end
     without a begin is refused too."""
-    update = {
-        "names": ["model.norm.weight"],
-        "dtypes": ["float32"],
-        "shapes": [[576]],
-        "group_name": "never-formed",
-        "load_format": "flattened_bucket",
-        "flush_cache": False,
-    }
+    update = UPDATE_OUTSIDE_A_SESSION
     with httpx.Client(timeout=30.0) as client:
         start = time.monotonic()
         outside = client.post(f"{real_server.url}/update_weights_from_distributed", json=update)
@@ -325,14 +330,7 @@ def test_the_standin_answers_what_the_real_server_answers(real_server, prompt):
         "return_logprob": True,
         "logprob_start_len": -1,
     }
-    update = {
-        "names": ["model.norm.weight"],
-        "dtypes": ["float32"],
-        "shapes": [[576]],
-        "group_name": "never-formed",
-        "load_format": "flattened_bucket",
-        "flush_cache": False,
-    }
+    update = UPDATE_OUTSIDE_A_SESSION
     calls = [
         ("/generate", generate),
         ("/generate", generate | {"input_ids": [100] * (CONTEXT + 1)}),
