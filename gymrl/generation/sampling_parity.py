@@ -10,8 +10,13 @@ its own overrides what the rows carry.
 So while training, the policy server resolves each request's sampling here:
 
 * a field the request leaves out (or sends as null) is the run's training value;
-* a request at one of the run's own settings (training's, or validation's, whose episodes are
-  never trained on) is sampled as asked;
+* a request at the run's training settings is sampled as asked, and so is one at validation's
+  (whose episodes are never trained on) while a validation pass runs: the recipe opens that
+  window around each pass (:meth:`SamplingParity.set_validating`). Between passes only
+  training's episodes run, so a request at validation's settings is a training request sampled
+  wrongly: a mismatch like any other. (Async GRPO keeps collecting training episodes during a
+  pass; those are not told apart from validation's, a residue the window narrows but cannot
+  close without tagging each request with its episode's kind.)
 * any other request is a *mismatch*: with `override` (the default) it is sampled at the training
   settings, with `reject` it is refused with a 400 naming the field, the value and what the run
   samples at. Both are counted (:class:`SamplingCounts`) and logged per step.
@@ -68,16 +73,16 @@ class SamplingCounts:
 
 @dataclass(frozen=True)
 class SamplingRules:
-    """What a run samples at, and what to do with a request that asks otherwise: plain data, so
-    it travels to the generation server's actor (`SamplingParity` holds the live counts)."""
+    """What a run samples at (`trained`; `held_out`: validation's, allowed during a pass only),
+    and what to do with a request that asks otherwise: plain data, so it travels to the
+    generation server's actor (`SamplingParity` holds the live counts and the pass window)."""
 
     trained: Sampling
-    also_allowed: frozenset[Sampling]
+    held_out: frozenset[Sampling]
     on_mismatch: SamplingMismatch
 
-    @property
-    def allowed(self) -> frozenset[Sampling]:
-        return self.also_allowed | {self.trained}
+    def allowed(self, *, validating: bool) -> frozenset[Sampling]:
+        return (self.held_out if validating else frozenset()) | {self.trained}
 
 
 class SamplingParity:
@@ -88,6 +93,13 @@ class SamplingParity:
         self.rules = rules
         self._lock = threading.Lock()
         self._counts = SamplingCounts()
+        self._validating = False
+
+    def set_validating(self, validating: bool) -> None:
+        """Open (True) or close the window in which validation's sampling is allowed: the
+        recipe opens it for the length of each validation pass."""
+        with self._lock:
+            self._validating = validating
 
     def resolve(self, temperature: float | None, top_p: float | None) -> Sampling:
         """The sampling to run a request at; `None` is a field the request left out."""
@@ -96,16 +108,23 @@ class SamplingParity:
             trained.temperature if temperature is None else temperature,
             trained.top_p if top_p is None else top_p,
         )
-        if asked in self.rules.allowed:
+        with self._lock:
+            allowed = self.rules.allowed(validating=self._validating)
+        if asked in allowed:
             return asked
         if self.rules.on_mismatch == "reject":
             self._count(rejected=1)
             param = "temperature" if asked.temperature != trained.temperature else "top_p"
+            between_passes = (
+                " (validation's settings, allowed only while a validation pass runs)"
+                if asked in self.rules.held_out
+                else ""
+            )
             raise SamplingMismatchError(
                 f"this run trains on episodes sampled at {trained.describe()}, and the "
                 f"trainer recomputes log-probabilities at those settings; the request asks for "
-                f"{asked.describe()}. Send the run's settings (or leave temperature and top_p "
-                "out), or let the server apply them with "
+                f"{asked.describe()}{between_passes}. Send the run's settings (or leave "
+                "temperature and top_p out), or let the server apply them with "
                 "generation.server.sampling_mismatch=override",
                 param=param,
             )
@@ -124,12 +143,13 @@ class SamplingParity:
 
 
 def training_sampling_rules(config: RecipeConfig) -> SamplingRules:
-    """The GRPO recipe's: its training sampling, and validation's when the run validates."""
+    """The GRPO recipe's: its training sampling, and validation's (during its passes) when the
+    run validates."""
     sampling, grpo = config.generation.sampling, config.grpo
     validates = grpo.val_at_start or grpo.val_period > 0 or grpo.val_at_end
     held_out = {Sampling.of(grpo.val_temperature, sampling.top_p)} if validates else set()
     return SamplingRules(
         Sampling.of(sampling.temperature, sampling.top_p),
-        also_allowed=frozenset(held_out),
+        held_out=frozenset(held_out),
         on_mismatch=config.generation.server.sampling_mismatch,
     )

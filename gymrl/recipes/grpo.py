@@ -344,9 +344,21 @@ class GRPORecipe:
         """One validation pass on the weights the engine has now (gymrl.experience.validation)."""
         assert self.validator is not None  # built whenever a grpo.val_* setting asks for it
         started = time.monotonic()
-        metrics = self.validator.run(on_episode=self._count_validation_tokens)
+        # Validation's sampling is allowed by the policy server during the pass only.
+        self._set_validating(True)
+        try:
+            metrics = self.validator.run(on_episode=self._count_validation_tokens)
+        finally:
+            self._set_validating(False)
         metrics["timing/validation_s"] = time.monotonic() - started
         return metrics
+
+    def _set_validating(self, validating: bool) -> None:
+        wait_for(
+            self.generation.set_validating.remote(validating),
+            timeout_s=self.config.grpo.batch_timeout_s,
+            what="the policy server's validation window",
+        )
 
     def _count_validation_tokens(self, episode: HeldOutEpisode) -> None:
         progressed("a validation episode came back")

@@ -122,6 +122,12 @@ class GenerationServer:
         """Requests overridden or refused for their sampling (None: the server has no parity)."""
         return None if self._sampling_parity is None else self._sampling_parity.counts()
 
+    def set_validating(self, validating: bool) -> None:
+        """Open or close the window in which requests may ask for validation's sampling
+        (`SamplingParity.set_validating`); without parity, a no-op."""
+        if self._sampling_parity is not None:
+            self._sampling_parity.set_validating(validating)
+
     def divergence_counts(self) -> DivergenceCounts:
         """Requests whose prompt did not extend this server's earlier answer, and those of them
         answered without generating (`generation.server.stop_on_divergence`)."""

@@ -580,11 +580,14 @@ def test_a_training_server_samples_every_request_at_the_runs_settings(chat_forma
     with served(engine, chat_format, sampling_parity=overriding) as client:
         left_out = completion(client, USER_ONLY)
         openai_default = completion(client, USER_ONLY, temperature=1.0, top_p=1.0)
+        between_passes = completion(client, USER_ONLY, temperature=0.0)
+        overriding.set_validating(True)
         validation = completion(client, USER_ONLY, temperature=0.0)
-    assert [r.status_code for r in (left_out, openai_default, validation)] == [200] * 3
+    answers = (left_out, openai_default, between_passes, validation)
+    assert [r.status_code for r in answers] == [200] * 4
     sampled = [Sampling(r.params.temperature, r.params.top_p) for r in engine.requests]
-    assert sampled == [trained, trained, greedy]
-    assert overriding.counts() == SamplingCounts(overridden=1, rejected=0)
+    assert sampled == [trained, trained, trained, greedy]
+    assert overriding.counts() == SamplingCounts(overridden=2, rejected=0)
 
     rejecting = SamplingParity(SamplingRules(trained, frozenset(), "reject"))
     with served(engine, chat_format, sampling_parity=rejecting) as client:
@@ -592,7 +595,7 @@ def test_a_training_server_samples_every_request_at_the_runs_settings(chat_forma
     assert refused.status_code == 400
     assert refused.json()["error"]["param"] == "top_p"
     assert "temperature=0.7, top_p=0.9" in error_message(refused)
-    assert len(engine.requests) == 3
+    assert len(engine.requests) == 4
     assert rejecting.counts() == SamplingCounts(overridden=0, rejected=1)
 
 

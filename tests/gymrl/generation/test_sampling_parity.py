@@ -21,8 +21,10 @@ TRAINED = Sampling(0.7, 0.95)
 GREEDY = Sampling(0.0, 1.0)
 
 
-def parity(on_mismatch="override") -> SamplingParity:
-    return SamplingParity(SamplingRules(TRAINED, frozenset({GREEDY}), on_mismatch))
+def parity(on_mismatch="override", *, validating=True) -> SamplingParity:
+    checker = SamplingParity(SamplingRules(TRAINED, frozenset({GREEDY}), on_mismatch))
+    checker.set_validating(validating)
+    return checker
 
 
 def test_left_out_fields_are_the_runs_training_values():
@@ -40,6 +42,23 @@ def test_the_runs_own_settings_are_sampled_as_asked():
     # Greedy decoding ignores top-p, so a greedy request with another top-p is validation's.
     assert checker.resolve(0.0, 0.5) == GREEDY
     assert checker.counts() == SamplingCounts()
+
+
+def test_validations_sampling_is_a_mismatch_between_validation_passes():
+    """Only a validation pass's requests may ask for validation's settings: between passes a
+    request at them is a training request sampled wrongly."""
+    checker = parity(validating=False)
+    assert checker.resolve(0.0, 1.0) == TRAINED
+    checker.set_validating(True)
+    assert checker.resolve(0.0, 1.0) == GREEDY
+    checker.set_validating(False)
+    rejecting = parity("reject", validating=False)
+    with pytest.raises(SamplingMismatchError) as refused:
+        rejecting.resolve(0.0, 1.0)
+    assert refused.value.param == "temperature"
+    assert "allowed only while a validation pass runs" in str(refused.value)
+    assert checker.counts() == SamplingCounts(overridden=1, rejected=0)
+    assert rejecting.counts() == SamplingCounts(overridden=0, rejected=1)
 
 
 def test_override_samples_a_mismatch_at_the_training_settings_and_counts_it():
@@ -74,7 +93,8 @@ def test_a_training_run_allows_validation_sampling_only_when_it_validates():
     )
     checker = training_sampling_rules(validating)
     assert checker.trained == Sampling(0.7, 1.0)
-    assert checker.allowed == {Sampling(0.7, 1.0), GREEDY}
+    assert checker.allowed(validating=True) == {Sampling(0.7, 1.0), GREEDY}
+    assert checker.allowed(validating=False) == {Sampling(0.7, 1.0)}
     assert checker.on_mismatch == "override"
 
     silent = validate_config(
@@ -88,5 +108,5 @@ def test_a_training_run_allows_validation_sampling_only_when_it_validates():
         )
     )
     checker = training_sampling_rules(silent)
-    assert checker.allowed == {checker.trained}
+    assert checker.allowed(validating=True) == {checker.trained}
     assert checker.on_mismatch == "reject"
