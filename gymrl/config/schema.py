@@ -360,11 +360,14 @@ class RefitConfig(Strict):
     verify_every: int = Field(
         default=0,
         ge=0,
-        description="With verify_weights: check the first refit and then every n-th; 0 = the "
-        "first refit only. The first is the one that finds a name the export and the server "
-        "disagree on (a tensor the refit never writes), and such a name stays wrong at every "
-        "later refit, so 0 catches it; a later n catches what differs between refits (a "
-        "server that missed one), at a checksum of every weight per check.",
+        description="With verify_weights: check the first refit (of each run, resumed ones too) "
+        "and then every n-th; 0 = the first refit only. Why 0 is the default: the first check "
+        "is the one that finds a name the export and the server disagree on (a tensor the "
+        "refit never writes), and such a name stays wrong at every later refit; a server that "
+        "misses a later refit or restarts is caught without any check, by the weight_version "
+        "each /generate answer carries (the engine stops the run when it is not the refit's). "
+        "n > 0 adds, every n-th refit, a checksum of every weight of every server compared "
+        "across servers, for a refit that reported success but left servers apart.",
     )
     verify_rows: int = Field(
         default=8,
