@@ -22,6 +22,7 @@ import pytest
 import torch
 from pydantic import SecretStr
 from real_sglang import VENV, cpu_generation, start_cpu_server
+from sglang_answers import CLIENT_READS, lookup
 from sglang_standin import make_standin
 
 from gymrl.generation.policy_server import create_policy_server_app
@@ -293,15 +294,14 @@ def test_the_weights_checker_actions_and_a_compare_that_cannot_run_here(real_ser
 
 # ------------------------------------------------------------------------ stand-in vs real
 def _shape(value):
-    """A JSON value's skeleton: dicts by key, lists by their first item, scalars by type (an int
-    is a number too, as JSON has it)."""
+    """A JSON value's skeleton: dicts by key, lists by their first item, scalars by type. An int
+    and a float differ: both servers write floats with a point (`-0.0`, `1.0`), so a count
+    answered as a float, or a log-probability as an int, is a difference a client can trip on."""
     if isinstance(value, dict):
         return {key: _shape(item) for key, item in value.items()}
     if isinstance(value, list):
         return [_shape(value[0])] if value else []
-    if isinstance(value, bool) or value is None:
-        return type(value).__name__
-    return "number" if isinstance(value, int | float) else type(value).__name__
+    return type(value).__name__
 
 
 def _differences(standin, real, where: str = "") -> list[str]:
@@ -319,9 +319,35 @@ def _differences(standin, real, where: str = "") -> list[str]:
     return [] if standin == real else [f"{where}: stand-in {standin}, real {real}"]
 
 
+def _unanswered(route: str, standin, real) -> list[str]:
+    """Keys the client reads (`sglang_answers.CLIENT_READS`) that the real server answered and
+    the stand-in did not."""
+    return [
+        f"{route}: {path} answered by the real server only"
+        for path in CLIENT_READS.get(route, ())
+        if lookup(real, path)[0] and not lookup(standin, path)[0]
+    ]
+
+
+def test_the_differences_found_are_status_keys_and_types():
+    """The comparison itself: a missing key, another type (int against float too) and a key
+    the client reads that only the real server answers are all reported."""
+    real = {"meta_info": {"completion_tokens": 3, "weight_version": "0", "finish_reason": {}}}
+    standin = {"meta_info": {"completion_tokens": 3.0, "extra": 1}}
+    found = _differences(_shape(standin), _shape(real))
+    assert found == [
+        ".meta_info.completion_tokens: stand-in float, real int",
+        ".meta_info.extra: only the stand-in answers it",
+    ]
+    assert _unanswered("/generate", standin, real) == [
+        "/generate: meta_info.weight_version answered by the real server only"
+    ]
+
+
 def test_the_standin_answers_what_the_real_server_answers(real_server, prompt):
     """The same requests to the stand-in the CPU tests use and to the real server: each status
-    must agree, and every key the stand-in answers must be in the real answer with its type."""
+    must agree, every key the stand-in answers must be in the real answer with its type, and
+    every key the client reads that the real server answers must be in the stand-in's."""
     norm = load_pretrained(real_server.folder, torch.float32).state_dict()["model.norm.weight"]
     app, _ = make_standin(context_length=CONTEXT, model_weights={"model.norm.weight": norm})
     generate = {
@@ -337,7 +363,10 @@ def test_the_standin_answers_what_the_real_server_answers(real_server, prompt):
         ("/pause_generation", {"mode": "abort"}),
         ("/continue_generation", {}),
         ("/flush_cache", None),
+        ("/begin_weight_update", {}),
+        ("/begin_weight_update", {}),  # a session is open: refused
         ("/end_weight_update", {}),
+        ("/end_weight_update", {}),  # none is open: refused
         ("/update_weights_from_distributed", update),
         ("/destroy_weights_update_group", {"group_name": "never-formed"}),
         ("/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 2}),
@@ -358,6 +387,7 @@ def test_the_standin_answers_what_the_real_server_answers(real_server, prompt):
                     f"{route}{where}"
                     for where in _differences(_shape(ours.json()), _shape(theirs.json()))
                 ]
+                found += _unanswered(route, ours.json(), theirs.json())
     assert found == []
 
 
