@@ -1,6 +1,8 @@
 """`python recipes/grpo.py +experiment=sglang_cpu_smoke` through the real entry point: the real
 SGLang server on this CPU (`make sglang-venv`), the torch trainer broadcasting its weights to it
-over gloo after every step, the built-in agents, the parity gate at step 1.
+over gloo after every step, the built-in agents, the parity gate at step 1; a non-zero loss, and
+the weights the servers were last refitted to answer greedily otherwise than those they started
+with.
 
 Marked `slow` and `sglang_cpu`: `.ci/run` builds the venv before the slow suite.
 """
@@ -12,6 +14,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_model
+
+from gymrl.generation.torch_engine import TorchGenerationEngine
+from gymrl.generation.types import GenerationRequest, SamplingParams
+from gymrl.model.loading import load_pretrained
+from gymrl.model.tokens import model_end_token_ids
+from gymrl.run.checkpoint import MODEL_FILE
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang_cpu]
 
@@ -21,7 +31,7 @@ sys.path.insert(0, str(ROOT / "tests" / "gymrl" / "generation"))
 from real_sglang import KERNEL_STANDIN, VENV  # noqa: E402  (a test helper, through sys.path)
 
 
-def test_the_real_server_serves_a_training_run_refit_every_step(tmp_path):
+def test_the_real_server_serves_a_training_run_refit_every_step(tmp_path, smollm2_dir, tokenizer):
     if not (VENV / "bin" / "python").is_file():
         pytest.fail(f"no SGLang venv at {VENV}: run `make sglang-venv` (or set SGLANG_VENV)")
     done = subprocess.run(
@@ -47,7 +57,46 @@ def test_the_real_server_serves_a_training_run_refit_every_step(tmp_path):
     assert records[0]["parity/passed"] == 1  # the real server's log-probs are the trainer's
     for record in records:
         assert record["async/weight_version"] == record["step"]  # refit after every step
-        # The loss is 0 when every group's rewards tie (2 episodes per group of an untrained
-        # model often do), so only that it was computed over trained tokens is asserted.
         assert math.isfinite(record["train/loss"]) and record["train/num_tokens"] > 0
         assert record["perf/train_tokens_per_s"] > 0
+    # A loss of 0 is a step whose every group's rewards tied (no advantage, no update); groups of
+    # 4 with guess_number's graded rewards make that rare for one step and unheard of for both.
+    assert any(record["train/loss"] != 0 for record in records), records
+    # What the servers were refitted to generates otherwise than what they started with.
+    trained = tmp_path / "checkpoints" / "step_2"
+    assert _greedy(smollm2_dir, tokenizer, trained) != _greedy(smollm2_dir, tokenizer, None)
+
+
+def _greedy(folder: Path, tokenizer, checkpoint: Path | None) -> list[list[int]]:
+    """Greedy answers of the model in `folder`, with a checkpoint's weights if given, to three
+    arithmetic questions."""
+    model = load_pretrained(folder, torch.float32)
+    if checkpoint is not None:
+        load_model(model, str(checkpoint / MODEL_FILE), strict=True)
+    prompts = [
+        tokenizer(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+            ),
+            add_special_tokens=False,
+        )["input_ids"]
+        for question in ("What is 17 + 25?", "What is 6 times 7?", "What is 100 - 58?")
+    ]
+    engine = TorchGenerationEngine(
+        model,
+        max_batch_size=3,
+        eos_token_ids=model_end_token_ids(folder),
+        prefill_token_budget=512,
+        prefix_cache_tokens=0,
+        compute_dtype="float32",
+    )
+    try:
+        outputs = engine.generate(
+            [
+                GenerationRequest(list(prompt), SamplingParams(max_new_tokens=24, temperature=0.0))
+                for prompt in prompts
+            ]
+        )
+    finally:
+        engine.close()
+    return [list(output.token_ids) for output in outputs]
