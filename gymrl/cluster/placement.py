@@ -195,15 +195,31 @@ def runtime_env(
     driver's interpreter, nothing to set).
 
     `py_executable` is a command line Ray runs through `bash -c`, hence the quoting. Ray allows
-    only `env_vars` (and `config`) next to `image_uri`, which is all this adds."""
+    only `env_vars` (and `config`) next to `image_uri`, which is all this adds (the validator
+    refuses a setup hook with an image)."""
     env: dict[str, Any] = {}
     if environment.python is not None:
         env["py_executable"] = shlex.quote(environment.python)
     if environment.image is not None:
         env["image_uri"] = environment.image
+    if environment.setup_hook is not None:
+        env["worker_process_setup_hook"] = environment.setup_hook
     if env_vars:
         env["env_vars"] = dict(env_vars)
     return env
+
+
+def _setup_hook_as_ray_runs_it(env: dict[str, Any]) -> dict[str, Any]:
+    """Ray runs a `worker_process_setup_hook` only from the job's runtime_env (`ray.init`), which
+    turns a module path into an environment variable of every worker; in an actor's runtime_env
+    the field alone does nothing (Ray 2.60, `_private/runtime_env/setup_hook.py`). So each actor's
+    is turned into that variable here, by Ray's own function for it."""
+    hook = env.get("worker_process_setup_hook")
+    if hook is None:
+        return env
+    from ray._private.runtime_env.setup_hook import export_setup_func_module
+
+    return export_setup_func_module(dict(env) | {"env_vars": dict(env.get("env_vars", {}))}, hook)
 
 
 def actor_options(
@@ -219,7 +235,7 @@ def actor_options(
     options: dict[str, Any] = {"num_gpus": role.gpus_per_actor, "num_cpus": role.cpus_per_actor}
     env = runtime_env(role.environment, env_vars)
     if env:
-        options["runtime_env"] = env
+        options["runtime_env"] = _setup_hook_as_ray_runs_it(env)
     if role.bundle_of_actor:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

@@ -880,6 +880,14 @@ class RoleEnvironmentConfig(Strict):
         "podman on every node, the image holding the driver's Ray and Python versions and "
         "gymrl). Exclusive with python.",
     )
+    setup_hook: str | None = Field(
+        default=None,
+        description="Dotted path (module.function) of a function Ray calls once in each worker "
+        "process of this role before any of its actors is built (runtime_env "
+        "worker_process_setup_hook), for what must hold for the whole process; the module must "
+        "be importable there (PYTHONPATH). Not with image. +experiment=flagship_cpu points the "
+        "trainer's at the test tree's CPU device shim for megatron-core.",
+    )
 
     @property
     def kind(self) -> str | None:
@@ -916,7 +924,13 @@ class RoleEnvironmentsConfig(Strict):
 
 class ClusterConfig(Strict):
     num_nodes: int = Field(default=1, gt=0, description="Nodes of the Ray cluster.")
-    gpus_per_node: int = Field(default=0, ge=0, description="GPUs per node (0 = CPU only).")
+    gpus_per_node: int = Field(
+        default=0,
+        ge=0,
+        description="GPUs per node (0 = CPU only). A local Ray (ray_address null) is started "
+        "with this many, whatever it detects: more than the machine has only works for roles "
+        "whose setup_hook maps CUDA to the CPU (+experiment=flagship_cpu).",
+    )
     cpus_per_node: int | None = Field(
         default=None, gt=0, description="CPUs Ray may use per node; null = all."
     )

@@ -184,10 +184,13 @@ def _environment_lines(config: RecipeConfig) -> list[str]:
 
 def _environment(environment: RoleEnvironmentConfig) -> str:
     if environment.python is not None:
-        return f"python {environment.python}"
-    if environment.image is not None:
-        return f"image {environment.image}"
-    return f"the driver's interpreter ({sys.executable})"
+        where = f"python {environment.python}"
+    elif environment.image is not None:
+        where = f"image {environment.image}"
+    else:
+        where = f"the driver's interpreter ({sys.executable})"
+    hook = environment.setup_hook
+    return where if hook is None else f"{where}, each worker process set up by {hook}"
 
 
 def _matmuls(config: RecipeConfig) -> str:

@@ -517,6 +517,15 @@ def _role_environment_issues(config: RecipeConfig) -> list[ConfigIssue]:
                     "/opt/envs/sglang/bin/python",
                 )
             )
+        if environment.setup_hook is not None and environment.image is not None:
+            issues.append(
+                ConfigIssue(
+                    f"{key}.setup_hook",
+                    environment.setup_hook,
+                    "Ray takes nothing but env_vars next to an image (runtime_env image_uri)",
+                    f"run the hook from the image's own startup, or set {key}.image to null",
+                )
+            )
         if environment.python is not None and environment.image is not None:
             issues.append(
                 ConfigIssue(

@@ -142,6 +142,24 @@ def test_actor_options_hand_ray_the_interpreter_quoted_for_its_shell():
     RuntimeEnv(**options["runtime_env"])  # Ray's own validation accepts it
 
 
+def test_a_setup_hook_is_the_roles_worker_process_setup_hook():
+    placement = plan_placement(
+        _config(
+            "cluster.roles.trainer.python=/opt/megatron/bin/python",
+            "+cluster.roles.trainer.setup_hook=shim.prepare_process",
+        )
+    )
+    options = actor_options(placement.trainer, 0, None, env_vars={"RANK": "0"})
+    env = options["runtime_env"]
+    assert env["py_executable"] == "/opt/megatron/bin/python"
+    # Ray runs an actor's hook only as this variable (test_setup_hook.py runs one on Ray).
+    assert env["env_vars"] == {
+        "RANK": "0",
+        "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR": "shim.prepare_process",
+    }
+    RuntimeEnv(**env)  # Ray's own validation accepts it
+
+
 def test_an_image_takes_env_vars_beside_it_and_ray_accepts_the_pair():
     """The Megatron ranks add their torch.distributed variables to the trainer's image."""
     placement = plan_placement(_config("cluster.roles.trainer.image=nvcr.io/megatron:1"))

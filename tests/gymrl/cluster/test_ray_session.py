@@ -14,3 +14,13 @@ def test_a_local_run_starts_its_own_ray_even_where_another_is_advertised(monkeyp
         assert ray.cluster_resources()["CPU"] == 1
     finally:
         ray.shutdown()
+
+
+def test_a_local_ray_has_the_gpus_the_config_gives_a_node():
+    """What the placement plan reserves is what Ray offers, whatever it detects: a CPU run whose
+    roles map CUDA to the CPU (+experiment=flagship_cpu) places its one-GPU bundle."""
+    start_ray(ClusterConfig(cpus_per_node=1, gpus_per_node=1))
+    try:
+        assert ray.cluster_resources().get("GPU") == 1
+    finally:
+        ray.shutdown()

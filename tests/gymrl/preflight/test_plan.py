@@ -33,3 +33,14 @@ def test_with_the_torch_engine_generation_runs_where_the_policy_server_does():
     lines = _environment_lines("cluster.roles.policy_server.python=/opt/core/bin/python")
     assert lines["policy_server"] == "python /opt/core/bin/python"
     assert lines["generation"] == "the policy server's (the torch engine runs inside it)"
+
+
+def test_the_plan_names_a_roles_setup_hook():
+    lines = _environment_lines(
+        "+experiment=math_1p5b",
+        "cluster.roles.trainer.python=/opt/megatron/bin/python",
+        "cluster.roles.trainer.setup_hook=shim.prepare_process",
+    )
+    assert lines["trainer"] == (
+        "python /opt/megatron/bin/python, each worker process set up by shim.prepare_process"
+    )
