@@ -49,13 +49,14 @@ def unsupported_by_trainer(config: RecipeConfig) -> list[ConfigIssue]:
                 "trainer.context_parallel_size=1",
             )
         )
-    if config.policy.source != "pretrained" or not config.policy.path:
+    if config.policy.source == "tiny_random":
         issues.append(
             ConfigIssue(
                 "policy.source",
                 config.policy.source,
-                "the Megatron trainer builds the model from a Hugging Face checkpoint",
-                "set policy.source=pretrained and policy.path",
+                "the Megatron trainer builds the model from a Hugging Face checkpoint, and a tiny "
+                "random model has none (the embedded SmolLM2 and a pretrained folder have one)",
+                "set policy.source=pretrained and policy.path, or policy.source=smollm2_wheel",
             )
         )
     return issues

@@ -14,6 +14,7 @@ from gymrl.algo.trajectory import Trajectory
 from gymrl.config.schema import RecipeConfig, RefitConfig
 from gymrl.generation.refit import broadcast_backend, weight_sender
 from gymrl.generation.weight_sync import WeightSender
+from gymrl.model.policy import model_folder
 from gymrl.run.checkpoint import TrainerState, capture_rng_state, restore_rng_state
 from gymrl.trainer.grpo_step import loss_normalizer, micro_batch_loss, reduce_loss_metrics
 from gymrl.trainer.megatron.arguments import (
@@ -79,7 +80,8 @@ class MegatronPolicyTrainer:
         model_parallel_cuda_manual_seed(config.run.seed)
         self._ps = parallel_state
 
-        self._bridge = AutoBridge.from_hf_pretrained(config.policy.path)
+        # The policy's checkpoint folder whatever its source (the embedded SmolLM2 converted).
+        self._bridge = AutoBridge.from_hf_pretrained(model_folder(config.policy))
         provider = self._bridge.to_megatron_provider(load_weights=True)
         for name, value in provider_overrides(config).items():
             setattr(provider, name, value)

@@ -256,6 +256,26 @@ def test_a_role_interpreter_must_be_an_absolute_path_and_exclusive_with_an_image
     )
 
 
+def test_a_setup_hook_is_refused_beside_an_image():
+    issues = _issues(
+        ["cluster.roles.buffer.image=nvcr.io/core:1", "cluster.roles.buffer.setup_hook=m.f"]
+    )
+    assert set(issues) == {"cluster.roles.buffer.setup_hook"}
+    assert "env_vars" in issues["cluster.roles.buffer.setup_hook"].problem
+
+
+def test_megatron_builds_the_embedded_smollm2_but_not_a_tiny_random_model():
+    """The embedded SmolLM2 is converted to a Hugging Face folder (gymrl.model.policy
+    .model_folder), which Bridge loads; a tiny random model has no checkpoint."""
+    sglang_megatron = ["generation=sglang", "trainer=megatron", "cluster=slurm_8gpu"]
+    sglang_megatron.append("generation.server.max_tokens_per_turn=512")
+    config = validate_config(compose_raw([*sglang_megatron, "policy=smollm2_135m"]))
+    assert config.policy.source == "smollm2_wheel"
+    issues = _issues([*sglang_megatron, "generation=torch", "policy.source=tiny_random"])
+    assert "policy.source" in issues
+    assert "a tiny random model has none" in issues["policy.source"].problem
+
+
 def test_the_torch_engine_has_no_generation_role_to_place_in_an_environment():
     issues = _issues(["cluster.roles.generation.image=sglang:1"])
     (issue,) = issues.values()
