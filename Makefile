@@ -23,8 +23,9 @@ train: install
 test: install lint
 	$(PYTHON) -m pytest
 
+# The slow suite but the flagship's CPU run, which test-megatron runs.
 test-slow: gym-venv sglang-venv
-	$(PYTHON) -m pytest -m slow
+	$(PYTHON) -m pytest -m 'slow and not megatron'
 
 # NeMo-Gym's own environment, for env=gym_launch (docs/environments.md): its servers run as
 # child processes from here, never inside the recipe's interpreter. The 0.7.0 wheel declares
@@ -106,8 +107,11 @@ test-gpu:
 test-sglang: install sglang-venv
 	$(PYTHON) -m pytest -m 'sglang_cpu and not slow'
 
-test-megatron: install megatron-venv
-	$(MEGATRON_VENV)/bin/python -m pytest -m megatron
+# Then +experiment=flagship_cpu end to end (tests/recipes/test_flagship_cpu.py): this Python drives
+# it, the Megatron rank runs in the Megatron venv, generation in SGLang's, Gym in its own.
+test-megatron: install megatron-venv sglang-venv gym-venv
+	$(MEGATRON_VENV)/bin/python -m pytest -m 'megatron and not slow'
+	$(PYTHON) -m pytest -m 'slow and megatron'
 
 # One GPU machine without network: wheels it lacks come from $(WHEELS) (launch/gpu_check/run.sh).
 test-gpu-quick:

@@ -27,7 +27,7 @@ def run_recipe(*overrides, tmp_path, check_modules=False):
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("experiment", ["swe_bench_30b", "math_1p5b"])
+@pytest.mark.parametrize("experiment", ["swe_bench_30b", "math_1p5b", "flagship_cpu"])
 def test_dry_run_prints_the_plan_and_starts_nothing(experiment, tmp_path):
     done = run_recipe(
         f"+experiment={experiment}", "dry_run=true", tmp_path=tmp_path, check_modules=True

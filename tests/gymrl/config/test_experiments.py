@@ -44,6 +44,25 @@ def test_swe_bench_30b_is_the_16_node_moe_recipe():
     assert set(_truncation_by_shard("swe_bench_30b").values()) == {True}
 
 
+def test_flagship_cpu_keeps_the_flagships_groups_on_this_cpu():
+    """+experiment=flagship_cpu: swe_bench_30b's generation and trainer backends, a Gym
+    deployment launched instead of joined, async GRPO, truncation on in every shard and router
+    replay off; SmolLM2 on one CPU server and one Megatron rank whose process the trainer's
+    setup hook prepares."""
+    flagship = validate_config(compose_raw(["+experiment=swe_bench_30b"]))
+    config = validate_config(compose_raw(["+experiment=flagship_cpu"]))
+    for part in ("generation", "trainer"):
+        assert getattr(config, part).backend == getattr(flagship, part).backend
+    assert (flagship.env.source, config.env.source) == ("gym_join", "gym_launch")
+    assert config.grpo.async_enabled and flagship.grpo.async_enabled
+    assert set(_truncation_by_shard("flagship_cpu").values()) == {True}
+    assert not config.policy.router_replay.enabled
+    assert config.policy.source == "smollm2_wheel" and config.generation.launch.device == "cpu"
+    assert config.cluster.total_gpus == 1 and config.trainer.model_parallel_size == 1
+    assert config.cluster.roles.trainer.setup_hook == "megatron_on_cpu.prepare_process"
+    assert config.grpo.num_steps == 3
+
+
 def test_math_1p5b_is_the_2_node_recipe_with_truncation():
     config = validate_config(compose_raw(["+experiment=math_1p5b"]))
     assert config.policy.name == "Qwen2.5-Math-1.5B"

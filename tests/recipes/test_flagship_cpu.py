@@ -1,0 +1,70 @@
+"""`python recipes/grpo.py +experiment=flagship_cpu` through the real entry point: the flagship's
+code path on this CPU. The real SGLang server (`make sglang-venv`), the Megatron trainer as a
+Ray actor in its own venv (`make megatron-venv`, `cluster.roles.trainer.python`) whose worker
+process the CPU device shim prepares (`cluster.roles.trainer.setup_hook`), a NeMo-Gym deployment
+launched from Gym's venv (`make gym-venv`), async GRPO with truncation on, a broadcast refit after
+every step and a Megatron checkpoint at the last.
+
+The driver is the CPU role's Python (this process's); marked `slow`, `megatron` and `sglang_cpu`
+for the three venvs: `.ci/run` runs it after `make megatron-venv` with
+`python -m pytest -m 'slow and megatron'`.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.megatron, pytest.mark.sglang_cpu]
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "gymrl" / "generation"))
+
+from real_sglang import KERNEL_STANDIN, VENV  # noqa: E402  (a test helper, through sys.path)
+
+MEGATRON_VENV = Path(os.environ.get("MEGATRON_VENV", ROOT / ".venv-megatron"))
+GYM_VENV = ROOT / ".venv-gym"
+SHIM_FOLDER = ROOT / "tests" / "gymrl" / "trainer"  # megatron_on_cpu, the trainer's setup hook
+
+
+def test_the_flagships_code_path_trains_three_steps_on_this_cpu(tmp_path):
+    for venv, make in ((VENV, "sglang-venv"), (MEGATRON_VENV, "megatron-venv")):
+        if not (venv / "bin" / "python").is_file():
+            pytest.fail(f"no venv at {venv}: run `make {make}`")
+    if not (GYM_VENV / "bin" / "ng_run").is_file():
+        pytest.fail("NeMo-Gym's venv is missing: run `make gym-venv` first")
+    path = [str(SHIM_FOLDER), str(ROOT), os.environ.get("PYTHONPATH", "")]
+    done = subprocess.run(
+        [
+            sys.executable,
+            "recipes/grpo.py",
+            "+experiment=flagship_cpu",
+            f"generation.launch.python={VENV / 'bin' / 'python'}",
+            f"+generation.launch.env.PYTHONPATH={KERNEL_STANDIN}",
+            f"cluster.roles.trainer.python={MEGATRON_VENV / 'bin' / 'python'}",
+            "logger.wandb.mode=disabled",
+            f"run.output_dir={tmp_path}",
+            f"hydra.run.dir={tmp_path}",
+            "logger.progress_bar=false",
+        ],
+        cwd=ROOT,
+        env=os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, path))},
+        capture_output=True,
+        text=True,
+        timeout=2400,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-6000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in records] == [1, 2, 3]
+    assert records[0]["parity/passed"] == 1  # the real server's log-probs are Megatron's
+    for record in records:
+        assert record["async/weight_version"] == record["step"]  # a broadcast after every step
+        assert math.isfinite(record["train/loss"]) and record["train/num_tokens"] > 0
+        assert math.isfinite(record["train/grad_norm"])
+        assert record["timing/refit_s"] > 0
+    checkpoint = tmp_path / "checkpoints" / "step_3"
+    assert (checkpoint / "COMPLETE").is_file() and (checkpoint / "megatron").is_dir()
