@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from sglang_standin import make_standin
 
-from gymrl.config.schema import RefitConfig
+from gymrl.config.schema.generation import RefitConfig
 from gymrl.generation.refit import weight_sender
 from gymrl.generation.sglang_engine import SGLangEngine
 from gymrl.generation.weight_sync import WeightSender

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from gymrl.algo.episodes import EpisodeRules
 from gymrl.algo.trajectory import Trajectory
-from gymrl.config.schema import GRPOConfig
+from gymrl.config.schema.grpo import GRPOConfig
 from gymrl.experience.ledger import untrained_episodes
 from gymrl.experience.rollout_group import RolloutGroup, scalar_fields
 from gymrl.experience.rows import RowStream

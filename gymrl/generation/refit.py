@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from gymrl.config.schema import RefitConfig
+from gymrl.config.schema.generation import RefitConfig
 from gymrl.generation.sglang_engine import remove_loaded_refits
 from gymrl.generation.weight_check import WeightCheck
 from gymrl.generation.weight_sync import Backend, WeightSender

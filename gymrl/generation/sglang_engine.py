@@ -75,7 +75,7 @@ import orjson
 import torch
 from safetensors.torch import save_file
 
-from gymrl.config.schema import SGLangGenerationConfig
+from gymrl.config.schema.generation import SGLangGenerationConfig
 from gymrl.generation.routing import PrefixRouter, Routing
 from gymrl.generation.types import FinishReason, GenerationOutput, GenerationRequest
 from gymrl.generation.weights_checker import (

@@ -52,7 +52,7 @@ from typing import Any
 import httpx
 import orjson
 
-from gymrl.config.schema import RefitConfig
+from gymrl.config.schema.generation import RefitConfig
 from gymrl.generation.weight_check import WeightMismatchError, refit_due
 
 ROUTE = "/weights_checker"

@@ -12,7 +12,8 @@ import time
 import pytest
 
 from gymrl.algo.episodes import EpisodeRules
-from gymrl.config.schema import DynamicSamplingConfig, EpisodeRulesConfig, GRPOConfig, LossConfig
+from gymrl.config.schema.grpo import DynamicSamplingConfig, GRPOConfig
+from gymrl.config.schema.loss import EpisodeRulesConfig, LossConfig
 from gymrl.experience.producer import ProducerCounts, RolloutProducer
 from gymrl.experience.replay_buffer import ReplayBuffer
 from gymrl.experience.rows import RowStream

@@ -46,7 +46,8 @@ from pydantic import BaseModel
 from safetensors.torch import save_file
 from sglang_standin import make_standin
 
-from gymrl.config.schema import PolicyConfig, SGLangGenerationConfig, SGLangLaunchConfig
+from gymrl.config.schema.generation import SGLangGenerationConfig, SGLangLaunchConfig
+from gymrl.config.schema.policy import PolicyConfig
 from gymrl.generation.sglang_engine import SGLangEngine
 from gymrl.generation.sglang_servers import server_command
 from gymrl.generation.types import GenerationRequest, SamplingParams

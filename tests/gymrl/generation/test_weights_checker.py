@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from sglang_standin import make_standin
 
-from gymrl.config.schema import RefitConfig, SGLangGenerationConfig
+from gymrl.config.schema.generation import RefitConfig, SGLangGenerationConfig
 from gymrl.generation.refit import weight_sender
 from gymrl.generation.sglang_engine import SGLangEngine
 from gymrl.generation.types import GenerationRequest, SamplingParams
