@@ -38,7 +38,7 @@ sending.
 
 The staging buffers are kept from bucket to bucket, and on the CPU from refit to refit: a fresh
 host buffer is faulted in page by page on first write, which cost more than the copy itself in
-the gloo measurements (benchmarks/README.md, issue 19). On a GPU they are released
+the gloo measurements (benchmarks/README.md, "Flattened buckets"). On a GPU they are released
 after each refit: the caching allocator hands the same memory back to the next one, and in
 between training can use it.
 

@@ -5,7 +5,9 @@ copy behind.
   with decimals, a speed-up, "7 of 12") links the section of benchmarks/README.md it comes from,
   and each of its figures is written in that section too. A figure with no source paragraph (a
   comment in a command block) is refused: quote it in prose, with its link.
-* Every link into benchmarks/README.md from README.md and docs/ names a heading that exists.
+* benchmarks/README.md's headline table: each row's figures are written in the section it links.
+* Every link into benchmarks/README.md (from README.md, docs/ and the page itself) names a heading
+  that exists.
 * The build time and size the Makefile states for a venv target (`make gym-venv`, ...) are the
   ones every docs paragraph naming that target states.
 
@@ -25,7 +27,8 @@ BENCHMARKS = "benchmarks/README.md"
 # are left out: they are configuration, not measurements.
 FIGURE = re.compile(
     r"""(?x)
-    <?\ ?\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?\ (?:minutes?|min|seconds?|s|hours?|GB|MB|GiB|MiB)\b
+    <?\ ?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:-\d+(?:\.\d+)?)?
+        \ (?:minutes?|min|seconds?|s|ms|hours?|GB|MB|GiB|MiB)\b
         (?:\ \d+\ (?:seconds?|s)\b)?                # 3 min 39 s, 3-11 minutes, 1.2 GB, < 2 min
     | \b\d{4}-\d{2}-\d{2}\b                          # the date of a run
     | \b\d(?:\.\d+)?(?:,\ \d(?:\.\d+)?){3,}\b       # a series: 0.5, 1, 0.5, 0.5
@@ -39,6 +42,8 @@ SIZE_OR_DURATION = re.compile(
     r"\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)? (?:min|s|GB|MB)\b(?: \d+ s\b)?"
 )  # on normalised text
 LINK = re.compile(r"\]\(((?:\.\./)*)benchmarks/README\.md(?:#([^)]*))?\)")
+SAME_PAGE_LINK = re.compile(r"\]\(#([^)]*)\)")
+HEADLINES = "headline-figures"
 
 
 def normalise(text: str) -> str:
@@ -126,14 +131,35 @@ def readme_figure_problems(root: Path) -> list[str]:
     return problems
 
 
+def headline_problems(root: Path) -> list[str]:
+    """Rows of benchmarks/README.md's headline table against the sections they link."""
+    source = sections((root / BENCHMARKS).read_text())
+    rows = [line for line in source[HEADLINES].splitlines() if SAME_PAGE_LINK.search(line)]
+    problems = [] if rows else [f"{BENCHMARKS} has no headline table under #{HEADLINES}"]
+    for row in rows:
+        anchors = [anchor for anchor in SAME_PAGE_LINK.findall(row) if anchor in source]
+        text = normalise("\n".join(source[anchor] for anchor in anchors))
+        problems += [
+            f"{BENCHMARKS}'s headline {figure!r} is not in #{anchors}: {row[:70]!r}"
+            for figure in figures(row)
+            if not holds(text, figure)
+        ]
+    return problems
+
+
 def link_problems(root: Path) -> list[str]:
-    """Links into benchmarks/README.md from README.md and docs/ that name no heading."""
-    anchors = sections((root / BENCHMARKS).read_text())
-    problems = []
-    for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
-        for _, anchor in LINK.findall(page.read_text()):
+    """Links into benchmarks/README.md (from README.md, docs/ and itself) that name no heading."""
+    page = (root / BENCHMARKS).read_text()
+    anchors = sections(page)
+    problems = [
+        f"{BENCHMARKS} links #{anchor}: no heading"
+        for anchor in SAME_PAGE_LINK.findall(page)
+        if anchor not in anchors
+    ]
+    for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for _, anchor in LINK.findall(doc.read_text()):
             if anchor and anchor not in anchors:
-                problems.append(f"{page.relative_to(root)} links {BENCHMARKS}#{anchor}: no heading")
+                problems.append(f"{doc.relative_to(root)} links {BENCHMARKS}#{anchor}: no heading")
     return problems
 
 
@@ -181,6 +207,10 @@ def test_the_readme_quotes_its_figures_as_their_sources_write_them():
     assert readme_figure_problems(ROOT) == []
 
 
+def test_the_benchmarks_headline_table_quotes_its_sections():
+    assert headline_problems(ROOT) == []
+
+
 def test_every_link_into_the_benchmarks_page_names_a_heading():
     assert link_problems(ROOT) == []
 
@@ -224,6 +254,13 @@ def test_a_readme_figure_without_a_source_link_is_reported(tmp_path):
     _plant(root / "README.md", "\n## License", "\nThe suite runs in 8 min 12 s.\n\n## License")
     [problem] = readme_figure_problems(root)
     assert "without linking its source" in problem and "8 min 12 s" in problem
+
+
+def test_a_headline_figure_its_section_does_not_say_is_reported(tmp_path):
+    root = _copy(tmp_path)
+    _plant(root / BENCHMARKS, "| 3 min 39 s from `make train`", "| 3 min 9 s from `make train`")
+    [problem] = headline_problems(root)
+    assert problem.startswith(f"{BENCHMARKS}'s headline '3 min 9 s' is not in ")
 
 
 def test_a_link_to_a_heading_that_moved_is_reported(tmp_path):

@@ -141,8 +141,8 @@ class TorchGenerationConfig(Strict):
         description="How the torch engine decodes: fused runs its own decode step for Llama "
         "models (gymrl/generation/llama_decode.py: fused projections, weights packed once for "
         "the CPU's matrix library, attention over the cache without copies; the same "
-        "computation, a decode step 1.4-1.9x faster on SmolLM2, benchmarks/README.md, issue "
-        "36), and refuses another model; "
+        "computation, a decode step 1.4-1.9x faster on SmolLM2, benchmarks/README.md, "
+        "'Generation speed'), and refuses another model; "
         "transformers calls the model's forward at every step; auto is fused where the model "
         "allows it, else transformers (logged). Prefill always runs the model's forward.",
     )
@@ -168,7 +168,7 @@ class RefitConfig(Strict):
         "server holds one bucket besides its model; the trainer's rank 0 two staging buffers of "
         "this size, one on the wire while the next bucket is copied into the other (kept "
         "between refits when it sends from the CPU). Over gloo on CPU, 64 MiB to 1 GiB "
-        "measured alike (benchmarks/README.md, issue 19).",
+        "measured alike (benchmarks/README.md, 'Refit').",
     )
     timeout_s: float = Field(
         default=600.0,
