@@ -54,8 +54,10 @@ def normalise(text: str) -> str:
 
 
 def blocks(text: str) -> Iterator[str]:
-    """The page's paragraphs, tables and code blocks: the text between blank lines."""
-    yield from (block for block in re.split(r"\n[ \t]*\n", text) if block.strip())
+    """The page's paragraphs, list items, tables and code blocks: the text between blank lines,
+    each item of a list apart."""
+    for block in re.split(r"\n[ \t]*\n", text):
+        yield from (item for item in re.split(r"\n(?=[-*] )", block) if item.strip())
 
 
 def commands_with_their_paragraph(text: str) -> Iterator[str]:
