@@ -29,11 +29,12 @@ class RunConfig(Strict):
     progress_timeout_s: float | None = Field(
         default=3600.0,
         gt=0,
-        description="The no-progress watchdog: when no group of episodes comes back and no "
-        "training step ends for this long, the run stops and prints what each role was waiting "
-        "on (its wait, that wait's deadline, how long it had waited). Set it above the longest "
-        "quiet time of a healthy run: one group's episodes (env.rollout.run_timeout_s) and one "
-        "step's training, refit, checkpoint and validation. One hour covers a 1.5B model on a "
-        "few nodes; each experiment sets its own (conf/experiment/*.yaml). null = off (each wait "
-        "keeps its own deadline).",
+        description="The no-progress watchdog: when no group of episodes reaches training (a "
+        "group dropped because it cannot train does not count), no validation episode comes "
+        "back and no training step ends for this long, the run stops and prints what each role "
+        "was waiting on (its wait, that wait's deadline, how long it had waited). Set it above "
+        "the longest quiet time of a healthy run: one group's episodes (env.rollout.run_timeout_s) "
+        "and one step's training, refit, checkpoint and validation. One hour covers a 1.5B model "
+        "on a few nodes; each experiment sets its own (conf/experiment/*.yaml). null = off (each "
+        "wait keeps its own deadline).",
     )
