@@ -37,14 +37,17 @@ NEMO_GYM_VERSION := 0.7.0
 # Every Gym server runs in this venv, so an environment that needs packages of its own (its
 # requirements.txt, e.g. grl_sokoban's gymnasium and gym-sokoban) is named here:
 #   make gym-venv GYM_ENVS="grl_sokoban"
-# installs each one's requirements.txt (less its editable nemo-gym line) into the venv.
+# installs each one's requirements.txt (less its editable nemo-gym line) into the venv, with
+# setuptools below 81: gym-sokoban imports pkg_resources, which setuptools 81 removed, and
+# grl_sokoban's stand-in for it needs Python >= 3.12 (on this 3.11 venv every move failed).
 GYM_ENVS ?=
 gym-venv: $(GYM_VENV)/.installed-$(NEMO_GYM_VERSION)
 	@for env in $(GYM_ENVS); do \
 	  site=$$($(GYM_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"); \
 	  requirements=$$site/resources_servers/$$env/requirements.txt; \
 	  test -f $$requirements || { echo "no Gym environment $$env ($$requirements)"; exit 1; }; \
-	  grep -v '^-e ' $$requirements | $(GYM_VENV)/bin/pip install --prefer-binary -r /dev/stdin || exit 1; \
+	  { grep -v '^-e ' $$requirements; echo 'setuptools<81'; } \
+	    | $(GYM_VENV)/bin/pip install --prefer-binary -r /dev/stdin || exit 1; \
 	done
 
 $(GYM_VENV)/.installed-$(NEMO_GYM_VERSION):

@@ -37,7 +37,7 @@ LR = 1e-6
 
 def _config(trainer: str):
     from gymrl.config.compose import compose_raw
-    from gymrl.config.schema import PolicyConfig
+    from gymrl.config.schema.policy import PolicyConfig
     from gymrl.model.loading import ensure_smollm2_checkpoint
     from gymrl.preflight.validate import validate_config
 
@@ -76,7 +76,7 @@ def _build(trainer: str):
     if trainer == "torch":
         from transformers import AutoModelForCausalLM
 
-        from gymrl.config.schema import TorchTrainerConfig
+        from gymrl.config.schema.trainer import TorchTrainerConfig
         from gymrl.model.loading import load_tokenizer
         from gymrl.model.tokens import pad_token_id
         from gymrl.trainer.torch_trainer import TorchPolicyTrainer

@@ -35,7 +35,8 @@ def one_step(tokens: int, mask: str) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from gymrl.algo.trajectory import Trajectory
-    from gymrl.config.schema import LossConfig, TorchTrainerConfig
+    from gymrl.config.schema.loss import LossConfig
+    from gymrl.config.schema.trainer import TorchTrainerConfig
     from gymrl.trainer.prefix_packing import PrefixTree
     from gymrl.trainer.torch_trainer import TorchPolicyTrainer
 

@@ -25,7 +25,7 @@ import torch
 from gymrl.algo.loss import finish_agent_statistics
 from gymrl.algo.trajectory import Trajectory
 from gymrl.config.compose import compose_raw
-from gymrl.config.schema import TorchGenerationConfig
+from gymrl.config.schema.generation import TorchGenerationConfig
 from gymrl.generation.torch_engine import TorchGenerationEngine
 from gymrl.generation.types import GenerationRequest, SamplingParams
 from gymrl.model.policy import build_policy

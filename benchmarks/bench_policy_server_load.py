@@ -43,7 +43,8 @@ import psutil
 import torch
 from pydantic import SecretStr
 
-from gymrl.config.schema import PolicyConfig, TorchGenerationConfig
+from gymrl.config.schema.generation import TorchGenerationConfig
+from gymrl.config.schema.policy import PolicyConfig
 from gymrl.generation.chat_template import ChatFormat
 from gymrl.generation.parsers import GenerationParser
 from gymrl.generation.policy_server import create_policy_server_app

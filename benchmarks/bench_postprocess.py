@@ -40,7 +40,7 @@ from typing import Any
 
 import orjson
 
-from gymrl.config.schema import PolicyConfig
+from gymrl.config.schema.policy import PolicyConfig
 from gymrl.model.loading import ensure_smollm2_checkpoint, load_tokenizer
 from gymrl.model.tokens import decode_text
 from nemo_gym_ext.config import NemoGymPostprocessConfig

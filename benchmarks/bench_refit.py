@@ -8,7 +8,7 @@ loopback stand-ins (`tests/gymrl/generation/sglang_standin.py`) either way:
 * broadcast: `SGLangEngine.begin_refit`, `WeightSender.send` (the 0.5.23 protocol: session,
   buckets of `--bucket-mib` each sent as one flattened gloo broadcast, session end),
   `SGLangEngine.end_refit`; then one refit with the read-back check (`verify_method: read_back`,
-  `WeightCheck` at the config's defaults: `generation.refit.verify_rows` rows of the first and
+  `ReadBackCheck` at the config's defaults: `generation.refit.verify_rows` rows of the first and
   last tensor of each kind from every stand-in), whose extra seconds are its cost. The engine has
   no weights checker (the default method), whose cost is SGLang's GPU work, not the stand-ins'.
 
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from sglang_standin import make_standin
 
-from gymrl.config.schema import RefitConfig
+from gymrl.config.schema.generation import RefitConfig
 from gymrl.generation.refit import weight_sender
 from gymrl.generation.sglang_engine import SGLangEngine
 from gymrl.generation.weight_sync import WeightSender

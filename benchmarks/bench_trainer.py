@@ -32,7 +32,8 @@ import torch
 
 from gymrl.algo.trajectory import Trajectory
 from gymrl.config.compose import compose_raw
-from gymrl.config.schema import LossConfig, TorchOptimizerConfig, TorchTrainerConfig
+from gymrl.config.schema.loss import LossConfig
+from gymrl.config.schema.trainer import TorchOptimizerConfig, TorchTrainerConfig
 from gymrl.model.policy import build_policy
 from gymrl.model.precision import native_bfloat16
 from gymrl.model.tokens import pad_token_id

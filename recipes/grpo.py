@@ -7,7 +7,7 @@
     python recipes/grpo.py -m +experiment=truncation_ablation     # a Hydra multirun sweep
 
 Hydra composes conf/ over the schema's defaults (`--cfg job` shows the result); the first thing
-`main` does is validate the whole tree into a typed `RecipeConfig` (gymrl/config/schema.py),
+`main` does is validate the whole tree into a typed `RecipeConfig` (gymrl/config/schema/),
 reporting every problem at once. Nothing starts before that: a bad config fails in a second, not
 after the cluster came up. Then the run is `GRPORecipe` (gymrl/recipes/grpo.py) in three verbs:
 setup, train, and cleanup, which always runs and closes whatever setup started. SIGINT and

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from gymrl.config.schema import PolicyConfig
+from gymrl.config.schema.policy import PolicyConfig
 from gymrl.generation.chat_template import ChatFormat
 from gymrl.generation.parsers import GenerationParser
 from gymrl.model.loading import ensure_smollm2_checkpoint, load_tokenizer

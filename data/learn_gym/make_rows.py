@@ -17,7 +17,8 @@ two files share no task (tests/data/test_learn_gym_rows.py checks the committed 
 Each row's input shows one solved task first (a user question, the tool call, the tool's answer,
 a short reply), on numbers 10-19 so it never equals a task: SmolLM2-135M-Instruct given the
 environment's own rows (the tools and the question alone) made no tool call in 16 episodes, and
-wrote JavaScript instead (benchmarks/README.md, "Issue 35").
+wrote JavaScript instead (benchmarks/README.md, "Learning on a real Gym
+environment").
 
     python data/learn_gym/make_rows.py                       # Gym's venv at .venv-gym
     python data/learn_gym/make_rows.py --gym-venv /path/to/.venv-gym --out-dir data/learn_gym

@@ -27,7 +27,7 @@ import torch
 
 from gymrl.algo.advantages import grpo_advantages
 from gymrl.algo.trajectory import Trajectory
-from gymrl.config.schema import EpisodeRulesConfig, LossConfig
+from gymrl.config.schema.loss import EpisodeRulesConfig, LossConfig
 
 ADVANTAGE_EPS = 1e-6
 

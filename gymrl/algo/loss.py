@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gymrl.config.schema import OffPolicyCorrectionConfig
+from gymrl.config.schema.loss import OffPolicyCorrectionConfig
 
 _CHUNK_POSITIONS = 2048
 
@@ -124,7 +124,7 @@ def grpo_loss(
     the masked tokens; returns `(loss, metrics)`.
 
     * `r` is the importance ratio `exp(logprobs - generation_logprobs)` as `off_policy` bounds it
-      (`gymrl.config.schema.OffPolicyCorrectionConfig`): capped in value, its gradient scaled
+      (`gymrl.config.schema.loss.OffPolicyCorrectionConfig`): capped in value, its gradient scaled
       down with it, never zeroed (`*_truncate`); or kept as it is on the tokens it keeps, the
       others leaving the loss (`*_mask`; they still count in the denominator, so the kept ones
       are not re-weighted). In the sequence modes the value of `r` is the geometric mean of the

@@ -30,13 +30,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from gymrl.config.schema import (
-    MegatronTrainerConfig,
-    RecipeConfig,
-    RoleEnvironmentConfig,
-    SGLangGenerationConfig,
-    TorchGenerationConfig,
-)
+from gymrl.config.schema.cluster import RoleEnvironmentConfig
+from gymrl.config.schema.generation import SGLangGenerationConfig, TorchGenerationConfig
+from gymrl.config.schema.recipe import RecipeConfig
+from gymrl.config.schema.trainer import MegatronTrainerConfig
 
 
 @dataclass(frozen=True)

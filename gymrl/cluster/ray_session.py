@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ray
 
-from gymrl.config.schema import ClusterConfig
+from gymrl.config.schema.cluster import ClusterConfig
 
 
 class ClusterUnavailableError(RuntimeError):

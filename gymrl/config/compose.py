@@ -2,7 +2,7 @@
 
 Hydra only accepts a plain override (`trainer.optimizer.lr=3e-6`, no `+`) for a key the composed
 tree already holds, and `--cfg job` shows only what was composed. So the defaults of
-`gymrl/config/schema.py` enter the composition as ConfigStore nodes built from the pydantic
+`gymrl/config/schema/` enter the composition as ConfigStore nodes built from the pydantic
 models, and the YAML files keep only what a scenario chooses:
 
 * `schema`: every default outside the backend unions; the first entry of conf/grpo.yaml;
@@ -27,7 +27,9 @@ from omegaconf import DictConfig, OmegaConf
 from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
-from gymrl.config.schema import GenerationConfig, RecipeConfig, TrainerConfig
+from gymrl.config.schema.generation import GenerationConfig
+from gymrl.config.schema.recipe import RecipeConfig
+from gymrl.config.schema.trainer import TrainerConfig
 from nemo_gym_ext.config import NemoGymPostprocessConfig
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "conf"

@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from gymrl.config.schema import PolicyConfig, YarnConfig
+from gymrl.config.schema.policy import PolicyConfig, YarnConfig
 from nemo_gym_ext.config import ConfigIssue
 
 # SmolLM2-135M-Instruct (its wheel's config.json) and the tiny random Llama built from it.

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from gymrl.algo.episodes import EpisodeRules
 from gymrl.algo.trajectory import Trajectory
-from gymrl.config.schema import GRPOConfig
+from gymrl.config.schema.grpo import GRPOConfig
 from gymrl.experience.ledger import untrained_episodes
 from gymrl.experience.rollout_group import RolloutGroup, scalar_fields
 from gymrl.experience.rows import RowStream
@@ -298,7 +298,6 @@ class RolloutProducer(threading.Thread):
                 group_id, version, started, position = in_flight.pop(group)
                 # Contiguity and malformed-result errors propagate from here.
                 outcome = self._runner.outcome(group)
-                progressed(f"group {group_id} came back")
                 if outcome.prompt_refused:
                     self._refuse(outcome, position)
                 else:
@@ -374,6 +373,9 @@ class RolloutProducer(threading.Thread):
         # A group the buffer finds already stale counts as delivered: the trainer's eviction
         # count, passed to `advance`, is what gives its credit back.
         self._buffer.put(group, self._grpo.batch_timeout_s)
+        # Progress is a group that can train: one dropped (every episode failed, no baseline,
+        # no variance) came back all the same, and a run of nothing else must trip the watchdog.
+        progressed(f"group {group_id} reached the replay buffer")
         with self._condition:
             self._accepted += 1
 

@@ -29,7 +29,8 @@ from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
-from gymrl.config.schema import DataConfig, SamplingConfig
+from gymrl.config.schema.env import DataConfig
+from gymrl.config.schema.generation import SamplingConfig
 from nemo_gym_ext.config import GymActorConfig
 from nemo_gym_ext.envs.registry import make_rows
 from nemo_gym_ext.wire import agent_name_of

@@ -13,7 +13,7 @@ import json
 import os
 from pathlib import Path
 
-from gymrl.config.schema import RecipeConfig
+from gymrl.config.schema.recipe import RecipeConfig
 
 ANNOUNCEMENT_FILENAME = "policy_server.json"
 

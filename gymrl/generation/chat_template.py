@@ -42,7 +42,7 @@ from nemo_gym_ext.wire import (
 )
 
 if TYPE_CHECKING:
-    from gymrl.config.schema import PolicyConfig
+    from gymrl.config.schema.policy import PolicyConfig
 
 
 class ChatFormatError(ValueError):

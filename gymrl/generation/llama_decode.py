@@ -2,9 +2,10 @@
 
 A decode step at the engine's batch sizes reads every weight once for little arithmetic, so it
 should cost about the time to stream the weights from memory. Through the Hugging Face model it
-costs several times that (benchmarks/README.md, "Issue 36"): matrix products that re-pack their
-weights at every call, attention that copies the cache, and per layer the model's Python, cache
-object and autocast casts. This module runs the same computation with the few ops it needs:
+costs several times that (benchmarks/README.md, "The torch engine's decode step against the
+weight-streaming bound"): matrix products that re-pack their weights at every call, attention
+that copies the cache, and per layer the model's Python, cache object and autocast casts. This
+module runs the same computation with the few ops it needs:
 
 - the query, key and value projections as one matrix product, and the gate and up projections as
   another (the model's own weights become row views of the fused matrices);

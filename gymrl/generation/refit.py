@@ -16,8 +16,9 @@ transport; the trainer process calls :func:`weight_sender`.
 
 Where the weights are checked (`generation.refit.verify_weights`): with `verify_method:
 weights_checker` on the generation side, by the SGLang engine's `begin_refit` and `end_refit`,
-which both SGLang transports pass through (`gymrl.generation.weights_checker`); with `read_back`
-on the trainer side, by the `WeightSender` after a broadcast (`gymrl.generation.weight_check`).
+which both SGLang transports pass through (`gymrl.generation.verify_weights_checker`); with
+`read_back` on the trainer side, by the `WeightSender` after a broadcast
+(`gymrl.generation.verify_read_back`).
 The torch engine loads the state dict itself and needs neither.
 """
 
@@ -29,9 +30,9 @@ from typing import Any
 
 import torch
 
-from gymrl.config.schema import RefitConfig
+from gymrl.config.schema.generation import RefitConfig
 from gymrl.generation.sglang_engine import remove_loaded_refits
-from gymrl.generation.weight_check import WeightCheck
+from gymrl.generation.verify_read_back import ReadBackCheck
 from gymrl.generation.weight_sync import Backend, WeightSender
 from gymrl.model.policy import DTYPES
 
@@ -57,7 +58,7 @@ def weight_sender(
     asks for it (`verify_method: read_back`); `served_dtype` is the servers' (`policy.dtype`),
     which sampled weights are compared in."""
     check = (
-        WeightCheck(
+        ReadBackCheck(
             every=refit.verify_every,
             rows=refit.verify_rows,
             served_dtype=DTYPES[served_dtype],

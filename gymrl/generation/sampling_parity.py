@@ -31,7 +31,7 @@ import threading
 from dataclasses import dataclass
 from typing import Literal
 
-from gymrl.config.schema import RecipeConfig
+from gymrl.config.schema.recipe import RecipeConfig
 
 SamplingMismatch = Literal["override", "reject"]
 

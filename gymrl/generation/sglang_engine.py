@@ -23,7 +23,7 @@ The HTTP API used (SGLang 0.5.23, pinned exactly: `sglang/srt/entrypoints/http_s
   "weight_version", "flush_cache": false}`, `POST /flush_cache`, `POST /continue_generation {}`:
   the refit sequence (the broadcast's own calls are `gymrl.generation.weight_sync`'s).
 * `POST /weights_checker {action, skip_tensor_list}`: the weight check around a refit,
-  `gymrl.generation.weights_checker`'s.
+  `gymrl.generation.verify_weights_checker`'s.
 * `GET /health_generate`: 200 once the server generates.
 
 **Log-probability semantics.** The project defines generation log-probabilities as those of the
@@ -42,8 +42,8 @@ shared filesystem with `/update_weights_from_disk` (`transport: disk`, :meth:`re
 one write plus parallel reads of the checkpoint per step, and no process group that must be
 rebuilt when an engine restarts. Either way the refit runs between :meth:`begin_refit` and
 :meth:`end_refit`, which is where the weights are checked (`generation.refit.verify_method:
-weights_checker`, :class:`~gymrl.generation.weights_checker.WeightsChecker`): before anything is
-sent and after everything loaded, while no request runs.
+weights_checker`, :class:`~gymrl.generation.verify_weights_checker.WeightsChecker`): before
+anything is sent and after everything loaded, while no request runs.
 
 SGLang takes the weight-update lock only once no request holds it, and paused requests still
 hold it (a "retract" or "in_place" pause deadlocks the update), so generation is paused with
@@ -75,10 +75,10 @@ import orjson
 import torch
 from safetensors.torch import save_file
 
-from gymrl.config.schema import SGLangGenerationConfig
+from gymrl.config.schema.generation import SGLangGenerationConfig
 from gymrl.generation.routing import PrefixRouter, Routing
 from gymrl.generation.types import FinishReason, GenerationOutput, GenerationRequest
-from gymrl.generation.weights_checker import (
+from gymrl.generation.verify_weights_checker import (
     WeightCheckUnavailableError,
     WeightsChecker,
     checker_for,

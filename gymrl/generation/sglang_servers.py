@@ -29,7 +29,8 @@ import httpx
 
 from gymrl.cluster.placement import RolePlacement, actor_options
 from gymrl.config.context import sglang_model_overrides
-from gymrl.config.schema import PolicyConfig, SGLangGenerationConfig, SGLangLaunchConfig
+from gymrl.config.schema.generation import SGLangGenerationConfig, SGLangLaunchConfig
+from gymrl.config.schema.policy import PolicyConfig
 from gymrl.generation.sglang_engine import SGLangError, SGLangTimeoutError
 from gymrl.generation.weight_sync import WEIGHT_SYNC_NCCL_ENV
 from nemo_gym_ext.ports import free_port

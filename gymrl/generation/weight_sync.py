@@ -38,15 +38,16 @@ sending.
 
 The staging buffers are kept from bucket to bucket, and on the CPU from refit to refit: a fresh
 host buffer is faulted in page by page on first write, which cost more than the copy itself in
-the gloo measurements (benchmarks/README.md, issue 19). On a GPU they are released
+the gloo measurements (benchmarks/README.md, "Flattened buckets"). On a GPU they are released
 after each refit: the caching allocator hands the same memory back to the next one, and in
 between training can use it.
 
 The trainer's end (:func:`join_weight_update_group`) is a TCP store at its address and a backend
 process group made directly on it, so it is separate from any default process group the trainer
 already has; its store keys carry the prefixes SGLang's end uses. The stand-in server of the
-tests joins through the same function. After a refit that :class:`~gymrl.generation.weight_check.
-WeightCheck` says is due, samples of what was sent are read back from every server.
+tests joins through the same function. After a refit that
+:class:`~gymrl.generation.verify_read_back.ReadBackCheck` says is due, samples of what was sent are
+read back from every server.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
-from gymrl.generation.weight_check import WeightCheck, WeightSamples
+from gymrl.generation.verify_read_back import ReadBackCheck, WeightSamples
 from nemo_gym_ext.keep_alive import CLIENT_KEEPALIVE_EXPIRY_S
 from nemo_gym_ext.ports import free_port
 
@@ -259,7 +260,7 @@ class WeightSender:
         backend: Backend,
         bucket_bytes: int,
         timeout_s: float,
-        check: WeightCheck | None = None,
+        check: ReadBackCheck | None = None,
     ) -> None:
         if len(server_urls) != len(tp_sizes) or not server_urls:
             raise ValueError(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from gymrl.config.schema import PolicyConfig
+from gymrl.config.schema.policy import PolicyConfig
 
 SMOLLM2_DIRNAME = "smollm2-135m-instruct"
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from gymrl.config.schema import PolicyConfig
+from gymrl.config.schema.policy import PolicyConfig
 from gymrl.model.loading import (
     build_tiny_llama,
     ensure_smollm2_checkpoint,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gymrl.config.schema import RecipeConfig
+from gymrl.config.schema.recipe import RecipeConfig
 from nemo_gym_ext.config import AGENTS_KEY, GymActorConfig
 
 HONOR_KEY = "generation.server.honor_prompt_token_ids"

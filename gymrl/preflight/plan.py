@@ -11,13 +11,11 @@ from __future__ import annotations
 import sys
 
 from gymrl.cluster.placement import generation_gpus, shares_one_gpu, trainer_gpus
-from gymrl.config.schema import (
-    OffPolicyCorrectionConfig,
-    RecipeConfig,
-    RoleEnvironmentConfig,
-    SGLangGenerationConfig,
-    TorchTrainerConfig,
-)
+from gymrl.config.schema.cluster import RoleEnvironmentConfig
+from gymrl.config.schema.generation import SGLangGenerationConfig
+from gymrl.config.schema.loss import OffPolicyCorrectionConfig
+from gymrl.config.schema.recipe import RecipeConfig
+from gymrl.config.schema.trainer import TorchTrainerConfig
 from gymrl.generation.chat_template import ChatFormat
 from gymrl.model.folders import local_tokenizer_folder
 from gymrl.preflight.clients import HONOR_KEY, describe_clients, shard_clients

@@ -37,7 +37,7 @@ from typing import Any
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from gymrl.config.schema import PolicyConfig
+from gymrl.config.schema.policy import PolicyConfig
 from gymrl.generation.chat_template import ChatFormat, ChatFormatError, build_prompt_token_ids
 from gymrl.generation.parsers import ParsedGeneration
 from gymrl.model.folders import local_tokenizer_folder

@@ -28,14 +28,11 @@ from pydantic import BaseModel, ValidationError
 
 from gymrl.cluster.placement import generation_gpus, trainer_gpus
 from gymrl.config.context import context_issues
-from gymrl.config.schema import (
-    EnvConfig,
-    MegatronTrainerConfig,
-    PolicyConfig,
-    RecipeConfig,
-    TorchGenerationConfig,
-    TorchTrainerConfig,
-)
+from gymrl.config.schema.env import EnvConfig
+from gymrl.config.schema.generation import TorchGenerationConfig
+from gymrl.config.schema.policy import PolicyConfig
+from gymrl.config.schema.recipe import RecipeConfig
+from gymrl.config.schema.trainer import MegatronTrainerConfig, TorchTrainerConfig
 from gymrl.generation.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from gymrl.generation.templates import bundled_chat_templates, chat_template_path
 from gymrl.preflight.clients import HONOR_KEY, shard_clients
@@ -48,8 +45,6 @@ from nemo_gym_ext.config import (
     GymActorConfig,
     build_all_gym_actor_configs,
 )
-
-_SCHEMA_HINT = "see the field descriptions in gymrl/config/schema.py"
 
 
 def validate_config(raw: Mapping[str, Any]) -> RecipeConfig:
@@ -126,9 +121,13 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel]:
 
 
 def _description_at(loc: tuple[Any, ...]) -> str:
-    field = _model_at(loc[:-1]).model_fields.get(str(loc[-1]))
+    """The field's description, else where its class describes its fields (the schema module of
+    the key's top-level group)."""
+    model = _model_at(loc[:-1])
+    field = model.model_fields.get(str(loc[-1]))
     if field is None or not field.description:
-        return _SCHEMA_HINT
+        path = model.__module__.replace(".", "/")
+        return f"see the field descriptions of {model.__name__} in {path}.py"
     return field.description
 
 

@@ -15,7 +15,7 @@ from hydra.conf import HydraConf
 from omegaconf import DictConfig
 
 from gymrl.config.compose import to_plain_dict
-from gymrl.config.schema import RecipeConfig
+from gymrl.config.schema.recipe import RecipeConfig
 from gymrl.preflight.plan import render_plan
 from gymrl.preflight.validate import validate_config
 from gymrl.run.folder import METRICS_FILENAME

@@ -38,7 +38,7 @@ from ray.util.placement_group import remove_placement_group
 from gymrl.cluster.placement import plan_placement, reserve
 from gymrl.cluster.ray_calls import wait_for
 from gymrl.cluster.ray_session import start_ray
-from gymrl.config.schema import RecipeConfig
+from gymrl.config.schema.recipe import RecipeConfig
 from gymrl.experience.pass_at_k import pass_at_k_metrics
 from gymrl.experience.rows import load_rows, load_validation_rows
 from gymrl.experience.validation import (

@@ -36,7 +36,7 @@ from gymrl.algo.trajectory import Trajectory
 from gymrl.cluster.placement import plan_placement, reserve
 from gymrl.cluster.ray_calls import wait_for
 from gymrl.cluster.ray_session import ClusterUnavailableError, start_ray
-from gymrl.config.schema import RecipeConfig
+from gymrl.config.schema.recipe import RecipeConfig
 from gymrl.experience.ledger import TokenLedger
 from gymrl.experience.producer import (
     DataState,
@@ -56,7 +56,7 @@ from gymrl.model.policy import model_folder
 from gymrl.roles import close_reporting_failure
 from gymrl.roles.generation_server import start_generation_server
 from gymrl.roles.gym_shard import RayGroupRunner, start_gym_shards
-from gymrl.roles.replay_buffer import start_replay_buffer
+from gymrl.roles.replay_buffer_actor import start_replay_buffer
 from gymrl.roles.trainer import start_trainer
 from gymrl.run.checkpoint import latest_verified_checkpoint
 from gymrl.run.folder import METRICS_FILENAME, RunFolderInUseError, claim_run_folder

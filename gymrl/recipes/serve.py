@@ -20,7 +20,7 @@ from ray.util.placement_group import remove_placement_group
 
 from gymrl.cluster.placement import plan_placement, reserve
 from gymrl.cluster.ray_session import start_ray
-from gymrl.config.schema import RecipeConfig
+from gymrl.config.schema.recipe import RecipeConfig
 from gymrl.generation.announce import announce_policy_server
 from gymrl.generation.api_key import resolve_api_key
 from gymrl.roles.generation_server import start_generation_server

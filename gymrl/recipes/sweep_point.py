@@ -17,7 +17,7 @@ from hydra.conf import HydraConf
 from omegaconf import DictConfig, OmegaConf
 
 from gymrl.cluster.slurm import run_on_allocation, slurm_task_rank
-from gymrl.config.schema import RecipeConfig
+from gymrl.config.schema.recipe import RecipeConfig
 from gymrl.recipes.entry import RunFailed, objective, prepare, train
 from gymrl.tracking.sweep import record_point
 

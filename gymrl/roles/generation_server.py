@@ -19,7 +19,8 @@ from transformers import PreTrainedTokenizerBase
 
 from gymrl.cluster.placement import Placement, actor_options
 from gymrl.cluster.ray_calls import close_actor, wait_for
-from gymrl.config.schema import RecipeConfig, SGLangGenerationConfig, TorchGenerationConfig
+from gymrl.config.schema.generation import SGLangGenerationConfig, TorchGenerationConfig
+from gymrl.config.schema.recipe import RecipeConfig
 from gymrl.generation.announce import policy_server_host
 from gymrl.generation.chat_template import ChatFormat
 from gymrl.generation.divergence_watch import DivergenceCounts, DivergenceWatch

@@ -18,7 +18,9 @@ import ray
 
 from gymrl.cluster.placement import Placement, actor_options
 from gymrl.cluster.ray_calls import close_actor, wait_for
-from gymrl.config.schema import PolicyConfig, RecipeConfig, RolloutConfig
+from gymrl.config.schema.env import RolloutConfig
+from gymrl.config.schema.policy import PolicyConfig
+from gymrl.config.schema.recipe import RecipeConfig
 from gymrl.generation.chat_template import ChatFormat, row_prompt_token_count
 from gymrl.model.loading import load_tokenizer
 from gymrl.model.tokens import decode_text

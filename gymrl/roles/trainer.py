@@ -21,15 +21,11 @@ import torch
 from gymrl.algo.trajectory import Trajectory
 from gymrl.cluster.placement import Placement, actor_options
 from gymrl.cluster.ray_calls import close_actor, wait_for
-from gymrl.config.schema import (
-    LossConfig,
-    MegatronTrainerConfig,
-    PolicyConfig,
-    RecipeConfig,
-    RefitConfig,
-    SGLangGenerationConfig,
-    TorchTrainerConfig,
-)
+from gymrl.config.schema.generation import RefitConfig, SGLangGenerationConfig
+from gymrl.config.schema.loss import LossConfig
+from gymrl.config.schema.policy import PolicyConfig
+from gymrl.config.schema.recipe import RecipeConfig
+from gymrl.config.schema.trainer import MegatronTrainerConfig, TorchTrainerConfig
 from gymrl.generation.refit import (
     broadcast_backend,
     refit_by_broadcast,

@@ -11,7 +11,9 @@ Roles are threads of the driver process: the trainer loop (the main thread) and 
 producer. A role says what it waits on with :func:`waiting` (`gymrl.cluster.ray_calls.wait_for`
 does so for every Ray call); the outermost wait of a role is the one reported, since it says
 what the role needs (a step's groups) rather than the call it is making for it. Progress is
-:func:`progressed`: a group of episodes came back, or a training step ended. When the watchdog
+:func:`progressed`: a group of episodes reached the replay buffer (a group dropped because it
+cannot train, as when every episode of it failed, is none), a validation episode came back, or a
+training step ended. When the watchdog
 trips, :func:`raise_if_stalled`, called by the waits between their slices, raises
 :class:`NoProgressError` in whichever role checks first, so the run ends within a second.
 Without an active watch (actors, tests, the eval and serve recipes) every function is a no-op.
@@ -29,7 +31,7 @@ _ROLE_NAMES = {"MainThread": "trainer loop"}
 
 
 class NoProgressError(RuntimeError):
-    """No episode finished and no step advanced for `run.progress_timeout_s`."""
+    """Nothing to train or validate came back and no step advanced for `run.progress_timeout_s`."""
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,8 @@ class ProgressWatch:
                 f"(its deadline {wait.deadline_s:g} s)"
             )
         return (
-            f"no episode finished and no step advanced for {now - self._last:.1f} s "
+            f"no group of episodes reached training, no validation episode came back and no "
+            f"step advanced for {now - self._last:.1f} s "
             f"(run.progress_timeout_s={self.timeout_s:g}; last progress: {self._last_what}). "
             f"At that moment: {'; '.join(roles) or 'no role was waiting'}"
         )

@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Protocol
 
 from tqdm import tqdm
 
-from gymrl.config.schema import LoggerConfig
+from gymrl.config.schema.logger import LoggerConfig
 from gymrl.run.folder import METRICS_FILENAME
 
 

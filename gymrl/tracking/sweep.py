@@ -28,7 +28,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from gymrl.config.schema import RecipeConfig
+from gymrl.config.schema.recipe import RecipeConfig
 from gymrl.run.folder import METRICS_FILENAME
 from gymrl.tracking.records import read_records
 

@@ -7,7 +7,8 @@ touches a GPU, for configs built in code. Torch-free, so dry runs can import it.
 
 from __future__ import annotations
 
-from gymrl.config.schema import MegatronTrainerConfig, RecipeConfig
+from gymrl.config.schema.recipe import RecipeConfig
+from gymrl.config.schema.trainer import MegatronTrainerConfig
 from nemo_gym_ext.config import ConfigIssue
 
 

@@ -20,7 +20,7 @@ from gymrl.algo.loss import (
     merge_agent_statistics,
 )
 from gymrl.algo.trajectory import Trajectory
-from gymrl.config.schema import LossConfig
+from gymrl.config.schema.loss import LossConfig
 
 
 def loss_normalizer(trajectories: Sequence[Trajectory], token_level: bool) -> float:

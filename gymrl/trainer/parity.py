@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from gymrl.algo.loss import finish_agent_statistics
 from gymrl.algo.trajectory import Trajectory
-from gymrl.config.schema import ParityGateConfig, ParityToleranceConfig
+from gymrl.config.schema.grpo import ParityGateConfig, ParityToleranceConfig
 
 log = logging.getLogger(__name__)
 

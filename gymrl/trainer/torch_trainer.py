@@ -23,7 +23,8 @@ from transformers import PreTrainedModel
 
 from gymrl.algo.loss import gathered_token_logprobs, masked_token_logprobs
 from gymrl.algo.trajectory import Trajectory, collate
-from gymrl.config.schema import LossConfig, TorchTrainerConfig
+from gymrl.config.schema.loss import LossConfig
+from gymrl.config.schema.trainer import TorchTrainerConfig
 from gymrl.model.attention_mask import additive_mask
 from gymrl.model.precision import ComputeDtype, body_autocast, resolve_compute_dtype
 from gymrl.run.checkpoint import TrainerState, capture_rng_state, load_checkpoint, save_checkpoint

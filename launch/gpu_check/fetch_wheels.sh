@@ -24,7 +24,7 @@ mkdir -p "$DEST/smollm2"
 "$PY" - "$DEST/smollm2" <<'PY'
 import shutil, sys
 from pathlib import Path
-from gymrl.config.schema import PolicyConfig
+from gymrl.config.schema.policy import PolicyConfig
 from gymrl.model.loading import ensure_smollm2_checkpoint
 folder = ensure_smollm2_checkpoint(PolicyConfig.model_fields["model_cache_dir"].default)
 for path in folder.iterdir():

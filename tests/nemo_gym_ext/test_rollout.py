@@ -6,7 +6,7 @@ import asyncio
 import pytest
 from pydantic import SecretStr
 
-from gymrl.config.schema import TorchGenerationConfig
+from gymrl.config.schema.generation import TorchGenerationConfig
 from gymrl.generation.chat_template import row_prompt_token_count
 from gymrl.generation.policy_server import create_policy_server_app
 from gymrl.generation.torch_engine import TorchGenerationEngine

@@ -62,7 +62,7 @@ def test_a_frozen_gym_shard_trips_the_watchdog_naming_what_each_role_waited_on(t
     print(f"GymShard frozen -> exit {code} after {stop_s:.1f} s")  # docs/reliability.md
     assert code == 1, errors[-3000:]
     (stopped,) = [line for line in errors.splitlines() if line.startswith("run stopped:")]
-    assert stopped.startswith("run stopped: NoProgressError: no episode finished and no step")
+    assert stopped.startswith("run stopped: NoProgressError: no group of episodes reached training")
     assert f"run.progress_timeout_s={PROGRESS_TIMEOUT_S}" in stopped
     assert "trainer loop: waiting for step " in stopped, stopped
     assert "rollout-producer: waiting for " in stopped, stopped

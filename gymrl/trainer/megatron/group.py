@@ -13,7 +13,8 @@ import torch
 from gymrl.algo.trajectory import Trajectory
 from gymrl.cluster.placement import RolePlacement, actor_options
 from gymrl.cluster.ray_calls import wait_for
-from gymrl.config.schema import RecipeConfig, RefitConfig
+from gymrl.config.schema.generation import RefitConfig
+from gymrl.config.schema.recipe import RecipeConfig
 from gymrl.generation.weight_sync import WEIGHT_SYNC_NCCL_ENV
 from gymrl.trainer.grpo_step import reduce_loss_metrics
 from gymrl.trainer.megatron.arguments import (

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from gymrl.algo.trajectory import Trajectory
-from gymrl.config.schema import RecipeConfig, RefitConfig
+from gymrl.config.schema.generation import RefitConfig
+from gymrl.config.schema.recipe import RecipeConfig
 from gymrl.generation.refit import broadcast_backend, weight_sender
 from gymrl.generation.weight_sync import WeightSender
 from gymrl.model.policy import model_folder

@@ -7,7 +7,7 @@ import torch
 from gymrl.algo.advantages import grpo_advantages
 from gymrl.algo.episodes import ADVANTAGE_EPS, EpisodeRules, overlong_penalty
 from gymrl.algo.trajectory import Trajectory
-from gymrl.config.schema import EpisodeRulesConfig, LossConfig
+from gymrl.config.schema.loss import EpisodeRulesConfig, LossConfig
 
 
 def _episode(reward, *, agent="a", group="g", generated=1, overlong=False, masked=False):

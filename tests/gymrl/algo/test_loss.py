@@ -14,7 +14,7 @@ from gymrl.algo.loss import (
     sequence_logprobs,
 )
 from gymrl.algo.trajectory import Trajectory, collate
-from gymrl.config.schema import OffPolicyCorrectionConfig
+from gymrl.config.schema.loss import OffPolicyCorrectionConfig
 
 DEFAULTS = {
     "clip_ratio_low": 0.2,

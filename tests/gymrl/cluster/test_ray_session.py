@@ -4,7 +4,7 @@ machine advertises: Ray's default would join that cluster instead and refuse `nu
 import ray
 
 from gymrl.cluster.ray_session import start_ray
-from gymrl.config.schema import ClusterConfig
+from gymrl.config.schema.cluster import ClusterConfig
 
 
 def test_a_local_run_starts_its_own_ray_even_where_another_is_advertised(monkeypatch):

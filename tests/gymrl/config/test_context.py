@@ -8,7 +8,7 @@ import pytest
 
 from gymrl.config.compose import compose_raw
 from gymrl.config.context import megatron_rope_overrides, sglang_model_overrides
-from gymrl.config.schema import SGLangGenerationConfig
+from gymrl.config.schema.generation import SGLangGenerationConfig
 from gymrl.generation.sglang_servers import server_command
 from gymrl.preflight.validate import validate_config
 from nemo_gym_ext.config import ConfigError

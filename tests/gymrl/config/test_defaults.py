@@ -89,7 +89,7 @@ def test_no_yaml_value_restates_what_composition_gives_anyway(relative, tmp_path
     restated = _restated(CONFIG_DIR, relative, tmp_path)
     assert not restated, (
         f"conf/{relative} sets values the composition holds without them (schema defaults in "
-        f"gymrl/config/schema.py, or what the experiment builds on): remove {restated}"
+        f"gymrl/config/schema/, or what the experiment builds on): remove {restated}"
     )
 
 

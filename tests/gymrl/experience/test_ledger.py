@@ -8,7 +8,8 @@ from metric_docs import documented_patterns
 
 from gymrl.algo.episodes import EpisodeRules
 from gymrl.algo.trajectory import Trajectory
-from gymrl.config.schema import DynamicSamplingConfig, EpisodeRulesConfig, LossConfig
+from gymrl.config.schema.grpo import DynamicSamplingConfig
+from gymrl.config.schema.loss import EpisodeRulesConfig, LossConfig
 from gymrl.experience.ledger import UNTRAINED_CAUSES, TokenLedger
 from gymrl.experience.producer import RolloutProducer
 from gymrl.experience.replay_buffer import ReplayBuffer

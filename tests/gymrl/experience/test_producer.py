@@ -12,10 +12,12 @@ import time
 import pytest
 
 from gymrl.algo.episodes import EpisodeRules
-from gymrl.config.schema import DynamicSamplingConfig, EpisodeRulesConfig, GRPOConfig, LossConfig
+from gymrl.config.schema.grpo import DynamicSamplingConfig, GRPOConfig
+from gymrl.config.schema.loss import EpisodeRulesConfig, LossConfig
 from gymrl.experience.producer import ProducerCounts, RolloutProducer
 from gymrl.experience.replay_buffer import ReplayBuffer
 from gymrl.experience.rows import RowStream
+from gymrl.run.progress import ProgressWatch
 from nemo_gym_ext.rollout import (
     FailureBudget,
     GroupOutcome,
@@ -276,6 +278,42 @@ def test_a_lone_survivor_keeps_its_group_when_failed_episodes_count_with_a_rewar
     (group,) = buffer.get_batch(1, current_step=0, timeout_s=5)
     assert (len(group.trajectories), group.failed_episodes) == (1, 2)
     assert producer.counts().dropped_groups == 0
+
+
+@pytest.mark.parametrize(
+    ("episodes_back", "last_progress"),
+    [(0, "the watch started"), (1, "group r0#1 reached the replay buffer")],
+)
+def test_only_a_group_that_can_train_is_progress_for_the_watchdog(
+    started, episodes_back, last_progress
+):
+    """env.rollout.on_episode_error=reward with a model none of whose episodes finishes (Gym's
+    grl_sokoban answered every reply of a random model with 500): every group comes back failed,
+    is dropped and replaced, so the run would spin without a step; the no-progress watchdog must
+    see nothing in it. A lone survivor that failed_reward gives a baseline reaches the buffer:
+    that is progress."""
+    now = [0.0]
+    watch = ProgressWatch(100.0, poll_s=0.01, clock=lambda: now[0])
+    watch.start()
+    try:
+        grpo = _grpo(max_age=0, prompts=1)
+        runner = FakeRunner(
+            lambda row, size: _outcome(row, episodes_back, failures=["answered 500"] * 2)
+        )
+        buffer = _buffer(grpo)
+        loss = LossConfig(episodes=EpisodeRulesConfig(failed_reward=0.0))
+        failures = FailureBudget(1, charge=False)
+        producer = started(grpo, runner, buffer, failures=failures, loss=loss)
+        if episodes_back:
+            _eventually(lambda: buffer.stats()["put"] == 1)
+        else:
+            _eventually(lambda: producer.counts().dropped_groups >= 3)
+        now[0] += 101.0
+        _eventually(lambda: watch.error is not None)
+        assert f"last progress: {last_progress})" in str(watch.error)
+        assert producer.fatal is None
+    finally:
+        watch.stop()
 
 
 def test_a_row_for_an_agent_no_shard_serves_stops_the_run(started):

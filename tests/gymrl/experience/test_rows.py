@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from gymrl.config.schema import DataConfig, SamplingConfig
+from gymrl.config.schema.env import DataConfig
+from gymrl.config.schema.generation import SamplingConfig
 from gymrl.experience.rows import RowStream, UnservedAgentError, load_rows, load_validation_rows
 from nemo_gym_ext.config import build_gym_actor_config
 

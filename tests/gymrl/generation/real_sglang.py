@@ -14,12 +14,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from gymrl.config.schema import (
-    PolicyConfig,
-    RefitConfig,
-    SGLangGenerationConfig,
-    SGLangLaunchConfig,
-)
+from gymrl.config.schema.generation import RefitConfig, SGLangGenerationConfig, SGLangLaunchConfig
+from gymrl.config.schema.policy import PolicyConfig
 from gymrl.generation.sglang_servers import SGLangServerProcess, server_command
 from nemo_gym_ext.ports import free_port
 

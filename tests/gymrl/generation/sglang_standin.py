@@ -44,7 +44,7 @@ It reproduces the behaviours of the pinned server the engine must cope with (rea
   the CUDA caching allocator, which hands the same memory back refit after refit; the stand-in
   keeps one buffer per bucket layout for the same reason, since a fresh host buffer would be
   faulted in page by page on every refit, a cost no GPU server pays (on this project's CPU
-  machine it doubled the stand-in's receive time, benchmarks/README.md, issue 19).
+  machine it doubled the stand-in's receive time, benchmarks/README.md, "Flattened buckets").
 * **`load_weights` skips names the model does not know** and still reports success: with
   `model_weights` the stand-in's model has exactly those tensors (received values are copied in,
   cast to the model's dtype); without it the model takes whatever arrives.

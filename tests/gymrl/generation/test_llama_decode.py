@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from gymrl.config.schema import ParityGateConfig, TorchGenerationConfig
+from gymrl.config.schema.generation import TorchGenerationConfig
+from gymrl.config.schema.grpo import ParityGateConfig
 from gymrl.generation.llama_decode import unsupported_reason
 from gymrl.generation.torch_engine import TorchGenerationEngine
 from gymrl.generation.types import GenerationOutput, GenerationRequest, SamplingParams

@@ -22,7 +22,7 @@ import torch
 from pydantic import SecretStr
 from sglang_standin import make_standin
 
-from gymrl.config.schema import TorchGenerationConfig
+from gymrl.config.schema.generation import TorchGenerationConfig
 from gymrl.generation.chat_template import ChatFormat
 from gymrl.generation.divergence_watch import DivergenceCounts, DivergenceWatch
 from gymrl.generation.policy_server import create_policy_server_app

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from pydantic import SecretStr
 
-from gymrl.config.schema import TorchGenerationConfig
+from gymrl.config.schema.generation import TorchGenerationConfig
 from gymrl.generation.policy_server import create_policy_server_app
 from gymrl.generation.torch_engine import TorchGenerationEngine
 from gymrl.model.loading import build_tiny_llama

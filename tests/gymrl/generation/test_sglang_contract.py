@@ -55,13 +55,14 @@ from safetensors.torch import save_file
 from sglang_answers import CLIENT_READS
 from sglang_standin import make_standin
 
-from gymrl.config.schema import PolicyConfig, SGLangGenerationConfig, SGLangLaunchConfig
+from gymrl.config.schema.generation import SGLangGenerationConfig, SGLangLaunchConfig
+from gymrl.config.schema.policy import PolicyConfig
 from gymrl.generation.sglang_engine import SGLangEngine
 from gymrl.generation.sglang_servers import server_command
 from gymrl.generation.types import GenerationRequest, SamplingParams
-from gymrl.generation.weight_check import WeightCheck
+from gymrl.generation.verify_read_back import ReadBackCheck
+from gymrl.generation.verify_weights_checker import MISMATCH_PREFIX, ROUTE, WeightsChecker
 from gymrl.generation.weight_sync import FLATTENED_BUCKET, WeightSender
-from gymrl.generation.weights_checker import MISMATCH_PREFIX, ROUTE, WeightsChecker
 from nemo_gym_ext.http_server import serve_in_thread
 
 pytestmark = pytest.mark.registry
@@ -72,8 +73,8 @@ CLIENT_MODULES = (
     "sglang_engine.py",
     "sglang_servers.py",
     "weight_sync.py",
-    "weight_check.py",
-    "weights_checker.py",
+    "verify_read_back.py",
+    "verify_weights_checker.py",
 )
 # Fields every io_struct request inherits for SGLang's own IPC; a client never sends them.
 _IPC_FIELDS = {"rid", "http_worker_ipc"}
@@ -487,7 +488,7 @@ def recorded_calls(tmp_path_factory) -> list[tuple[str, dict | None]]:
             )
             engine.generate([request])
             engine.refit_from_disk(checkpoint, 0)
-            check = WeightCheck(every=0, rows=2, served_dtype=None, timeout_s=20.0)
+            check = ReadBackCheck(every=0, rows=2, served_dtype=None, timeout_s=20.0)
             sender = WeightSender(
                 urls,
                 [1, 1],

@@ -30,8 +30,8 @@ from gymrl.generation.sglang_engine import SGLangEngine, SGLangError
 from gymrl.generation.sglang_servers import SGLangServerProcess
 from gymrl.generation.torch_engine import TorchGenerationEngine
 from gymrl.generation.types import GenerationRequest, SamplingParams
+from gymrl.generation.verify_weights_checker import WeightCheckUnavailableError, WeightsChecker
 from gymrl.generation.weight_sync import Backend, WeightSender, WeightSyncError
-from gymrl.generation.weights_checker import WeightCheckUnavailableError, WeightsChecker
 from gymrl.model.loading import load_pretrained
 from gymrl.model.tokens import model_end_token_ids
 from nemo_gym_ext.envs.registry import make_rows, start_builtin_environment

@@ -18,7 +18,8 @@ import torch
 from safetensors.torch import load_file
 from sglang_standin import WEIGHT_OFFSET, make_standin
 
-from gymrl.config.schema import PolicyConfig, SGLangGenerationConfig, SGLangLaunchConfig
+from gymrl.config.schema.generation import SGLangGenerationConfig, SGLangLaunchConfig
+from gymrl.config.schema.policy import PolicyConfig
 from gymrl.generation import sglang_engine
 from gymrl.generation.sglang_engine import (
     SGLangEngine,

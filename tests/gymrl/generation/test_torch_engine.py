@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gymrl.config.schema import TorchGenerationConfig
+from gymrl.config.schema.generation import TorchGenerationConfig
 from gymrl.generation.torch_engine import EngineClosedError, TorchGenerationEngine, sample_tokens
 from gymrl.generation.types import GenerationOutput, GenerationRequest, SamplingParams
 from gymrl.model.loading import build_tiny_llama, ensure_smollm2_checkpoint, load_tokenizer

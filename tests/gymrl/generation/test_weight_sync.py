@@ -17,7 +17,7 @@ from gymrl.generation import weight_sync
 from gymrl.generation.refit import broadcast_backend
 from gymrl.generation.sglang_engine import SGLangEngine
 from gymrl.generation.types import GenerationRequest, SamplingParams
-from gymrl.generation.weight_check import WeightCheck, WeightMismatchError, checksum
+from gymrl.generation.verify_read_back import ReadBackCheck, WeightMismatchError, checksum
 from gymrl.generation.weight_sync import WeightSender, WeightSyncError, buckets
 
 
@@ -38,8 +38,8 @@ def _sender(urls, **kwargs) -> WeightSender:
     return WeightSender(urls, [1] * len(urls), master_address="127.0.0.1", backend="gloo", **kwargs)
 
 
-def _check(**kwargs) -> WeightCheck:
-    return WeightCheck(
+def _check(**kwargs) -> ReadBackCheck:
+    return ReadBackCheck(
         **({"every": 0, "rows": 4, "served_dtype": None, "timeout_s": 10.0} | kwargs)
     )
 

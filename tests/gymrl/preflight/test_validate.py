@@ -189,6 +189,13 @@ def test_missing_and_out_of_range_values_quote_the_field_description():
     assert "Rows decoded together" in issues["generation.max_batch_size"].fix
 
 
+def test_a_field_without_a_description_points_at_its_schema_module():
+    issues = _issues(["policy.tiny=5"])
+    assert issues["policy.tiny"].fix.endswith(
+        "see the field descriptions of PolicyConfig in gymrl/config/schema/policy.py"
+    )
+
+
 def test_builtin_agents_name_a_known_environment_and_valid_options():
     issues = _issues(
         [

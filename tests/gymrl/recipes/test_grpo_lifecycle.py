@@ -22,7 +22,7 @@ import ray
 import gymrl.recipes.grpo
 import gymrl.roles.generation_server
 import gymrl.roles.gym_shard
-import gymrl.roles.replay_buffer
+import gymrl.roles.replay_buffer_actor
 import gymrl.roles.trainer
 from gymrl.config.compose import compose_raw
 from gymrl.preflight.validate import validate_config
@@ -108,7 +108,7 @@ STAGES = {
         ray.exceptions.ActorDiedError,
     ),
     "replay buffer": (
-        lambda mp: mp.setattr(gymrl.roles.replay_buffer, "RemoteReplayBuffer", _raise),
+        lambda mp: mp.setattr(gymrl.roles.replay_buffer_actor, "RemoteReplayBuffer", _raise),
         InjectedFailure,
     ),
     "first refit": (lambda mp: mp.setattr(GRPORecipe, "_refit", _raise), InjectedFailure),
@@ -133,7 +133,7 @@ def test_a_failing_setup_stage_leaves_nothing_running(stage, tmp_path, monkeypat
     for module, name in [
         (gymrl.roles.generation_server, "GenerationServer"),
         (gymrl.roles.gym_shard, "GymShard"),
-        (gymrl.roles.replay_buffer, "ReplayBufferActor"),
+        (gymrl.roles.replay_buffer_actor, "ReplayBufferActor"),
         (gymrl.roles.trainer, "PolicyTrainerActor"),
     ]:
         monkeypatch.setattr(module, name, RecordedActors(getattr(module, name), handles))

@@ -8,7 +8,7 @@ from metric_docs import documented_patterns
 
 from gymrl.algo.loss import grpo_loss
 from gymrl.algo.trajectory import Trajectory
-from gymrl.config.schema import OffPolicyCorrectionConfig
+from gymrl.config.schema.loss import OffPolicyCorrectionConfig
 from gymrl.experience.producer import ProducerCounts
 from gymrl.experience.rollout_group import RolloutGroup
 from gymrl.recipes.grpo import GRPORecipe

@@ -40,7 +40,7 @@ def test_it_trips_only_after_the_timeout_without_progress_and_names_every_roles_
             clock.now += 299.0
             watch.check()
             assert watch.error is None
-            watch.progressed("group r5#2 came back")
+            watch.progressed("group r5#2 reached the replay buffer")
             clock.now += 299.0
             watch.check()
             assert watch.error is None  # progress restarted the count
@@ -51,8 +51,9 @@ def test_it_trips_only_after_the_timeout_without_progress_and_names_every_roles_
         thread.join(5.0)
     assert isinstance(watch.error, NoProgressError)
     assert str(watch.error) == (
-        "no episode finished and no step advanced for 300.0 s (run.progress_timeout_s=300; last "
-        "progress: group r5#2 came back). At that moment: rollout-producer: waiting for 4 "
+        "no group of episodes reached training, no validation episode came back and no step "
+        "advanced for 300.0 s (run.progress_timeout_s=300; last progress: group r5#2 reached the "
+        "replay buffer). At that moment: rollout-producer: waiting for 4 "
         "group(s) in flight, the oldest r7#3 for 619.0 s (its deadline 1850 s); trainer loop: "
         "waiting for step 3's 4 groups from the replay buffer for 599.0 s (its deadline 1800 s)"
     )

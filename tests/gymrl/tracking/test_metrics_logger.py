@@ -4,7 +4,7 @@ import json
 
 import wandb
 
-from gymrl.config.schema import LoggerConfig
+from gymrl.config.schema.logger import LoggerConfig
 from gymrl.run.folder import METRICS_FILENAME
 from gymrl.tracking.metrics_logger import build_logger
 

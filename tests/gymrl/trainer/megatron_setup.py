@@ -11,7 +11,7 @@ import torch
 
 from gymrl.algo.trajectory import Trajectory
 from gymrl.config.compose import compose_raw
-from gymrl.config.schema import RecipeConfig
+from gymrl.config.schema.recipe import RecipeConfig
 from gymrl.preflight.validate import validate_config
 
 # CUDA where there is one; else the CPU through megatron_on_cpu.py.

@@ -9,7 +9,7 @@ from fixed_trajectories import fixed_trajectory
 
 from gymrl.algo.loss import grpo_loss
 from gymrl.algo.trajectory import Trajectory, collate
-from gymrl.config.schema import LossConfig, OffPolicyCorrectionConfig
+from gymrl.config.schema.loss import LossConfig, OffPolicyCorrectionConfig
 from gymrl.trainer.grpo_step import loss_normalizer, micro_batch_loss, reduce_loss_metrics
 
 

@@ -20,13 +20,8 @@ from gymrl.algo.advantages import grpo_advantages
 from gymrl.algo.episodes import EpisodeRules
 from gymrl.algo.loss import finish_agent_statistics
 from gymrl.algo.trajectory import Trajectory
-from gymrl.config.schema import (
-    EpisodeRulesConfig,
-    LossConfig,
-    OffPolicyCorrectionConfig,
-    TorchOptimizerConfig,
-    TorchTrainerConfig,
-)
+from gymrl.config.schema.loss import EpisodeRulesConfig, LossConfig, OffPolicyCorrectionConfig
+from gymrl.config.schema.trainer import TorchOptimizerConfig, TorchTrainerConfig
 from gymrl.model.precision import ComputeDtype
 from gymrl.trainer.torch_trainer import TorchPolicyTrainer
 

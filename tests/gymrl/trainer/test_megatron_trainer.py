@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from gymrl.algo.loss import grpo_loss
 from gymrl.cluster.placement import trainer_gpus
-from gymrl.config.schema import OffPolicyCorrectionConfig, RouterReplayConfig
+from gymrl.config.schema.loss import OffPolicyCorrectionConfig
+from gymrl.config.schema.policy import RouterReplayConfig
 from gymrl.trainer.grpo_step import loss_normalizer
 from gymrl.trainer.megatron.arguments import (
     data_parallel_size,

@@ -12,13 +12,9 @@ from fixed_trajectories import fixed_trajectory
 
 from gymrl.algo.loss import sequence_logprobs
 from gymrl.algo.trajectory import Trajectory
-from gymrl.config.schema import (
-    LossConfig,
-    ParityGateConfig,
-    ParityToleranceConfig,
-    TorchOptimizerConfig,
-    TorchTrainerConfig,
-)
+from gymrl.config.schema.grpo import ParityGateConfig, ParityToleranceConfig
+from gymrl.config.schema.loss import LossConfig
+from gymrl.config.schema.trainer import TorchOptimizerConfig, TorchTrainerConfig
 from gymrl.model.loading import build_tiny_llama
 from gymrl.trainer.parity import (
     PASSED_METRIC,

