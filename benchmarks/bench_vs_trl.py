@@ -377,6 +377,7 @@ ROWS = (
     ("refit_s", "refit seconds per step", "{:.1f}"),
     ("trainer_tokens_per_s", "trainer tokens per second", "{:.0f}"),
     ("validation_s", "validation, two passes", "{:.0f} s"),
+    ("validation_tokens_per_s", "validation: generated tokens per second", "{:.1f}"),
     ("validation_start", "validation reward at the start", "{:.3f}"),
     ("validation_end", "validation reward at the end", "{:.3f}"),
     ("exit_s", "command to exit", "{:.0f} s"),
@@ -415,7 +416,11 @@ def project_figures(records: Sequence[Mapping[str, Any]], exit_s: float) -> dict
     """The table's figures from a run's metrics.jsonl records (docs/metrics.md keys)."""
     steps = []
     validation = []
+    validation_tokens = 0.0
     for record in records:
+        # The ledger's count of validation's generated tokens (docs/metrics.md), in whichever
+        # record took them.
+        validation_tokens += record.get("ledger/untrained_tokens/validation", 0.0)
         if "validation/reward/mean" in record:
             validation.append(
                 (record["step"], record["validation/reward/mean"], record["timing/validation_s"])
@@ -438,8 +443,10 @@ def project_figures(records: Sequence[Mapping[str, Any]], exit_s: float) -> dict
         )
     validation.sort()
     figures = summarise(steps)
+    validation_s = sum(seconds for _, _, seconds in validation)
     figures.update(
-        validation_s=sum(seconds for _, _, seconds in validation),
+        validation_s=validation_s,
+        validation_tokens_per_s=_ratio(validation_tokens, validation_s),
         validation_start=validation[0][1] if validation else math.nan,
         validation_end=validation[-1][1] if validation else math.nan,
         exit_s=exit_s,
@@ -452,8 +459,10 @@ def trl_figures(result: Mapping[str, Any], exit_s: float) -> dict[str, float]:
     steps = [{**step, "refit_s": 0.0} for step in result["steps"]]
     figures = summarise(steps)
     passes = result["validation"]
+    validation_s = sum(p["wall_s"] for p in passes)
     figures.update(
-        validation_s=sum(p["wall_s"] for p in passes),
+        validation_s=validation_s,
+        validation_tokens_per_s=_ratio(sum(p["generated_tokens"] for p in passes), validation_s),
         validation_start=passes[0]["reward"] if passes else math.nan,
         validation_end=passes[-1]["reward"] if passes else math.nan,
         exit_s=exit_s,

@@ -263,20 +263,49 @@ def build_trainer(spec: dict[str, Any], output_dir: Path):
     return trainer
 
 
-def validate(trainer, when: str) -> dict[str, float]:
-    """One greedy pass over the held-out rows (one episode each) with TRL's own evaluate()."""
+def validate(trainer, when: str) -> dict[str, Any]:
+    """One greedy episode per held-out row, the work of the project's validation, through TRL's
+    own generation path: `_generate` (its batched `generate` and tool loop, as a training step
+    runs it, in eval mode so one generation per prompt), then the reward function.
+
+    Not `trainer.evaluate()`: that also runs, for every batch, the rest of
+    `_generate_and_score_completions` and the loss's forward pass, which the project's
+    validation does not. The held-out rows go in batches of `per_device_eval_batch_size`, as
+    `evaluate()` would batch them; the tool table is set per batch as
+    `_generate_and_score_completions` sets it (one per rollout, the standalone tools)."""
+    rows = trainer.eval_dataset
+    batch_size = trainer.args.per_device_eval_batch_size
+    reward_function = trainer.reward_funcs[0]
     generation = trainer.generation_config
-    sampled = generation.do_sample
+    sampled, training = generation.do_sample, trainer.model.training
     generation.do_sample = False  # greedy, as the project's grpo.val_temperature=0
+    trainer.model.eval()
+    rewards: list[float] = []
+    generated = 0
     started = time.monotonic()
     try:
-        metrics = trainer.evaluate()
+        for start in range(0, len(rows), batch_size):
+            batch = rows[start : start + batch_size]
+            prompts = batch["prompt"]
+            trainer._sync_tool_dicts = [{t.__name__: t for t in trainer._standalone_tools}] * len(
+                prompts
+            )
+            trainer._async_tool_dicts = [{} for _ in prompts]
+            _, _, tool_mask, completions, *_ = trainer._generate(prompts)
+            rewards += reward_function(completions, batch["expected_answer"])
+            generated += sum(sum(mask) for mask in tool_mask)
     finally:
         generation.do_sample = sampled
+        trainer.model.train(training)
+        trainer._metrics["eval"].clear()  # `_generate`'s logging, never written
     wall_s = time.monotonic() - started
-    reward = metrics.get("eval_reward", float("nan"))
-    print(f"[trl] validation at the {when}: reward {reward:.3f}, {wall_s:.1f} s", flush=True)
-    return {"when": when, "wall_s": wall_s, "reward": reward, "metrics": metrics}
+    reward = sum(rewards) / len(rewards)
+    print(
+        f"[trl] validation at the {when}: reward {reward:.3f}, {wall_s:.1f} s, "
+        f"{generated} generated tokens",
+        flush=True,
+    )
+    return {"when": when, "wall_s": wall_s, "reward": reward, "generated_tokens": generated}
 
 
 def trl_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -42,7 +42,10 @@ def _project_step(step, *, step_s, wait, train, refit, tokens, train_tps, valida
 def test_project_figures_leave_out_step_one_and_the_closing_validation(bench):
     records = [
         {"step": 0, "timing/validation_s": 80.0, "validation/reward/mean": 0.25},
-        _project_step(1, step_s=99.0, wait=60, train=30, refit=9, tokens=999, train_tps=1.0),
+        {
+            **_project_step(1, step_s=99.0, wait=60, train=30, refit=9, tokens=999, train_tps=1.0),
+            "ledger/untrained_tokens/validation": 1000.0,  # the first pass's, a record later
+        },
         _project_step(2, step_s=50.0, wait=20, train=25, refit=5, tokens=400, train_tps=200.0),
         _project_step(
             3,
@@ -53,7 +56,8 @@ def test_project_figures_leave_out_step_one_and_the_closing_validation(bench):
             tokens=800,
             train_tps=300.0,
             validation=(90.0, 0.5),
-        ),
+        )
+        | {"ledger/untrained_tokens/validation": 1040.0},
     ]
     figures = bench.project_figures(records, exit_s=400.0)
     assert figures["steps_counted"] == 2
@@ -65,6 +69,7 @@ def test_project_figures_leave_out_step_one_and_the_closing_validation(bench):
     assert figures["refit_s"] == pytest.approx(5.0)
     assert figures["trainer_tokens_per_s"] == pytest.approx((200 * 25 + 300 * 25) / 50)
     assert figures["validation_s"] == pytest.approx(170.0)
+    assert figures["validation_tokens_per_s"] == pytest.approx(2040 / 170)
     assert (figures["validation_start"], figures["validation_end"]) == (0.25, 0.5)
     assert figures["exit_s"] == 400.0
 
@@ -76,7 +81,10 @@ def test_trl_figures_have_no_refit_and_take_both_validation_passes(bench):
             {**step, "step": 1, "generated_tokens": 1.0, "trainer_tokens": 1.0},
             {**step, "step": 2, "generated_tokens": 600.0, "trainer_tokens": 5000.0},
         ],
-        "validation": [{"wall_s": 30.0, "reward": 0.2}, {"wall_s": 35.0, "reward": 0.4}],
+        "validation": [
+            {"wall_s": 30.0, "reward": 0.2, "generated_tokens": 600},
+            {"wall_s": 35.0, "reward": 0.4, "generated_tokens": 700},
+        ],
     }
     figures = bench.trl_figures(result, exit_s=200.0)
     assert figures["steps_counted"] == 1
@@ -84,6 +92,7 @@ def test_trl_figures_have_no_refit_and_take_both_validation_passes(bench):
     assert figures["generated_tokens_per_rollout_s"] == pytest.approx(40.0)
     assert figures["trainer_tokens_per_s"] == pytest.approx(200.0)
     assert figures["validation_s"] == pytest.approx(65.0)
+    assert figures["validation_tokens_per_s"] == pytest.approx(20.0)
     assert (figures["validation_start"], figures["validation_end"]) == (0.2, 0.4)
 
 
