@@ -641,6 +641,18 @@ def _standin_type_problems(
     return found
 
 
+def _yarn_policy() -> PolicyConfig:
+    """A pretrained policy whose flags include YaRN, so the launcher writes its widest command."""
+    return PolicyConfig(
+        name="m",
+        source="pretrained",
+        path="/m",
+        max_total_sequence_length=65536,
+        native_context_length=32768,
+        yarn={"factor": 2.0, "original_max_position_embeddings": 32768},
+    )
+
+
 def test_the_standins_weights_checker_answers_in_the_wheels_shape(wheel_source, tmp_path):
     """The keys the client reads (`success`, `message`, `per_engine_checksum`) and the checksum's
     `ranks`, as the wheel's handler and wire types (`ChecksumInfo`, `ParallelismInfo`) make
@@ -693,14 +705,7 @@ def test_every_flag_the_launcher_can_pass_is_a_server_argument(wheel_source):
         deterministic_inference=True,
     )
     generation = SGLangGenerationConfig(expert_parallel_size=2, launch=launch)
-    policy = PolicyConfig(
-        name="m",
-        source="pretrained",
-        path="/m",
-        max_total_sequence_length=65536,
-        native_context_length=32768,
-        yarn={"factor": 2.0, "original_max_position_embeddings": 32768},
-    )
+    policy = _yarn_policy()
     command = server_command(generation, policy, model_path="/m", port=1, seed=0)
     flags = [word.split("=")[0] for word in command if word.startswith("--")]
     assert "--json-model-override-args" in flags and "--enable-deterministic-inference" in flags
@@ -773,14 +778,7 @@ def test_every_flag_the_launcher_passes_takes_the_value_it_is_given(wheel_source
         for node in ast.walk(ast.parse(module.read_text())):
             if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
                 annotations[node.target.id] = (node.annotation, reader)
-    policy = PolicyConfig(
-        name="m",
-        source="pretrained",
-        path="/m",
-        max_total_sequence_length=65536,
-        native_context_length=32768,
-        yarn={"factor": 2.0, "original_max_position_embeddings": 32768},
-    )
+    policy = _yarn_policy()
     cpu = SGLangLaunchConfig(
         device="cpu",
         cpu_threads=1,
