@@ -14,11 +14,16 @@ Tasks are one operation on two whole numbers 1-9 (`(3.0 + 4.0)`, `log(2.0, 5.0)`
 (`sin(7.0)`): 513 distinct tasks, shuffled by seed and cut into held-out and train rows, so the
 two files share no task (tests/data/test_learn_gym_rows.py checks the committed files).
 
-Each row's input shows one solved task first (a user question, the tool call, the tool's answer,
-a short reply), on numbers 10-19 so it never equals a task: SmolLM2-135M-Instruct given the
-environment's own rows (the tools and the question alone) made no tool call in 16 episodes, and
-wrote JavaScript instead (benchmarks/README.md, "Learning on a real Gym
-environment").
+Each row offers three of the eleven tools, the task's own and two others drawn by seed, so the
+model must still pick the tool and name its arguments, and its input shows one solved task first
+(a user question, the tool call, the tool's answer, a short reply) with another of the three
+tools, on numbers 10-19 so it never equals a task. The example's tool answer is the bare number
+(the server answers `{"solution": ...}`): SmolLM2-135M-Instruct shown that JSON after the call
+wrote it after its own `<tool_call>` instead of a call. Measured at temperature 0.7 on 12 rows x 4
+samples (benchmarks/README.md, "Learning on a real Gym environment"): the environment's own
+rows (eleven tools, the question alone) 0 rewarded, one solved example with the JSON answer 1
+of 63, with the bare answer 0.21 (eleven tools) and 0.27 (three), greedy 0.47 on 32 rows: GRPO
+groups with mixed rewards.
 
     python data/learn_gym/make_rows.py                       # Gym's venv at .venv-gym
     python data/learn_gym/make_rows.py --gym-venv /path/to/.venv-gym --out-dir data/learn_gym
@@ -55,6 +60,7 @@ BINARY_ARGS = {"log": ("a", "base")}
 UNARY_ARG = {"sin": "radians", "cos": "radians", "negate": "a"}
 TASK_NUMBERS = range(1, 10)
 EXAMPLE_NUMBERS = range(10, 20)
+TOOLS_PER_ROW = 3
 
 SYSTEM_PROMPT = (
     "You are a calculator assistant in an alternate universe where the tools do not compute "
@@ -128,7 +134,7 @@ def solved_example(task: tuple[str, str, dict[str, float], float]) -> list[dict[
         {
             "type": "function_call_output",
             "call_id": "call_example",
-            "output": json.dumps({"solution": value}),
+            "output": str(value),
         },
         {"role": "assistant", "content": f"The value is {value}."},
     ]
@@ -138,7 +144,7 @@ def make_row(
     row_id: int,
     task: tuple[str, str, dict[str, float], float],
     example: tuple[str, str, dict[str, float], float],
-    schemas: list[dict[str, Any]],
+    tools: list[dict[str, Any]],
 ) -> dict[str, Any]:
     expression, _, _, value = task
     return {
@@ -149,7 +155,7 @@ def make_row(
                 *solved_example(example),
                 {"role": "user", "content": question(expression)},
             ],
-            "tools": schemas,
+            "tools": tools,
             "parallel_tool_calls": False,
         },
         "ground_truth": json.dumps([value]),
@@ -164,16 +170,21 @@ def split_rows(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(train, held-out): every task once, shuffled by `seed`; the first `num_val` are held out.
 
-    Each row's solved example is another operation than its task's, drawn on 10-19.
+    Each row offers its task's tool, the tool of its solved example (another operation, drawn on
+    10-19) and TOOLS_PER_ROW - 2 more of the environment's tools, in an order drawn by `seed`.
     """
     rng = random.Random(seed)
     tasks = all_tasks(tools, TASK_NUMBERS)
     examples = all_tasks(tools, EXAMPLE_NUMBERS)
+    by_name = {schema["name"]: schema for schema in schemas}
     rng.shuffle(tasks)
     rows = []
     for row_id, task in enumerate(tasks):
         example = rng.choice([e for e in examples if e[1] != task[1]])
-        rows.append(make_row(row_id, task, example, schemas))
+        rest = sorted(set(by_name) - {task[1], example[1]})
+        offered = [task[1], example[1], *rng.sample(rest, TOOLS_PER_ROW - 2)]
+        rng.shuffle(offered)
+        rows.append(make_row(row_id, task, example, [by_name[name] for name in offered]))
     return rows[num_val:], rows[:num_val]
 
 

@@ -38,14 +38,31 @@ def test_no_row_shows_its_own_task_as_the_solved_example():
         assert len(users) == 2 and users[0] != users[1]
 
 
-def test_every_row_names_the_environment_s_agent_and_offers_its_tools():
+def _called_tool(row: dict) -> str:
+    """The tool of the row's solved example (its one function_call item)."""
+    inputs = row["responses_create_params"]["input"]
+    return next(item["name"] for item in inputs if item.get("type") == "function_call")
+
+
+def test_every_row_names_the_environment_s_agent_and_offers_three_of_its_tools():
+    environment_tools = {"add", "subtract", "multiply", "divide", "power", "log", "sin", "cos"}
+    environment_tools |= {"negate", "pi", "return_constant"}
     for row in _rows("train.jsonl") + _rows("val.jsonl"):
         assert row["agent_ref"] == {
             "type": "responses_api_agents",
             "name": "math_advanced_calculations_simple_agent",
         }
-        names = {tool["name"] for tool in row["responses_create_params"]["tools"]}
-        assert {"add", "subtract", "multiply", "divide", "sin", "log"} <= names
+        names = [tool["name"] for tool in row["responses_create_params"]["tools"]]
+        assert len(set(names)) == len(names) == 3 and set(names) <= environment_tools
+        assert _called_tool(row) in names
+
+
+def test_the_solved_example_answers_with_the_bare_number_not_the_server_s_json():
+    """The model copied `{"solution": ...}` after its own `<tool_call>` when shown the JSON."""
+    for row in _rows("train.jsonl") + _rows("val.jsonl"):
+        inputs = row["responses_create_params"]["input"]
+        output = next(i["output"] for i in inputs if i.get("type") == "function_call_output")
+        float(output)
 
 
 def _make_rows_module():
