@@ -51,6 +51,7 @@ import httpx
 import pytest
 import torch
 from pydantic import BaseModel
+from real_sglang import cpu_generation
 from safetensors.torch import save_file
 from sglang_answers import CLIENT_READS
 from sglang_standin import make_standin
@@ -779,14 +780,7 @@ def test_every_flag_the_launcher_passes_takes_the_value_it_is_given(wheel_source
             if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
                 annotations[node.target.id] = (node.annotation, reader)
     policy = _yarn_policy()
-    cpu = SGLangLaunchConfig(
-        device="cpu",
-        cpu_threads=1,
-        attention_backend="torch_native",
-        cuda_graphs=False,
-        max_total_tokens=4096,
-        skip_server_warmup=True,
-    )
+    cpu = cpu_generation().launch  # what the sglang_cpu tests start the real server with
 
     def problem(flag: str, value: str | None) -> str | None:
         annotation, reader = annotations[flag[2:].replace("-", "_")]
