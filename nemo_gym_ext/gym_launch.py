@@ -8,7 +8,7 @@ and talks to the head server over HTTP: `/readyz` for readiness, `/server_instan
 agents' URLs. It runs under the same supervisor as the SGLang servers
 (`nemo_gym_ext.processes.ChildProcess`): stopping signals the whole process group (the launcher,
 its servers and the Ray instance it starts), never processes by name, so nothing outlives the
-shard, also when start-up fails.
+shard, also when start-up fails or the shard's actor is killed.
 
 What Gym receives is the shard's `env.nemo_gym` (recipe-only keys already taken out) plus what
 only the recipe knows (:func:`deployment_config`): the policy server's URL, key and model name,
@@ -161,6 +161,7 @@ class GymDeployment:
             log_path=self.log_path,
             env=_gym_environment(),
             cwd=self.work_dir,
+            stop_grace_s=_STOP_GRACE_S,
         )
 
     def start(self, timeout_s: float) -> None:

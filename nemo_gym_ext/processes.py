@@ -9,25 +9,27 @@ group, never to processes by name. Output is appended to a log, whose first erro
 one, its tail) goes into the callers' start-up errors: a server that fails at import prints its
 traceback long before the launcher's shutdown noise ends the log.
 
-With `die_with_parent`, the kernel SIGKILLs the child when the thread that started it ends
-(Linux), so a child whose owner is killed without `stop()` (`ray.kill`, a crashed worker) does
-not hold its GPUs until the job ends.
+Every child has a guard: a small process of its own, in a session of its own, that holds the read
+end of a pipe whose write end only the owner holds. When the owner dies without `stop()`
+(`ray.kill`, a worker SIGKILLed by Ray's memory monitor, a crash), the kernel closes the write end,
+the guard reads end-of-file and stops the whole group the same way `stop()` does. So neither
+the leader nor what it forked (Gym's servers and its Ray instance, SGLang's scheduler) outlives
+its owner, holding ports, memory or GPUs until the job ends. A kernel parent-death signal
+would not do: it reaches the leader only, and SIGKILL gives the leader no chance to stop the rest.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _GONE_POLL_S = 0.2
 LOG_TAIL_CHARS = 3000
 _TRACEBACK = "Traceback (most recent call last):"
@@ -36,28 +38,6 @@ _TRACEBACK = "Traceback (most recent call last):"
 _PREFIX = re.compile(r"^\(.*?\)\s")
 _ERROR_LINE = re.compile(r"^[\w.]*[A-Z]\w*(Error|Exception)\b(:|$)")
 _FIRST_ERROR_LINES = 40
-
-
-def die_with_parent() -> Callable[[], None] | None:
-    """A `preexec_fn` that has the kernel SIGKILL the child when its parent dies (Linux), or None.
-
-    Only the direct child is armed (forked children do not inherit the setting); SGLang arms its
-    own scheduler and detokenizer processes the same way (`kill_itself_when_parent_died`), so a
-    whole server follows. "Parent" is the thread that started the child: start children from a
-    thread that lives as long as they do (a Ray actor's method thread does).
-    """
-    if sys.platform != "linux":
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork, not in the child
-    parent = os.getpid()
-
-    def arm() -> None:
-        if prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL)) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-        if os.getppid() != parent:  # the parent died before the signal was armed
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return arm
 
 
 class ChildProcess:
@@ -70,14 +50,17 @@ class ChildProcess:
         log_path: str | os.PathLike[str],
         env: Mapping[str, str],
         cwd: str | os.PathLike[str] | None = None,
-        die_with_parent: bool = False,
+        stop_grace_s: float = 10.0,
     ) -> None:
+        """`stop_grace_s`: the grace the guard gives the group, should the owner die."""
         self.command = list(command)
         self.log_path = Path(log_path)
         self._env = dict(env)
         self._cwd = cwd
-        self._die_with_parent = die_with_parent
+        self._stop_grace_s = stop_grace_s
         self._process: subprocess.Popen[bytes] | None = None
+        self._guard: subprocess.Popen[bytes] | None = None
+        self._lifeline: int | None = None  # the pipe's write end, held by this process only
 
     @property
     def pid(self) -> int | None:
@@ -100,8 +83,23 @@ class ChildProcess:
                 stderr=subprocess.STDOUT,
                 env=self._env,
                 start_new_session=True,  # its own process group: stopped as one
-                preexec_fn=die_with_parent() if self._die_with_parent else None,
             )
+        self._start_guard(self._process.pid)
+
+    def _start_guard(self, group: int) -> None:
+        """Start the guard of `group` (see the module's docstring). The pipe is made after the
+        child started, and is not inheritable, so no member of the group holds its write end."""
+        read_end, self._lifeline = os.pipe()
+        try:
+            self._guard = subprocess.Popen(
+                [sys.executable, "-c", _GUARD, str(group), str(self._stop_grace_s)],
+                stdin=read_end,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,  # signals to the owner's group do not reach it
+            )
+        finally:
+            os.close(read_end)
 
     def exit_code(self) -> int | None:
         """The child's exit code, or None while it runs (or before it started)."""
@@ -109,9 +107,11 @@ class ChildProcess:
 
     def stop(self, grace_s: float) -> None:
         """SIGTERM the group, wait up to `grace_s` for the leader and every member, SIGKILL
-        what is left and wait for it as long again. A no-op before `start`."""
+        what is left and wait for it as long again. A no-op before `start`. The guard is
+        retired first, so it never signals a group id the system may have reused."""
         if self._process is None:
             return
+        self._retire_guard()
         group = self._process.pid  # the session leader's pid is the group's id
         _signal_group(group, signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -121,6 +121,15 @@ class ChildProcess:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self._process.wait(timeout=grace_s)
         _wait_group_gone(group, grace_s)
+
+    def _retire_guard(self) -> None:
+        if self._guard is not None:
+            self._guard.kill()
+            self._guard.wait()
+            self._guard = None
+        if self._lifeline is not None:
+            os.close(self._lifeline)
+            self._lifeline = None
 
     def log_first_error(self) -> str | None:
         """The log's first error (:func:`first_error`); None without a log or an error."""
@@ -154,6 +163,26 @@ def first_error(log_path: Path) -> str | None:
             if _ERROR_LINE.match(bare) or len(block) == _FIRST_ERROR_LINES:
                 break
     return "\n".join(block)[:LOG_TAIL_CHARS] if block else None
+
+
+# The guard: blocks on its stdin (the lifeline) until the owner is gone, then stops the group as
+# `ChildProcess.stop` does. Standard library only: it runs in the interpreter that runs the owner.
+_GUARD = """
+import os, signal, sys, time
+group, grace = int(sys.argv[1]), float(sys.argv[2])
+sys.stdin.buffer.read()
+def signal_group(signum):
+    try:
+        os.killpg(group, signum)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+if signal_group(signal.SIGTERM):
+    deadline = time.monotonic() + grace
+    while signal_group(0) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    signal_group(signal.SIGKILL)
+"""
 
 
 def _signal_group(group: int, signum: int) -> None:

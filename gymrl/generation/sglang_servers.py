@@ -4,8 +4,8 @@ actors. The client that talks to them is `gymrl.generation.sglang_engine`.
 SGLang's pinned environment conflicts with the recipe's, so nothing here imports it: a server is a
 subprocess (`python -m sglang.launch_server`, with `generation.launch.python` or this
 interpreter) under the project's one child-process supervisor
-(`nemo_gym_ext.processes.ChildProcess`: its own process group, stopped as a group, killed by the
-kernel when its owner dies).
+(`nemo_gym_ext.processes.ChildProcess`: its own process group, stopped as a group, and by its
+guard when its owner dies).
 
 Every server's environment has `SGLANG_RETURN_ORIGINAL_LOGPROB` removed (it would switch the
 reported log-probabilities to the pre-temperature distribution; see `sglang_engine`) and the
@@ -126,8 +126,9 @@ def server_environment(
 class SGLangServerProcess:
     """One SGLang server subprocess: started on given GPUs, awaited until healthy, stopped.
 
-    It dies with the thread that started it when that one ends without stopping it. Output goes
-    to `log_path`; its tail is part of every start-up error.
+    It is stopped with its whole process group when the process that started it dies without
+    stopping it (`ChildProcess`'s guard). Output goes to `log_path`; its tail is part of every
+    start-up error.
     """
 
     def __init__(
@@ -146,7 +147,7 @@ class SGLangServerProcess:
             command,
             log_path=log_path,
             env=server_environment(gpu_ids, launch),
-            die_with_parent=True,
+            stop_grace_s=STOP_GRACE_S,
         )
 
     @property
