@@ -72,5 +72,12 @@ def test_the_flagships_code_path_trains_three_steps_on_this_cpu(tmp_path):
         assert math.isfinite(record["train/loss"]) and record["train/num_tokens"] > 0
         assert math.isfinite(record["train/grad_norm"])
         assert record["timing/refit_s"] > 0
+        # The signature metric, per agent of the step's groups (truncation is on).
+        truncated = {
+            key: value
+            for key, value in record.items()
+            if key.startswith("train/") and key.endswith("/noncontiguous_truncated/mean")
+        }
+        assert truncated and all(0 <= value <= 1 for value in truncated.values()), record
     checkpoint = tmp_path / "checkpoints" / "step_3"
     assert (checkpoint / "COMPLETE").is_file() and (checkpoint / "megatron").is_dir()
