@@ -7,6 +7,8 @@ weight tensor a step reads, in the dtype the engine stores it (viewed as float32
 streaming read), and the KV cache's bytes the same way; then it times the engine's own decode step
 (`TorchGenerationEngine._decode_step`, the loop's compute for one token per row) on
 SmolLM2-135M-Instruct at each batch size, rows of `--context` random prompt tokens, and
+times the fused step's matrix products alone (the floor its arithmetic sets: on a core without
+bfloat16 matrix units it is above the memory bound at batch 16), and
 optionally profiles one step (`--profile`): where its time goes, by kind of op, and how much is
 Python and dispatch outside any op.
 
@@ -41,6 +43,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 from transformers import PreTrainedModel
 
+from gymrl.generation.llama_decode import LlamaDecoder
 from gymrl.generation.torch_engine import TorchGenerationEngine, _DecodeBatch
 from gymrl.generation.types import GenerationRequest, SamplingParams
 from gymrl.model.loading import ensure_smollm2_checkpoint, load_pretrained, smollm2_gguf_path
@@ -70,6 +73,40 @@ def streamed_ms(tensors: Sequence[torch.Tensor]) -> float:
     for view in views:
         view.sum()
     return (time.perf_counter() - started) * 1000
+
+
+def products_ms(decoder: LlamaDecoder, model: PreTrainedModel, batch_size: int) -> float:
+    """Milliseconds for the fused step's matrix products alone: the same prepared weights and
+    kernels on random inputs of `batch_size` rows, nothing else. On a core without bfloat16
+    matrix units (AMX) these cost more than streaming the weights at batch 16: the floor the
+    arithmetic sets, beside the one memory sets."""
+    config = model.config
+    hidden = config.hidden_size
+    attention = config.num_attention_heads * (
+        getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    )
+    body_dtype = decoder._compute_dtype or model.dtype
+    output_dtype = model.get_output_embeddings().weight.dtype
+
+    def rows(width: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.randn(batch_size, width).to(dtype)
+
+    products = [
+        (rows(width, body_dtype), weight)
+        for layer in decoder._layers
+        for width, weight in (
+            (hidden, layer.qkv),
+            (attention, layer.output),
+            (hidden, layer.gate_up),
+            (config.intermediate_size, layer.down),
+        )
+    ]
+    products.append((rows(hidden, output_dtype), decoder._output))
+    with torch.inference_mode():
+        started = time.perf_counter()
+        for inputs, weight in products:
+            decoder._products(inputs, weight)
+        return (time.perf_counter() - started) * 1000
 
 
 def cache_tensors(batch: _DecodeBatch) -> list[torch.Tensor]:
@@ -289,6 +326,11 @@ def main() -> None:
             "weights": lambda w=weights: streamed_ms(w),
             "weights + KV cache": lambda w=weights, c=cache: streamed_ms([*w, *c]),
         }
+        fused = engines.get("fused")
+        if fused is not None and fused._decoder is not None:
+            contenders["matrix products"] = lambda d=fused._decoder, b=batch_size: products_ms(
+                d, model, b
+            )
         for path, engine in engines.items():
             contenders[path] = lambda e=engine, b=batches[path]: decode_ms(e, b, args.steps)
         if peer is not None:
@@ -329,11 +371,12 @@ def main() -> None:
 def print_table(columns: Sequence[str], rows: Sequence[tuple[int, float, float, dict]]) -> None:
     """Each contender's ms per step, with its multiple of its weights' bound (llama.cpp's own)."""
     print(
-        "| batch | weights MB | KV cache MB | bound: weights | bound: weights + cache | "
+        "| batch | weights MB | KV cache MB | bound: weights | bound: weights + cache "
+        "| floor: matrix products | "
         + " | ".join(f"{name} step (x bound)" for name in columns)
         + " |"
     )
-    print("|---:" * (5 + len(columns)) + "|")
+    print("|---:" * (6 + len(columns)) + "|")
     for batch_size, weight_mb, cache_mb, ms in rows:
         steps = " | ".join(
             f"{ms[name]:.1f} ({ms[name] / ms.get(name + ' bound', ms['weights']):.1f}x)"
@@ -341,8 +384,15 @@ def print_table(columns: Sequence[str], rows: Sequence[tuple[int, float, float, 
         )
         print(
             f"| {batch_size} | {weight_mb:.0f} | {cache_mb:.0f} | {ms['weights']:.1f} "
-            f"| {ms['weights + KV cache']:.1f} | {steps} |"
+            f"| {ms['weights + KV cache']:.1f} | {_products_cell(ms)} | {steps} |"
         )
+
+
+def _products_cell(ms: dict) -> str:
+    """The products' floor and its multiple of the weights' bound ("-" without the fused path)."""
+    if "matrix products" not in ms:
+        return "-"
+    return f"{ms['matrix products']:.1f} ({ms['matrix products'] / ms['weights']:.1f}x)"
 
 
 if __name__ == "__main__":
