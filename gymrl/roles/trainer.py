@@ -121,6 +121,11 @@ class PolicyTrainerActor:
 
 
 class TrainerRole(Protocol):
+    def wait_until_started(self) -> None:
+        """Return once the trainer can train (with its start deadline); a role may start in the
+        background from its construction until then."""
+        ...
+
     def train_step(
         self,
         trajectories: list[Trajectory],
@@ -171,15 +176,16 @@ class TorchTrainerRole:
             torch_threads=torch_threads,
             device=role.device,
         )
-        try:
-            wait_for(
-                self._actor.weight_version.remote(),  # answers once the model is built
-                timeout_s=config.trainer.start_timeout_s,
-                what="starting the torch trainer (trainer.start_timeout_s)",
-            )
-        except BaseException:
-            close_actor(self._actor)  # the recipe's cleanup never sees a role that did not start
-            raise
+        # The actor builds its model in the background; `wait_until_started` waits for it.
+        self._started = self._actor.weight_version.remote()  # answers once the model is built
+        self._start_timeout_s = config.trainer.start_timeout_s
+
+    def wait_until_started(self) -> None:
+        wait_for(
+            self._started,
+            timeout_s=self._start_timeout_s,
+            what="starting the torch trainer (trainer.start_timeout_s)",
+        )
 
     def train_step(
         self,
@@ -250,6 +256,9 @@ class MegatronTrainerRole:
             call_timeout_s=config.grpo.batch_timeout_s,
         )
 
+    def wait_until_started(self) -> None:
+        """The group's constructor waited for its ranks."""
+
     def train_step(
         self,
         trajectories: list[Trajectory],
@@ -299,7 +308,8 @@ def start_trainer(
     on_cleanup: OnCleanup,
 ) -> TrainerRole:
     """The trainer of `config`, its actors placed as `placement` says, in the run's placement
-    `group` (`gymrl.cluster.placement.reserve`); started, and its closer registered."""
+    `group` (`gymrl.cluster.placement.reserve`), its closer registered; it may still be starting
+    (`TrainerRole.wait_until_started`)."""
     if isinstance(config.trainer, MegatronTrainerConfig):
         role: TrainerRole = MegatronTrainerRole(config, output_dir, placement, group)
     else:

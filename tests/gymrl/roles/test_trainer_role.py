@@ -50,10 +50,6 @@ class RecordingGeneration:
         return self.refits
 
 
-def _not_registered(what, close):
-    raise AssertionError(f"a role that did not start registered its closer ({what})")
-
-
 def _batch():
     trajectories = [
         Trajectory(
@@ -83,6 +79,7 @@ def test_torch_role_trains_refits_checkpoints_and_closes(config, tmp_path):
     )
     assert isinstance(role, TorchTrainerRole)
     assert closers == [("the trainer", role.close)]
+    role.wait_until_started()
     generation = RecordingGeneration.remote()
 
     role.refit(generation, 0)
@@ -119,21 +116,27 @@ def test_torch_role_trains_refits_checkpoints_and_closes(config, tmp_path):
 
 
 def test_torch_role_start_is_bounded_by_trainer_start_timeout_s(tmp_path):
+    """The actor is launched at once (its model loads while the recipe starts other roles) and
+    its closer registered then, so the recipe's cleanup ends a trainer that never started."""
     config = validate_config(compose_raw(["+experiment=smoke", "trainer.start_timeout_s=0.001"]))
     placement = plan_placement(config)
+    closers = []
+    role = start_trainer(
+        config,
+        tmp_path,
+        torch_threads=1,
+        placement=placement,
+        group=reserve(placement, 30),
+        on_cleanup=lambda what, close: closers.append(close),
+    )
+    assert closers == [role.close]
     with pytest.raises(
         TimeoutError,
         match=r"starting the torch trainer \(trainer.start_timeout_s\) did not finish within "
         r"0.001 s",
     ):
-        start_trainer(
-            config,
-            tmp_path,
-            torch_threads=1,
-            placement=placement,
-            group=reserve(placement, 30),
-            on_cleanup=_not_registered,
-        )
+        role.wait_until_started()
+    role.close()
 
 
 def test_megatron_role_waits_trainer_start_timeout_s_for_its_ranks(tmp_path, monkeypatch):
