@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 _GONE_POLL_S = 0.2
+_GUARD_REAPED_S = 5.0  # a SIGKILLed guard is reaped at once; this only bounds the wait
 LOG_TAIL_CHARS = 3000
 _TRACEBACK = "Traceback (most recent call last):"
 # A line that names an exception, `ModuleNotFoundError: No module named 'x'`, after an optional
@@ -125,7 +126,7 @@ class ChildProcess:
     def _retire_guard(self) -> None:
         if self._guard is not None:
             self._guard.kill()
-            self._guard.wait()
+            self._guard.wait(timeout=_GUARD_REAPED_S)
             self._guard = None
         if self._lifeline is not None:
             os.close(self._lifeline)

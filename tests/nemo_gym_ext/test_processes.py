@@ -130,20 +130,27 @@ def test_stop_leaves_neither_the_group_nor_its_guard(tmp_path):
         env={},
     )
     family.start()
+    assert family.pid is not None
     assert _wait_for(pids_path.exists, 30)
     members = [int(pid) for pid in pids_path.read_text().split()]
+    guards = _guards_of(family.pid)
+    assert len(guards) == 1, "the child started without its guard"
     family.stop(grace_s=5)
     assert not any(_alive(pid) for pid in members)
-    children = [
-        int(entry.name)
-        for entry in Path("/proc").iterdir()
-        if entry.name.isdigit() and _parent(entry) == os.getpid() and _alive(int(entry.name))
-    ]
-    assert children == [], "the guard outlived stop()"
+    assert not _alive(guards[0]), "the guard outlived stop()"
 
 
-def _parent(entry: Path) -> int | None:
-    try:
-        return int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError):
-        return None
+def _guards_of(group: int) -> list[int]:
+    """Live children of this process running the guard of process group `group`."""
+    guards = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or not _alive(int(entry.name)):
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError):
+            continue
+        if parent == os.getpid() and b"killpg" in b"".join(argv) and str(group).encode() in argv:
+            guards.append(int(entry.name))
+    return guards
