@@ -50,10 +50,11 @@ class ChildProcess:
         *,
         log_path: str | os.PathLike[str],
         env: Mapping[str, str],
+        stop_grace_s: float,
         cwd: str | os.PathLike[str] | None = None,
-        stop_grace_s: float = 10.0,
     ) -> None:
-        """`stop_grace_s`: the grace the guard gives the group, should the owner die."""
+        """`stop_grace_s`: the grace the guard gives the group, should the owner die (the
+        owner's own `stop` takes its grace as an argument)."""
         self.command = list(command)
         self.log_path = Path(log_path)
         self._env = dict(env)

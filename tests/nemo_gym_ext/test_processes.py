@@ -128,6 +128,7 @@ def test_stop_leaves_neither_the_group_nor_its_guard(tmp_path):
         [sys.executable, "-c", _FAMILY, str(pids_path), "polite"],
         log_path=tmp_path / "log",
         env={},
+        stop_grace_s=1.0,
     )
     family.start()
     assert family.pid is not None
