@@ -1,8 +1,8 @@
 """`python recipes/grpo.py +experiment=sglang_cpu_smoke` through the real entry point: the real
 SGLang server on this CPU (`make sglang-venv`), the torch trainer broadcasting its weights to it
 over gloo after every step, the built-in agents, the parity gate at step 1; a non-zero loss, and
-the weights the servers were last refitted to answer greedily otherwise than those they started
-with.
+the weights the servers were last refitted to score their greedy answers otherwise than those
+they started with.
 
 Marked `slow` and `sglang_cpu`: `.ci/run` builds the venv before the slow suite.
 """
@@ -62,14 +62,18 @@ def test_the_real_server_serves_a_training_run_refit_every_step(tmp_path, smollm
     # A loss of 0 is a step whose every group's rewards tied (no advantage, no update); groups of
     # 4 with guess_number's graded rewards make that rare for one step and unheard of for both.
     assert any(record["train/loss"] != 0 for record in records), records
-    # What the servers were refitted to generates otherwise than what they started with.
+    # What the servers were refitted to scores its answers otherwise than what they started
+    # with. (Not the answers themselves: two steps at lr 1e-5 need not flip a greedy token, and
+    # once did not; any update moves the log-probabilities.)
     trained = tmp_path / "checkpoints" / "step_2"
     assert _greedy(smollm2_dir, tokenizer, trained) != _greedy(smollm2_dir, tokenizer, None)
 
 
-def _greedy(folder: Path, tokenizer, checkpoint: Path | None) -> list[list[int]]:
+def _greedy(
+    folder: Path, tokenizer, checkpoint: Path | None
+) -> list[tuple[list[int], list[float]]]:
     """Greedy answers of the model in `folder`, with a checkpoint's weights if given, to three
-    arithmetic questions."""
+    arithmetic questions, with their log-probabilities."""
     model = load_pretrained(folder, torch.float32)
     if checkpoint is not None:
         load_model(model, str(checkpoint / MODEL_FILE), strict=True)
@@ -99,4 +103,4 @@ def _greedy(folder: Path, tokenizer, checkpoint: Path | None) -> list[list[int]]
         )
     finally:
         engine.close()
-    return [list(output.token_ids) for output in outputs]
+    return [(list(output.token_ids), list(output.logprobs)) for output in outputs]
