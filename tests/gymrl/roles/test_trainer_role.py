@@ -66,10 +66,11 @@ def _batch():
     return trajectories, torch.tensor([-1.0, 1.0])
 
 
-def test_torch_role_trains_refits_checkpoints_and_closes(config, tmp_path):
+def _start_torch_role(config, tmp_path, closers: list):
+    """The torch trainer of `config` at one thread in a placement group of its own; its
+    registered closers appended to `closers` as (what, close)."""
     placement = plan_placement(config)
-    closers = []
-    role = start_trainer(
+    return start_trainer(
         config,
         tmp_path,
         torch_threads=1,
@@ -77,6 +78,11 @@ def test_torch_role_trains_refits_checkpoints_and_closes(config, tmp_path):
         group=reserve(placement, 30),
         on_cleanup=lambda what, close: closers.append((what, close)),
     )
+
+
+def test_torch_role_trains_refits_checkpoints_and_closes(config, tmp_path):
+    closers = []
+    role = _start_torch_role(config, tmp_path, closers)
     assert isinstance(role, TorchTrainerRole)
     assert closers == [("the trainer", role.close)]
     role.wait_until_started()
@@ -119,17 +125,9 @@ def test_torch_role_start_is_bounded_by_trainer_start_timeout_s(tmp_path):
     """The actor is launched at once (its model loads while the recipe starts other roles) and
     its closer registered then, so the recipe's cleanup ends a trainer that never started."""
     config = validate_config(compose_raw(["+experiment=smoke", "trainer.start_timeout_s=0.001"]))
-    placement = plan_placement(config)
     closers = []
-    role = start_trainer(
-        config,
-        tmp_path,
-        torch_threads=1,
-        placement=placement,
-        group=reserve(placement, 30),
-        on_cleanup=lambda what, close: closers.append(close),
-    )
-    assert closers == [role.close]
+    role = _start_torch_role(config, tmp_path, closers)
+    assert closers == [("the trainer", role.close)]
     with pytest.raises(
         TimeoutError,
         match=r"starting the torch trainer \(trainer.start_timeout_s\) did not finish within "
