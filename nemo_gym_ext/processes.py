@@ -86,7 +86,11 @@ class ChildProcess:
                 env=self._env,
                 start_new_session=True,  # its own process group: stopped as one
             )
-        self._start_guard(self._process.pid)
+        try:
+            self._start_guard(self._process.pid)
+        except BaseException:
+            self.stop(self._stop_grace_s)  # a child without its guard must not outlive the error
+            raise
 
     def _start_guard(self, group: int) -> None:
         """Start the guard of `group` (see the module's docstring). The pipe is made after the

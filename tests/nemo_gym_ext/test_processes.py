@@ -141,6 +141,23 @@ def test_stop_leaves_neither_the_group_nor_its_guard(tmp_path):
     assert not _alive(guards[0]), "the guard outlived stop()"
 
 
+def test_a_child_whose_guard_cannot_start_is_stopped_before_the_error_leaves(tmp_path, monkeypatch):
+    def no_guard(self, group):
+        raise OSError("no guard today")
+
+    monkeypatch.setattr(ChildProcess, "_start_guard", no_guard)
+    pids_path = tmp_path / "pids"
+    family = ChildProcess(
+        [sys.executable, "-c", _FAMILY, str(pids_path), "polite"],
+        log_path=tmp_path / "log",
+        env={},
+        stop_grace_s=1.0,
+    )
+    with pytest.raises(OSError, match="no guard today"):
+        family.start()
+    assert family.pid is not None and not _alive(family.pid)
+
+
 def _guards_of(group: int) -> list[int]:
     """Live children of this process running the guard of process group `group`."""
     guards = []
