@@ -55,6 +55,7 @@ from gymrl.generation.chat_template import (
 from gymrl.generation.divergence_watch import DivergenceWatch, Verdict
 from gymrl.generation.sampling_parity import Sampling, SamplingMismatchError, SamplingParity
 from gymrl.generation.types import (
+    EngineFailedError,
     EngineUnavailableError,
     GenerationOutput,
     GenerationRequest,
@@ -318,8 +319,12 @@ def create_policy_server_app(
 
     @app.get("/health")
     async def health() -> Response:
-        """200 while requests are served, 503 otherwise: what vLLM's and SGLang's `GET /health`
-        answer, so routers and readiness probes poll it without an API key."""
+        """200 while requests are served, 503 otherwise (shutting down, or the engine stopped
+        after a failed step, named): what vLLM's and SGLang's `GET /health` answer, so routers
+        and readiness probes poll it without an API key."""
+        failure = engine.failure()
+        if failure is not None:
+            raise _ApiError(503, str(failure), error_type="service_unavailable_error")
         if serving.is_set():
             return Response(status_code=200)
         raise _ApiError(
@@ -385,6 +390,8 @@ def create_policy_server_app(
             raise _ApiError(504, str(error), error_type="timeout_error") from error
         except EngineUnavailableError as error:
             raise _ApiError(503, str(error), error_type="service_unavailable_error") from error
+        except EngineFailedError as error:  # for good: no Retry-After
+            raise _ApiError(500, str(error), error_type="server_error") from error
         except Exception as error:
             raise _ApiError(
                 500,

@@ -77,7 +77,12 @@ from safetensors.torch import save_file
 
 from gymrl.config.schema.generation import SGLangGenerationConfig
 from gymrl.generation.routing import PrefixRouter, Routing
-from gymrl.generation.types import FinishReason, GenerationOutput, GenerationRequest
+from gymrl.generation.types import (
+    EngineFailedError,
+    FinishReason,
+    GenerationOutput,
+    GenerationRequest,
+)
 from gymrl.generation.verify_weights_checker import (
     WeightCheckUnavailableError,
     WeightsChecker,
@@ -292,6 +297,11 @@ class SGLangEngine:
         # Each piece of a request has its own HTTP deadline; resumes after refits are bounded.
         bound = (self._request_timeout_s + self._refit_timeout_s) * (MAX_RESUMES + 1)
         return self._run(self._generate_all(requests), bound)
+
+    def failure(self) -> EngineFailedError | None:
+        """None: this client has no step of its own that can fail for good; a server's failure
+        reaches each request as that server's HTTP error."""
+        return None
 
     def submit(self, request: GenerationRequest) -> Future[GenerationOutput]:
         """Start one request on the engine's loop (see `RequestScheduler`); the caller bounds it."""

@@ -44,6 +44,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from gymrl.generation.llama_decode import LlamaDecoder, unsupported_reason
 from gymrl.generation.prefix_cache import CachedPrefix, PrefixCache, plan_prefill
 from gymrl.generation.types import (
+    EngineFailedError,
     EngineUnavailableError,
     FinishReason,
     GenerationOutput,
@@ -102,14 +103,23 @@ class _BufferedLayer(DynamicLayer):
             self._length = key_states.shape[-2]
         else:
             end = self._length + key_states.shape[-2]
-            if end > self._key_buffer.shape[-2]:
-                capacity = end + _DECODE_ROOM
-                self._key_buffer = _grown(self._key_buffer, self._length, capacity)
-                self._value_buffer = _grown(self._value_buffer, self._length, capacity)
+            self.reserve(key_states.shape[-2])
+            assert self._key_buffer is not None and self._value_buffer is not None
             self._key_buffer[:, :, self._length : end] = key_states
             self._value_buffer[:, :, self._length : end] = value_states
             self._length = end
         return self._expose()
+
+    def reserve(self, columns: int) -> None:
+        """Make sure `columns` more tokens fit: a full buffer is copied into one with that many
+        columns more and `_DECODE_ROOM` spare (zeros) after them."""
+        if self._key_buffer is None or self._value_buffer is None:
+            return  # an empty layer takes its first keys and values as they come
+        end = self._length + columns
+        if end > self._key_buffer.shape[-2]:
+            capacity = end + _DECODE_ROOM
+            self._key_buffer = _grown(self._key_buffer, self._length, capacity)
+            self._value_buffer = _grown(self._value_buffer, self._length, capacity)
 
     def cached(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values cached so far; the base class types `keys`/`values` as optional."""
@@ -229,6 +239,11 @@ class _DecodeBatch:
     @property
     def capacity(self) -> int:
         return self.layers[0].buffers()[0].shape[-2] if self.layers else 0
+
+    def reserve(self, columns: int) -> None:
+        """Make room for `columns` more tokens in every layer (`_BufferedLayer.reserve`)."""
+        for layer in self.layers:
+            layer.reserve(columns)
 
     def rebuild(self, keep: Sequence[int], arrivals: Sequence[_Arrival]) -> None:
         """Keep rows `keep` (indices into `self.rows`), append `arrivals`, and re-pack the cache.
@@ -384,6 +399,12 @@ class TorchGenerationEngine:
     generation: it stops admitting queued requests, waits for the rows in flight to finish, then
     loads, so every output carries the one weight version it was generated with. Safe to call
     from any thread.
+
+    A step that raises stops the engine for good (`failure()`, `EngineFailedError`): the rows it
+    held may have advanced in some layers' caches and not in others, so nothing in flight can be
+    resumed, and an error of the step itself (not of a request, which `submit` refuses first)
+    would come back on the next batch; restarting would turn one clear error into a run that
+    fails episode after episode.
     """
 
     def __init__(
@@ -458,6 +479,7 @@ class TorchGenerationEngine:
         self._in_flight = 0
         self._refits_waiting = 0
         self._closed = False
+        self._failure: EngineFailedError | None = None  # why a failed step stopped the loop
         self._loop: threading.Thread | None = None
         self._counters = EngineCounters()  # replaced whole under `_schedule`, read from any thread
         self._timeline: list[EngineStep] | None = None  # recorded only when asked for
@@ -493,6 +515,12 @@ class TorchGenerationEngine:
         with self._schedule:
             return self._counters
 
+    def failure(self) -> EngineFailedError | None:
+        """Why a failed step stopped the engine for good; None while it serves or after a plain
+        `close()`."""
+        with self._schedule:
+            return self._failure
+
     def record_timeline(self) -> None:
         """Start recording every loop iteration (`EngineStep`), forgetting an earlier record."""
         with self._schedule:
@@ -521,6 +549,9 @@ class TorchGenerationEngine:
             # max_new_tokens (the caller's own deadline covers a stalled engine).
             while self._in_flight:
                 self._schedule.wait()
+            if self._failure is not None:
+                self._refits_waiting -= 1
+                raise self._failure
         try:
             with self._model_lock, torch.no_grad():
                 self._check_version(version)
@@ -574,9 +605,9 @@ class TorchGenerationEngine:
                 futures.append(future)
                 try:
                     if self._closed:
-                        raise EngineClosedError("the torch engine is closed")
+                        raise self._failure or EngineClosedError("the torch engine is closed")
                     self._validate(index, request)
-                except (ValueError, EngineClosedError) as error:
+                except (ValueError, EngineClosedError, EngineFailedError) as error:
                     future.set_exception(error)
                     continue
                 self._waiting.append(self._new_row(request, future))
@@ -619,7 +650,8 @@ class TorchGenerationEngine:
     def _run(self) -> None:
         """The loop: admit queued rows into free slots, prefill them, take one decode step,
         answer the rows that finished; sleep while there is nothing to do. When it ends (closed,
-        or a step failed), every request not yet answered fails with the reason."""
+        or a step failed), every request not yet answered fails with the reason; a failed step
+        is logged with its traceback and kept as `failure()`."""
         batch = _DecodeBatch()
         keep: list[int] = []  # rows of `batch` still decoding
         admitted: list[_Row] | None = []
@@ -646,12 +678,18 @@ class TorchGenerationEngine:
                         self._keep_finished_caches(batch)
                     keep = [i for i, row in enumerate(batch.rows) if not self._answer_if_done(row)]
                 self._count(started, time.monotonic(), admitted, decoding)
-        except BaseException as error:
-            ended = error
-            raise
+        except Exception as error:
+            log.error("torch engine: a step failed; the engine stops", exc_info=error)
+            ended = EngineFailedError(
+                f"the torch engine stopped after a failed step ({type(error).__name__}: {error}); "
+                "every later request fails too: the traceback is in the generation server's log"
+            )
+            ended.__cause__ = error
         finally:
             with self._schedule:
                 self._closed = True
+                if isinstance(ended, EngineFailedError):
+                    self._failure = ended
                 unanswered = [*self._waiting, *(admitted or []), *batch.rows]
                 self._waiting.clear()
                 self._in_flight = 0
@@ -825,6 +863,9 @@ class TorchGenerationEngine:
 
     def _decode_step(self, batch: _DecodeBatch) -> None:
         """Feed every row its last sampled token and sample the next one."""
+        # Grown before the step, not by the layers' `update` during it: the fused step's mask
+        # spans the whole buffer, so it must be built over the capacity the step will read.
+        batch.reserve(1)
         width = batch.width + 1
         cached = torch.tensor([row.cached for row in batch.rows], device=self._device)
         # The fused step attends over the whole buffer (dense, see `_BufferedLayer.buffers`).

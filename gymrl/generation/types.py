@@ -64,6 +64,13 @@ class EngineUnavailableError(RuntimeError):
     503, which clients may retry."""
 
 
+class EngineFailedError(RuntimeError):
+    """The engine stopped for good because one of its own steps failed (the cause is chained):
+    every request after it fails the same way, so the policy server answers 500 and `GET
+    /health` 503 with this message, and a run stops with it instead of charging each agent's
+    failed episode to the rollout failure budget."""
+
+
 @runtime_checkable
 class RequestScheduler(Protocol):
     """An engine that schedules concurrent requests itself: the torch engine admits each new
@@ -76,4 +83,8 @@ class RequestScheduler(Protocol):
 
     def submit(self, request: GenerationRequest) -> Future[GenerationOutput]:
         """Start generating for `request`; cancelling the future abandons it."""
+        ...
+
+    def failure(self) -> EngineFailedError | None:
+        """Why the engine stopped for good, or None while it serves (or was closed normally)."""
         ...

@@ -145,7 +145,7 @@ class EvalRecipe:
         )
         self.validator = Validator(
             self.rows,
-            RayGroupRunner(shards_by_agent),
+            RayGroupRunner(shards_by_agent, generation.raise_if_engine_failed),
             config.eval.timeout_s,
             num_samples=config.eval.num_samples,
             prefix=PREFIX,

@@ -52,6 +52,7 @@ from gymrl.generation.api_key import ApiKeyError, resolve_api_key
 from gymrl.generation.divergence_watch import DivergenceCounts
 from gymrl.generation.sampling_parity import SamplingCounts, training_sampling_rules
 from gymrl.generation.torch_engine import EngineCounters
+from gymrl.generation.types import EngineFailedError
 from gymrl.model.policy import model_folder
 from gymrl.roles import close_reporting_failure
 from gymrl.roles.generation_server import start_generation_server
@@ -90,6 +91,8 @@ RUN_STOPPING_ERRORS = (
     ParityGateError,
     EveryPromptRefusedError,
     NoProgressError,
+    # The torch engine stopped after a failed step: its own error, not the agents' failures.
+    EngineFailedError,
 )
 
 
@@ -242,7 +245,7 @@ class GRPORecipe:
                     top_p=config.generation.sampling.top_p,
                     served_agents=shards_by_agent,
                 ),
-                RayGroupRunner(shards_by_agent),
+                RayGroupRunner(shards_by_agent, generation.raise_if_engine_failed),
                 grpo.batch_timeout_s,
             )
             if grpo.val_at_start or grpo.val_period or grpo.val_at_end
@@ -263,7 +266,7 @@ class GRPORecipe:
         self.producer = RolloutProducer(
             grpo,
             self.rows,
-            RayGroupRunner(shards_by_agent),
+            RayGroupRunner(shards_by_agent, generation.raise_if_engine_failed),
             self.buffer,
             first_step=self.first_step,
             failures=FailureBudget(

@@ -29,6 +29,7 @@ from gymrl.generation.sampling_parity import SamplingCounts, SamplingParity, Sam
 from gymrl.generation.sglang_engine import SGLangEngine
 from gymrl.generation.sglang_servers import SGLangServerGroup
 from gymrl.generation.torch_engine import EngineCounters, EngineStep, TorchGenerationEngine
+from gymrl.generation.types import EngineFailedError
 from gymrl.model.loading import load_tokenizer
 from gymrl.model.policy import build_policy, model_folder
 from gymrl.model.tokens import eos_token_id, policy_end_token_ids
@@ -36,6 +37,7 @@ from gymrl.roles import OnCleanup
 from nemo_gym_ext.http_server import serve_in_thread
 
 GENERATION_CLOSE_S = 60.0  # the server lets a running engine batch finish first
+ENGINE_FAILURE_CHECK_S = 30.0  # an answer from the actor's thread pool, no engine work
 
 
 @ray.remote(num_cpus=0)
@@ -118,6 +120,10 @@ class GenerationServer:
         """The torch engine's totals (`EngineCounters`); SGLang's live on its servers."""
         local = self._backend.local
         return None if local is None else local.counters()
+
+    def engine_failure(self) -> EngineFailedError | None:
+        """Why the engine stopped for good (`EngineFailedError`), or None while it serves."""
+        return self._backend.engine.failure()
 
     def sampling_counts(self) -> SamplingCounts | None:
         """Requests overridden or refused for their sampling (None: the server has no parity)."""
@@ -257,6 +263,18 @@ class GenerationRole:
 
     actor: Any
     base_url: str
+
+    def raise_if_engine_failed(self) -> None:
+        """Raise the engine's own `EngineFailedError` if a failed step stopped it: what a
+        rollout that saw episodes fail asks first, so the run stops with the engine's error
+        instead of charging every agent's failed episode to the failure budget."""
+        failure = wait_for(
+            self.actor.engine_failure.remote(),
+            timeout_s=ENGINE_FAILURE_CHECK_S,
+            what="asking the generation server whether its engine failed",
+        )
+        if failure is not None:
+            raise failure
 
 
 def start_timeout_s(config: RecipeConfig) -> float:

@@ -7,7 +7,7 @@ groups through `nemo_gym_ext.rollout.RolloutCollector` with the shard's own post
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
@@ -212,10 +212,19 @@ def start_gym_shards(
 
 class RayGroupRunner:
     """Groups run as `GymShard.run_group` calls on the shard serving the row's agent (the
-    producer's and the validator's `GroupRunner`)."""
+    producer's and the validator's `GroupRunner`).
 
-    def __init__(self, shards_by_agent: Mapping[str, Any]):
+    `engine_check` (`GenerationRole.raise_if_engine_failed`) is called for every outcome with
+    failed episodes, before the caller counts them: an engine that stopped for good fails every
+    episode, and the run should stop with the engine's error, not the agents'."""
+
+    def __init__(
+        self,
+        shards_by_agent: Mapping[str, Any],
+        engine_check: Callable[[], None] | None = None,
+    ):
         self._shards = shards_by_agent
+        self._engine_check = engine_check
 
     @property
     def agents(self) -> Collection[str]:
@@ -231,7 +240,10 @@ class RayGroupRunner:
         return done
 
     def outcome(self, group: Any) -> GroupOutcome:
-        return wait_for(group, timeout_s=_POLL_S, what="a finished group")
+        outcome = wait_for(group, timeout_s=_POLL_S, what="a finished group")
+        if outcome.failures and self._engine_check is not None:
+            self._engine_check()
+        return outcome
 
     def cancel(self, group: Any) -> None:
         ray.cancel(group)

@@ -51,6 +51,17 @@ def test_serve_answers_until_sigterm(tmp_path):
         )
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["message"]["generation_token_ids"]
+        # Longer than the room a decode batch reserves: the fused step's cache grows mid-reply.
+        long = httpx.post(
+            f"{served['policy_base_url']}/chat/completions",
+            headers={"Authorization": f"Bearer {served['policy_api_key']}"},
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "seed": 1},
+            timeout=120,
+        )
+        assert long.status_code == 200, long.text
+        assert len(long.json()["choices"][0]["message"]["generation_token_ids"]) == 200
+        health = httpx.get(served["policy_base_url"].removesuffix("/v1") + "/health", timeout=5)
+        assert health.status_code == 200
     finally:
         process.send_signal(signal.SIGTERM)
         output, _ = process.communicate(timeout=120)

@@ -6,6 +6,7 @@ on SmolLM2-135M-Instruct, slow)."""
 from __future__ import annotations
 
 import copy
+import random
 import statistics
 
 import pytest
@@ -215,3 +216,32 @@ def test_smollm2_fused_decoding_is_within_the_parity_gate(tokenizer, smollm2_dir
         assert max(errors) <= tolerance.logprob_diff_max, (path, errors)
     fused, plain = outputs["fused"], outputs["transformers"]
     assert [o.token_ids for o in fused] == [o.token_ids for o in plain]
+
+
+def test_fused_decoding_matches_the_models_own_past_every_growth_of_the_cache(tokenizer):
+    """Generations far longer than the room a decode batch reserves (`_DECODE_ROOM`): the cache
+    grows several times, at different steps as rows finish and queued rows join, and the fused
+    step's mask must cover every column the grown cache holds. Greedy rows give the model's own
+    tokens; sampled rows' log-probabilities are the one-pass recomputation of their tokens
+    (their tokens may differ from the other path's: on a random model the vocabulary is nearly
+    uniform, and a 1e-6 difference moves an inverse-CDF draw to the next id)."""
+    reference = gqa_llama(tokenizer, seed=0)
+    fused, plain = make_engine(copy.deepcopy(reference)), make_engine(reference, "transformers")
+    rng = random.Random(0)
+    requests = [
+        GenerationRequest(
+            [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 40))],
+            SamplingParams(
+                max_new_tokens=rng.randrange(60, 300), temperature=index % 2 * 1.0, seed=index
+            ),
+        )
+        for index in range(7)
+    ]
+    outputs = fused.generate(requests)
+    for request, mine, theirs in zip(requests, outputs, plain.generate(requests), strict=True):
+        assert len(mine.token_ids) == request.params.max_new_tokens
+        if request.params.temperature == 0:
+            assert mine.token_ids == theirs.token_ids
+            torch.testing.assert_close(mine.logprobs, theirs.logprobs, atol=1e-5, rtol=0)
+        expected = recomputed_logprobs(reference, mine, None)
+        torch.testing.assert_close(torch.tensor(mine.logprobs), expected, atol=1e-4, rtol=0)

@@ -34,7 +34,7 @@ from gymrl.generation.sampling_parity import (
 )
 from gymrl.generation.sglang_engine import SGLangEngine
 from gymrl.generation.torch_engine import TorchGenerationEngine
-from gymrl.generation.types import GenerationOutput, GenerationRequest
+from gymrl.generation.types import EngineFailedError, GenerationOutput, GenerationRequest
 from gymrl.model.loading import build_tiny_llama
 from nemo_gym_ext.http_server import serve_in_thread
 from nemo_gym_ext.json_body import OFF_LOOP_BODY_BYTES
@@ -67,6 +67,9 @@ class ScriptedEngine:
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         with self._lock:
             self._version = version
+
+    def failure(self) -> EngineFailedError | None:
+        return None
 
     def submit(self, request: GenerationRequest) -> Future[GenerationOutput]:
         with self._lock:
@@ -507,6 +510,34 @@ def test_a_short_request_is_not_held_back_by_a_long_torch_generation(tokenizer, 
         hook.remove()
         engine.close()
     assert len(short.json()["choices"][0]["message"]["generation_token_ids"]) == 3
+
+
+def test_a_fused_torch_engine_answers_past_its_cache_room_and_reports_a_failed_step(
+    tokenizer, chat_format, monkeypatch
+):
+    """A reply of 200 tokens on the fused decode step (its cache grows past the room a batch
+    reserves), then a step that fails: the request that hit it and every later one are 500
+    naming the engine's error, and `GET /health` says the engine stopped (not 200)."""
+    engine = _tiny_torch_engine(tokenizer, max_batch_size=2, decode_path="fused")
+    health = "/health"
+    with served(engine, chat_format, default_max_tokens=200, request_timeout_s=60.0) as client:
+        long = completion(client, USER_ONLY, seed=1)
+        assert long.status_code == 200, long.text
+        assert len(long.json()["choices"][0]["message"]["generation_token_ids"]) == 200
+
+        def broken_step(batch):
+            raise RuntimeError("the device fell over")
+
+        monkeypatch.setattr(engine, "_decode_step", broken_step)
+        failed, later = completion(client, USER_ONLY), completion(client, USER_ONLY)
+        probe = httpx.get(str(client.base_url.copy_with(path=health)))
+    engine.close()
+    for response in (failed, later):
+        assert response.status_code == 500
+        assert "RuntimeError: the device fell over" in error_message(response)
+        assert "retry-after" not in response.headers
+    assert probe.status_code == 503
+    assert "torch engine stopped after a failed step" in error_message(probe)
 
 
 def test_sglang_requests_are_not_held_back_by_a_long_generation(chat_format):

@@ -19,7 +19,12 @@ import torch
 
 from gymrl.config.schema.generation import TorchGenerationConfig
 from gymrl.generation.torch_engine import EngineClosedError, TorchGenerationEngine, sample_tokens
-from gymrl.generation.types import GenerationOutput, GenerationRequest, SamplingParams
+from gymrl.generation.types import (
+    EngineFailedError,
+    GenerationOutput,
+    GenerationRequest,
+    SamplingParams,
+)
 from gymrl.model.loading import build_tiny_llama, ensure_smollm2_checkpoint, load_tokenizer
 from gymrl.model.precision import body_autocast
 
@@ -428,6 +433,38 @@ def test_close_fails_what_is_not_answered_and_refuses_new_requests(model, prompt
             future.result(timeout=30)
     with pytest.raises(EngineClosedError, match="closed"):
         engine.submit(request(prompts[0])).result(timeout=5)
+
+
+def test_a_failed_step_stops_the_engine_for_good_with_its_own_error(model, prompts, monkeypatch):
+    """One failed step ends the engine (see `TorchGenerationEngine`): the rows it held, the rows
+    queued, every later request and a refit all fail with the step's error, kept as
+    `failure()`; a plainly closed engine has none."""
+    engine = make_engine(model, max_batch_size=1)
+    assert engine.failure() is None
+
+    def broken_step(batch):
+        raise RuntimeError("the device fell over")
+
+    monkeypatch.setattr(engine, "_decode_step", broken_step)
+    running = engine.submit(request(prompts[1], max_new_tokens=40, seed=1))
+    queued = engine.submit(request(prompts[2], max_new_tokens=4, seed=2))
+    for future in (running, queued):
+        with pytest.raises(EngineFailedError, match="RuntimeError: the device fell over") as error:
+            future.result(timeout=30)
+        assert isinstance(error.value.__cause__, RuntimeError)
+    failure = engine.failure()
+    assert isinstance(failure, EngineFailedError)
+    assert "stopped after a failed step" in str(failure)
+    with pytest.raises(EngineFailedError, match="the device fell over"):
+        engine.submit(request(prompts[0])).result(timeout=5)
+    with pytest.raises(EngineFailedError, match="the device fell over"):
+        engine.update_weights(model.state_dict(), version=1)
+    assert engine.weight_version == 0
+    engine.close()
+    closed = make_engine(model)
+    closed.generate([request(prompts[0])])
+    closed.close()
+    assert closed.failure() is None
 
 
 def test_the_counters_add_up_what_the_engine_did(model, prompts):
