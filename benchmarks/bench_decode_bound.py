@@ -43,8 +43,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 from transformers import PreTrainedModel
 
-from gymrl.generation.llama_decode import LlamaDecoder
-from gymrl.generation.torch_engine import TorchGenerationEngine, _DecodeBatch
+from gymrl.generation.torch.engine import TorchGenerationEngine, _DecodeBatch
+from gymrl.generation.torch.llama_decode import LlamaDecoder
 from gymrl.generation.types import GenerationRequest, SamplingParams
 from gymrl.model.loading import ensure_smollm2_checkpoint, load_pretrained, smollm2_gguf_path
 

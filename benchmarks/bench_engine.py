@@ -22,7 +22,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gymrl.config.schema.generation import TorchGenerationConfig
-from gymrl.generation.torch_engine import TorchGenerationEngine
+from gymrl.generation.torch.engine import TorchGenerationEngine
 from gymrl.generation.types import GenerationRequest, SamplingParams
 from gymrl.model.loading import ensure_smollm2_checkpoint, load_pretrained, load_tokenizer
 

@@ -26,7 +26,7 @@ from gymrl.cluster.placement import plan_placement, reserve
 from gymrl.cluster.ray_calls import wait_for
 from gymrl.cluster.ray_session import start_ray
 from gymrl.config.compose import compose_raw
-from gymrl.generation.api_key import resolve_api_key
+from gymrl.generation.server.api_key import resolve_api_key
 from gymrl.model.policy import build_policy
 from gymrl.preflight.validate import validate_config
 from gymrl.roles.generation_server import start_generation_server

@@ -9,7 +9,7 @@ move) whose metrics are exactly what the gate reads at a run's first step
 (`gymrl.algo.loss.finish_agent_statistics`). Prints the figures and the gate's verdict against
 `grpo.parity_gate`'s default tolerances, for each of the engine's decode paths
 (`generation.decode_path`: the model's forward, or the fused step of
-gymrl/generation/llama_decode.py).
+gymrl/generation/torch/llama_decode.py).
 
     python benchmarks/bench_parity.py --threads 2
     python benchmarks/bench_parity.py --threads 2 --dtypes float32 --episodes 32
@@ -26,12 +26,12 @@ from gymrl.algo.loss import finish_agent_statistics
 from gymrl.algo.trajectory import Trajectory
 from gymrl.config.compose import compose_raw
 from gymrl.config.schema.generation import TorchGenerationConfig
-from gymrl.generation.torch_engine import TorchGenerationEngine
+from gymrl.generation.torch.engine import TorchGenerationEngine
 from gymrl.generation.types import GenerationRequest, SamplingParams
 from gymrl.model.policy import build_policy
 from gymrl.model.tokens import eos_token_id, pad_token_id
 from gymrl.preflight.validate import validate_config
-from gymrl.trainer.parity import parity_problems
+from gymrl.trainer.parity_gate import parity_problems
 from gymrl.trainer.torch_trainer import TorchPolicyTrainer
 
 QUESTIONS = [

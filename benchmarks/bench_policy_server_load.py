@@ -45,10 +45,10 @@ from pydantic import SecretStr
 
 from gymrl.config.schema.generation import TorchGenerationConfig
 from gymrl.config.schema.policy import PolicyConfig
-from gymrl.generation.chat_template import ChatFormat
-from gymrl.generation.parsers import GenerationParser
-from gymrl.generation.policy_server import create_policy_server_app
-from gymrl.generation.torch_engine import TorchGenerationEngine
+from gymrl.generation.server.app import create_policy_server_app
+from gymrl.generation.server.chat_template import ChatFormat
+from gymrl.generation.server.parsers import GenerationParser
+from gymrl.generation.torch.engine import TorchGenerationEngine
 from gymrl.model.loading import (
     build_tiny_llama,
     ensure_smollm2_checkpoint,

@@ -12,7 +12,7 @@ loopback stand-ins (`tests/gymrl/generation/sglang_standin.py`) either way:
   last tensor of each kind from every stand-in), whose extra seconds are its cost. The engine has
   no weights checker (the default method), whose cost is SGLang's GPU work, not the stand-ins'.
 
-Both senders are the trainer's own (`gymrl.generation.refit.weight_sender`), from a
+Both senders are the trainer's own (`gymrl.generation.sglang.refit.weight_sender`), from a
 `RefitConfig` at its defaults but for the bucket size and the check, so the bench measures what
 a run sends.
 
@@ -35,9 +35,9 @@ import torch
 from sglang_standin import make_standin
 
 from gymrl.config.schema.generation import RefitConfig
-from gymrl.generation.refit import weight_sender
-from gymrl.generation.sglang_engine import SGLangEngine
-from gymrl.generation.weight_sync import WeightSender
+from gymrl.generation.sglang.engine import SGLangEngine
+from gymrl.generation.sglang.refit import weight_sender
+from gymrl.generation.sglang.weight_sync import WeightSender
 from gymrl.model.loading import ensure_smollm2_checkpoint, load_pretrained
 from nemo_gym_ext.http_server import serve_in_thread
 

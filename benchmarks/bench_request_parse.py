@@ -33,7 +33,7 @@ from typing import Any
 import orjson
 from bench_postprocess import build_swe_episode
 
-from gymrl.generation.policy_server import PolicyServerRequest
+from gymrl.generation.server.app import PolicyServerRequest
 from nemo_gym_ext.wire import items_to_chat_messages
 
 try:

@@ -32,8 +32,8 @@ from gymrl.cluster.ray_calls import wait_for
 from gymrl.cluster.ray_session import start_ray
 from gymrl.config.compose import compose_raw
 from gymrl.experience.rows import RowStream, load_rows
-from gymrl.generation.api_key import resolve_api_key
-from gymrl.generation.torch_engine import EngineCounters, EngineStep
+from gymrl.generation.server.api_key import resolve_api_key
+from gymrl.generation.torch.engine import EngineCounters, EngineStep
 from gymrl.model.policy import model_folder
 from gymrl.preflight.validate import validate_config
 from gymrl.roles.generation_server import start_generation_server

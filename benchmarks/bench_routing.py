@@ -1,5 +1,5 @@
 """Turns per second and prefix-cache hit rate of long multi-turn episodes over SGLang stand-ins,
-least-loaded vs cache-aware routing (`gymrl.generation.routing`).
+least-loaded vs cache-aware routing (`gymrl.generation.sglang.routing`).
 
 Each episode is a thread that calls `SGLangEngine.generate` once per turn; a turn's prompt is the
 previous prompt, the previous answer and a new user message, as in a SWE agent's episode. The
@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gymrl" /
 
 from sglang_standin import make_standin  # a test helper, found through sys.path
 
-from gymrl.generation.routing import Routing
-from gymrl.generation.sglang_engine import SGLangEngine
+from gymrl.generation.sglang.engine import SGLangEngine
+from gymrl.generation.sglang.routing import Routing
 from gymrl.generation.types import GenerationRequest, SamplingParams
 from nemo_gym_ext.http_server import serve_in_thread
 

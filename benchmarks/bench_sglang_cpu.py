@@ -26,10 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gymrl" /
 
 from real_sglang import cpu_generation, start_cpu_server  # a test helper, through sys.path
 
-from gymrl.generation.sglang_engine import SGLangEngine
-from gymrl.generation.torch_engine import TorchGenerationEngine
+from gymrl.generation.sglang.engine import SGLangEngine
+from gymrl.generation.sglang.weight_sync import WeightSender
+from gymrl.generation.torch.engine import TorchGenerationEngine
 from gymrl.generation.types import GenerationRequest, SamplingParams
-from gymrl.generation.weight_sync import WeightSender
 from gymrl.model.loading import ensure_smollm2_checkpoint, load_pretrained, load_tokenizer
 from gymrl.model.tokens import model_end_token_ids
 

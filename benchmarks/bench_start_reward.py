@@ -1,6 +1,6 @@
 """Starting validation reward per agent: the held-out rows a run would validate on, one episode
 each with the starting weights, at the run's validation sampling, through the evaluation path
-(`gymrl.recipes.eval.EvalRecipe`: the roles a run starts, minus the trainer, and validation's
+(`gymrl.recipes.evaluation.EvalRecipe`: the roles a run starts, minus the trainer, and validation's
 own pass and reduction).
 
     python benchmarks/bench_start_reward.py --rows 128                       # the default run
@@ -23,7 +23,7 @@ from typing import Any
 
 from gymrl.config.compose import compose_raw
 from gymrl.preflight.validate import validate_config
-from gymrl.recipes.eval import EvalRecipe
+from gymrl.recipes.evaluation import EvalRecipe
 from gymrl.run.eval_folder import EPISODES_FILENAME
 
 

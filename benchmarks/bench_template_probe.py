@@ -17,8 +17,8 @@ import time
 
 from transformers import PreTrainedTokenizerBase
 
-from gymrl.generation.chat_template import ChatFormat
-from gymrl.generation.parsers import GenerationParser
+from gymrl.generation.server.chat_template import ChatFormat
+from gymrl.generation.server.parsers import GenerationParser
 from gymrl.model.loading import ensure_smollm2_checkpoint
 from gymrl.preflight.template_probe import EpisodeVerdict, probe_chat_format, read_tokenizer
 from tests.conftest import MODEL_CACHE_DIR

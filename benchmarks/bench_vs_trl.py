@@ -153,7 +153,7 @@ def build_spec(overrides: Sequence[str]) -> dict[str, Any]:
 
     from gymrl.config.compose import compose_raw
     from gymrl.experience.rows import load_rows, load_validation_rows
-    from gymrl.generation.templates import chat_template_path
+    from gymrl.generation.server.templates import chat_template_path
     from gymrl.model.policy import model_folder
     from gymrl.model.precision import resolve_compute_dtype
     from gymrl.preflight.validate import validate_config
@@ -246,7 +246,7 @@ def build_spec(overrides: Sequence[str]) -> dict[str, Any]:
 def project_prompts(spec: dict[str, Any], overrides: Sequence[str]) -> dict[str, list[int]]:
     """The policy server's prompt ids for the check's conversation (first turn, after a tool)."""
     from gymrl.config.compose import compose_raw
-    from gymrl.generation.chat_template import ChatFormat, build_prompt_token_ids
+    from gymrl.generation.server.chat_template import ChatFormat, build_prompt_token_ids
     from gymrl.model.loading import load_tokenizer
     from gymrl.model.tokens import model_end_token_ids
     from gymrl.preflight.validate import validate_config

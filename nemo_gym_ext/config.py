@@ -33,6 +33,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from nemo_gym_ext.config_errors import ConfigError, ConfigIssue
 from nemo_gym_ext.envs.agent import AgentOptions
 from nemo_gym_ext.envs.registry import ENVIRONMENTS
 
@@ -226,30 +227,6 @@ class AgentSpec(BaseModel):
     def describe(self) -> str:
         """What serves the agent, for the plan: the environment's name or the agent's URL."""
         return self.environment if self.environment is not None else str(self.url)
-
-
-@dataclass(frozen=True)
-class ConfigIssue:
-    """One problem in a composed config: where, what was there, what is wrong, how to fix it."""
-
-    key: str
-    value: Any
-    problem: str
-    fix: str
-
-    def render(self) -> str:
-        value = _short_repr(self.value)
-        return f"{self.key} = {value}: {self.problem}\n    fix: {self.fix}"
-
-
-class ConfigError(ValueError):
-    """A config that cannot run. Carries every issue found, not just the first."""
-
-    def __init__(self, issues: list[ConfigIssue]):
-        self.issues = list(issues)
-        noun = "problem" if len(self.issues) == 1 else "problems"
-        body = "\n".join(f"  - {issue.render()}" for issue in self.issues)
-        super().__init__(f"invalid config ({len(self.issues)} {noun}):\n{body}")
 
 
 @dataclass(frozen=True)
@@ -670,8 +647,3 @@ def _truncation_conflicts(
             )
         )
     return issues
-
-
-def _short_repr(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

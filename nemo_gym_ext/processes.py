@@ -1,5 +1,5 @@
 """The one supervisor of child processes that start children of their own: SGLang servers
-(`gymrl.generation.sglang_servers`) and a launched Gym deployment (`nemo_gym_ext.gym_launch`).
+(`gymrl.generation.sglang.servers`) and a launched Gym deployment (`nemo_gym_ext.gym_launch`).
 
 Both fork helpers (SGLang its scheduler and detokenizer, Gym's launcher every server and a Ray
 instance), so a child runs in a new session, is its process group's leader, and is stopped as a

@@ -11,7 +11,7 @@ evaluation.md). No trainer starts.
 
 The same config tree as recipes/grpo.py: the experiment a run trained with gives the policy and
 the agents, `eval.*` the rest. Validation comes first (exit 2 on a bad config, before torch or
-Ray is imported); `dry_run=true` stops after it. The eval is `gymrl.recipes.eval.EvalRecipe`.
+Ray is imported); `dry_run=true` stops after it. The eval is `gymrl.recipes.evaluation.EvalRecipe`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 
 from gymrl.config.compose import register_schema_defaults, to_plain_dict
 from gymrl.preflight.validate import validate_config
-from nemo_gym_ext.config import ConfigError
+from nemo_gym_ext.config_errors import ConfigError
 
 register_schema_defaults()
 
@@ -48,7 +48,7 @@ def main(cfg: DictConfig) -> None:
         print("dry run: config valid, nothing started")
         return
     run_dir = Path(config.run.output_dir or HydraConfig.get().runtime.output_dir).resolve()
-    from gymrl.recipes.eval import run_eval  # torch and ray: only once the config is valid
+    from gymrl.recipes.evaluation import run_eval  # torch and ray: only once the config is valid
 
     sys.exit(run_eval(config, run_dir))
 

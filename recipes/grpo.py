@@ -9,7 +9,7 @@
 Hydra composes conf/ over the schema's defaults (`--cfg job` shows the result); the first thing
 `main` does is validate the whole tree into a typed `RecipeConfig` (gymrl/config/schema/),
 reporting every problem at once. Nothing starts before that: a bad config fails in a second, not
-after the cluster came up. Then the run is `GRPORecipe` (gymrl/recipes/grpo.py) in three verbs:
+after the cluster came up. Then the run is `GRPORecipe` (gymrl/recipes/training.py) in three verbs:
 setup, train, and cleanup, which always runs and closes whatever setup started. SIGINT and
 SIGTERM stop it cleanly (gymrl/run/stop.py); the exit status is then 128 + the signal's number.
 In a multirun (`-m`) each call of `main` is one point (gymrl/recipes/sweep_point.py).

@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 
 from gymrl.config.compose import register_schema_defaults, to_plain_dict
 from gymrl.preflight.validate import validate_config
-from nemo_gym_ext.config import ConfigError
+from nemo_gym_ext.config_errors import ConfigError
 
 register_schema_defaults()
 
@@ -35,7 +35,7 @@ def main(cfg: DictConfig) -> None:
         print(error, file=sys.stderr)
         sys.exit(2)
     output_dir = Path(config.run.output_dir or HydraConfig.get().runtime.output_dir).resolve()
-    from gymrl.recipes.serve import serve_policy  # torch and ray: only once the config is valid
+    from gymrl.recipes.serving import serve_policy  # torch and ray: only once the config is valid
 
     serve_policy(config, output_dir, threading.Event())
 

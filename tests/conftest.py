@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 from gymrl.config.schema.policy import PolicyConfig
-from gymrl.generation.chat_template import ChatFormat
-from gymrl.generation.parsers import GenerationParser
+from gymrl.generation.server.chat_template import ChatFormat
+from gymrl.generation.server.parsers import GenerationParser
 from gymrl.model.loading import ensure_smollm2_checkpoint, load_tokenizer
 from tests.gymrl.generation.template_families import (
     cached_tokenizer,

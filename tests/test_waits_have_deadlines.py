@@ -23,62 +23,62 @@ ALLOWED = {
     ): "a whole sweep point run through launch/ray.sub: bounded by the Slurm allocation's time "
     "limit (hydra.launcher.timeout_min) and by the run's own deadlines inside it",
     (
-        "gymrl/recipes/serve.py",
+        "gymrl/recipes/serving.py",
         "serve_policy",
         "stop.wait",
     ): "the serve recipe serves until a signal sets the event: waiting is its job, not a stall",
     (
-        "gymrl/generation/torch_engine.py",
+        "gymrl/generation/torch/engine.py",
         "TorchGenerationEngine._admit",
         "self._schedule.wait",
     ): "the engine loop's idle wait for work: a new request or close() notifies it",
     (
-        "gymrl/generation/torch_engine.py",
+        "gymrl/generation/torch/engine.py",
         "TorchGenerationEngine.update_weights",
         "self._schedule.wait",
     ): "admission is paused, so the rows in flight end within their max_new_tokens; the "
     "refit's caller waits with generation.refit.timeout_s (gymrl.cluster.ray_calls.wait_for)",
     (
-        "gymrl/generation/torch_engine.py",
+        "gymrl/generation/torch/engine.py",
         "TorchGenerationEngine.generate",
         "future.result",
     ): "the offline batch API (benchmarks, tests): the rows end within their max_new_tokens; "
     "the policy server's path is submit() under asyncio.wait_for",
     (
-        "gymrl/generation/sglang_engine.py",
+        "gymrl/generation/sglang/engine.py",
         "SGLangEngine._generate_all",
         "task.result",
     ): "the tasks were awaited by asyncio.gather just before: result() returns at once",
     (
-        "gymrl/generation/sglang_engine.py",
+        "gymrl/generation/sglang/engine.py",
         "SGLangEngine.begin_refit",
         "self._refit_lock.acquire",
     ): "held only by a refit, whose every step is bounded by generation.refit.timeout_s",
     (
-        "gymrl/generation/weight_sync.py",
+        "gymrl/generation/sglang/weight_sync.py",
         "broadcast",
         "work.wait",
     ): "a torch.distributed work on a group made with timeout=generation.refit.timeout_s "
     "(join_weight_update_group): it fails at that deadline",
     (
-        "gymrl/generation/weight_sync.py",
+        "gymrl/generation/sglang/weight_sync.py",
         "_broadcast_bucket",
         "work.wait",
     ): "runs on the sender's pool thread while its caller waits with generation.refit.timeout_s "
     "(WeightSender._await); the group itself was made with that timeout, so the broadcast fails "
     "at it too",
     (
-        "gymrl/generation/weight_sync.py",
+        "gymrl/generation/sglang/weight_sync.py",
         "_finished",
         "work.wait",
     ): "called only after work.is_completed(): returns at once, or raises what failed it",
     (
-        "gymrl/generation/weight_sync.py",
+        "gymrl/generation/sglang/weight_sync.py",
         "WeightSender._connect",
         "joining.result",
     ): "after _await saw the rendezvous finish within generation.refit.timeout_s",
     (
-        "gymrl/generation/weight_sync.py",
+        "gymrl/generation/sglang/weight_sync.py",
         "_failure",
         "call.result",
     ): "called only on finished futures (call.done() or wait(..., timeout=))",

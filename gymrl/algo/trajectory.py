@@ -38,7 +38,7 @@ class Trajectory:
     tokens of each model call trained on; `longest_call_tokens`: the most tokens any model call
     of the whole episode generated (the prefix, its tail segments and a dropped tail alike:
     what the soft overlong penalty measures, so every trajectory of an episode carries it).
-    `length_penalty` is what the episode rules (`gymrl.algo.episodes`) took off its reward for
+    `length_penalty` is what the episode rules (`gymrl.algo.episode_rules`) took off its reward for
     the GRPO advantage: `reward` stays the environment's. `segment` is 0 for an episode's own
     trajectory and k for its k-th tail segment (`split_noncontiguous_segments`): a segment
     follows its episode's trajectory, shares its advantage and stays out of the baseline.

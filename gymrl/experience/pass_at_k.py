@@ -17,7 +17,7 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 
-from gymrl.experience.validation import HeldOutEpisode
+from gymrl.experience.held_out import HeldOutEpisode
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -19,7 +19,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from gymrl.algo.episodes import EpisodeRules
+from gymrl.algo.episode_rules import EpisodeRules
 from gymrl.algo.trajectory import Trajectory
 from gymrl.config.schema.grpo import GRPOConfig
 from gymrl.experience.ledger import untrained_episodes

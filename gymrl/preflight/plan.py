@@ -16,11 +16,11 @@ from gymrl.config.schema.generation import SGLangGenerationConfig
 from gymrl.config.schema.loss import OffPolicyCorrectionConfig
 from gymrl.config.schema.recipe import RecipeConfig
 from gymrl.config.schema.trainer import TorchTrainerConfig
-from gymrl.generation.chat_template import ChatFormat
+from gymrl.generation.server.chat_template import ChatFormat
 from gymrl.model.folders import local_tokenizer_folder
-from gymrl.preflight.clients import HONOR_KEY, describe_clients, shard_clients
 from gymrl.preflight.row_lengths import measure_rows
 from gymrl.preflight.template_probe import probe_policy, read_tokenizer
+from gymrl.preflight.token_id_clients import HONOR_KEY, describe_clients, shard_clients
 from nemo_gym_ext.config import describe_shard_agents
 
 

@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gymrl.generation.chat_template import ChatFormat, row_prompt_token_count
+from gymrl.generation.server.chat_template import ChatFormat, row_prompt_token_count
 from nemo_gym_ext.wire import Row
 
 

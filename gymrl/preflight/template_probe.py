@@ -10,8 +10,8 @@ mode's empty think block is not written back into history) breaks the episode at
 The probe plays a synthetic episode (a system message, a tool, a tool call and its output, a
 final answer, a user follow-up: three model calls, with reasoning where the policy has a
 reasoning parser) through the policy server's own prompt builder
-(:func:`gymrl.generation.chat_template.build_prompt_token_ids`) with the policy's template and
-parsers and a tokenizer on this machine, twice: with the ids sent back, and text only (the
+(:func:`gymrl.generation.server.chat_template.build_prompt_token_ids`) with the policy's template
+and parsers and a tokenizer on this machine, twice: with the ids sent back, and text only (the
 server's answers re-sent unchanged minus their token fields: the best a text-only client can
 do, so a break is the template's). Each generation is the family's own way of writing the turn
 (its tool-call and reasoning syntax), tokenised canonically: a probe that passes does not promise
@@ -38,8 +38,12 @@ from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from gymrl.config.schema.policy import PolicyConfig
-from gymrl.generation.chat_template import ChatFormat, ChatFormatError, build_prompt_token_ids
-from gymrl.generation.parsers import ParsedGeneration
+from gymrl.generation.server.chat_template import (
+    ChatFormat,
+    ChatFormatError,
+    build_prompt_token_ids,
+)
+from gymrl.generation.server.parsers import ParsedGeneration
 from gymrl.model.folders import local_tokenizer_folder
 from gymrl.model.tokens import decode_text
 from nemo_gym_ext.wire import ChatMessage, FunctionSpec, ToolSpec
@@ -64,7 +68,8 @@ _REASONING = "The add tool gives the exact sum."
 _ANSWER = "2 + 3 = 5."
 _FOLLOW_UP = "Thanks. And 5 + 1?"
 # How each family writes a tool call and its reasoning: the inverse of the parsers of the same
-# name in gymrl.generation.parsers (tests/gymrl/preflight/test_template_probe.py holds them to it).
+# name in gymrl.generation.server.parsers (tests/gymrl/preflight/test_template_probe.py holds them
+# to it).
 TOOL_CALL_WRITERS: Mapping[str, Callable[[str, dict[str, Any]], str]] = {
     "hermes": lambda name, arguments: (
         f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"

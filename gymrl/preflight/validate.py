@@ -4,9 +4,9 @@ Two passes, both always run so that one error message lists everything wrong wit
 
 1. structure and types: pydantic (`extra="forbid"`) over the whole tree;
 2. cross-field rules that no single field can check: the model's native context (or YaRN)
-   against the episode length (`gymrl.config.context`), backend pairs that cannot refit, GPU budget
-   and parallelism, async GRPO's need for importance sampling, the roles' environments, and, per
-   Gym shard, the recipe-only keys and their incompatibilities and the agents (built by
+   against the episode length (`gymrl.config.context_length`), backend pairs that cannot refit, GPU
+   budget and parallelism, async GRPO's need for importance sampling, the roles' environments, and,
+   per Gym shard, the recipe-only keys and their incompatibilities and the agents (built by
    `nemo_gym_ext.config.build_gym_actor_config`). The Gym rules read the raw tree, so they
    report even when an unrelated field fails pass 1; the shards they build are the ones the run
    uses (`RecipeConfig.gym_shards`): merged and validated once. Last, a shard without truncation
@@ -27,24 +27,23 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from gymrl.cluster.placement import generation_gpus, trainer_gpus
-from gymrl.config.context import context_issues
+from gymrl.config.context_length import context_issues
 from gymrl.config.schema.env import EnvConfig
 from gymrl.config.schema.generation import TorchGenerationConfig
 from gymrl.config.schema.policy import PolicyConfig
 from gymrl.config.schema.recipe import RecipeConfig
 from gymrl.config.schema.trainer import MegatronTrainerConfig, TorchTrainerConfig
-from gymrl.generation.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
-from gymrl.generation.templates import bundled_chat_templates, chat_template_path
-from gymrl.preflight.clients import HONOR_KEY, shard_clients
+from gymrl.generation.server.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
+from gymrl.generation.server.templates import bundled_chat_templates, chat_template_path
+from gymrl.preflight.token_id_clients import HONOR_KEY, shard_clients
 from gymrl.trainer.capabilities import unsupported_by_trainer
 from nemo_gym_ext.config import (
     TRUNCATION_KEY,
-    ConfigError,
-    ConfigIssue,
     EnvSource,
     GymActorConfig,
     build_all_gym_actor_configs,
 )
+from nemo_gym_ext.config_errors import ConfigError, ConfigIssue
 
 
 def validate_config(raw: Mapping[str, Any]) -> RecipeConfig:

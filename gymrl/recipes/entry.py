@@ -21,7 +21,7 @@ from gymrl.preflight.validate import validate_config
 from gymrl.run.folder import METRICS_FILENAME
 from gymrl.tracking.records import read_records
 from gymrl.tracking.sweep import run_labels
-from nemo_gym_ext.config import ConfigError
+from nemo_gym_ext.config_errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def prepare(cfg: DictConfig, hydra_cfg: HydraConf, *, sweeping: bool) -> tuple[R
 
 def train(config: RecipeConfig, output_dir: Path) -> float:
     """Set up, train and clean up; the run's objective."""
-    from gymrl.recipes.grpo import RUN_STOPPING_ERRORS, GRPORecipe  # torch and ray: real runs
+    from gymrl.recipes.training import RUN_STOPPING_ERRORS, GRPORecipe  # torch and ray: real runs
     from gymrl.run.stop import StopRequested, stop_request_behind
 
     recipe = GRPORecipe(config, output_dir)

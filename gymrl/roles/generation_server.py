@@ -21,14 +21,14 @@ from gymrl.cluster.placement import Placement, actor_options
 from gymrl.cluster.ray_calls import close_actor, wait_for
 from gymrl.config.schema.generation import SGLangGenerationConfig, TorchGenerationConfig
 from gymrl.config.schema.recipe import RecipeConfig
-from gymrl.generation.announce import policy_server_host
-from gymrl.generation.chat_template import ChatFormat
-from gymrl.generation.divergence_watch import DivergenceCounts, DivergenceWatch
-from gymrl.generation.policy_server import create_policy_server_app
-from gymrl.generation.sampling_parity import SamplingCounts, SamplingParity, SamplingRules
-from gymrl.generation.sglang_engine import SGLangEngine
-from gymrl.generation.sglang_servers import SGLangServerGroup
-from gymrl.generation.torch_engine import EngineCounters, EngineStep, TorchGenerationEngine
+from gymrl.generation.server.announce import policy_server_host
+from gymrl.generation.server.app import create_policy_server_app
+from gymrl.generation.server.chat_template import ChatFormat
+from gymrl.generation.server.divergence_watch import DivergenceCounts, DivergenceWatch
+from gymrl.generation.server.sampling_rules import SamplingCounts, SamplingParity, SamplingRules
+from gymrl.generation.sglang.engine import SGLangEngine
+from gymrl.generation.sglang.servers import SGLangServerGroup
+from gymrl.generation.torch.engine import EngineCounters, EngineStep, TorchGenerationEngine
 from gymrl.generation.types import EngineFailedError
 from gymrl.model.loading import load_tokenizer
 from gymrl.model.policy import build_policy, model_folder
@@ -57,7 +57,7 @@ class GenerationServer:
     ):
         """`placement` says where the engines run (the torch engine: on this actor's GPU, if it
         has one); SGLang servers go into bundles of `placement_group`. `api_key` is the run's
-        (`gymrl.generation.api_key`); `sampling_rules` a training run's (else requests are
+        (`gymrl.generation.server.api_key`); `sampling_rules` a training run's (else requests are
         sampled as they ask)."""
         torch.set_num_threads(torch_threads)
         policy, generation = config.policy, config.generation
@@ -297,7 +297,7 @@ def start_generation_server(
 ) -> GenerationRole:
     """Start the generation server where `placement` says, in the run's placement `group`, and
     wait (with a deadline) until its policy server answers. A training run passes its
-    `sampling_rules` (`gymrl.generation.sampling_parity`); serving and evaluating sample what
+    `sampling_rules` (`gymrl.generation.server.sampling_rules`); serving and evaluating sample what
     each request asks."""
     actor = GenerationServer.options(**actor_options(placement.policy_server, 0, group)).remote(
         config,

@@ -21,7 +21,7 @@ from gymrl.cluster.ray_calls import close_actor, wait_for
 from gymrl.config.schema.env import RolloutConfig
 from gymrl.config.schema.policy import PolicyConfig
 from gymrl.config.schema.recipe import RecipeConfig
-from gymrl.generation.chat_template import ChatFormat, row_prompt_token_count
+from gymrl.generation.server.chat_template import ChatFormat, row_prompt_token_count
 from gymrl.model.loading import load_tokenizer
 from gymrl.model.tokens import decode_text
 from gymrl.roles import OnCleanup

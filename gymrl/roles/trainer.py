@@ -3,10 +3,10 @@
 
 The loop does not care whether the trainer is one torch actor or a group of Megatron ranks: it
 trains a step, refits the generation server to a weight version, saves and loads checkpoints.
-How weights reach the engines is `gymrl.generation.refit`'s (object store, broadcast, disk);
+How weights reach the engines is `gymrl.generation.sglang.refit`'s (object store, broadcast, disk);
 each role picks the transport its backend and `generation.refit.transport` call for. Every
 trainer rank runs with the weight-sync NCCL settings of the SGLang servers
-(`gymrl.generation.weight_sync.WEIGHT_SYNC_NCCL_ENV`), since rank 0 joins their communicator.
+(`gymrl.generation.sglang.weight_sync.WEIGHT_SYNC_NCCL_ENV`), since rank 0 joins their communicator.
 """
 
 from __future__ import annotations
@@ -26,18 +26,18 @@ from gymrl.config.schema.loss import LossConfig
 from gymrl.config.schema.policy import PolicyConfig
 from gymrl.config.schema.recipe import RecipeConfig
 from gymrl.config.schema.trainer import MegatronTrainerConfig, TorchTrainerConfig
-from gymrl.generation.refit import (
+from gymrl.generation.sglang.refit import (
     broadcast_backend,
     refit_by_broadcast,
     refit_from_disk,
     refit_through_object_store,
     weight_sender,
 )
-from gymrl.generation.weight_sync import WEIGHT_SYNC_NCCL_ENV, WeightSender
+from gymrl.generation.sglang.weight_sync import WEIGHT_SYNC_NCCL_ENV, WeightSender
 from gymrl.model.policy import build_policy
 from gymrl.model.tokens import pad_token_id
 from gymrl.roles import OnCleanup
-from gymrl.trainer.parity import ParityCheck
+from gymrl.trainer.parity_gate import ParityCheck
 from gymrl.trainer.torch_trainer import TorchPolicyTrainer
 
 
@@ -132,7 +132,7 @@ class TrainerRole(Protocol):
         advantages: torch.Tensor,
         parity: ParityCheck | None = None,
     ) -> dict:
-        """One optimizer step; `parity` is checked before its update (gymrl.trainer.parity)."""
+        """One optimizer step; `parity` is checked before its update (gymrl.trainer.parity_gate)."""
         ...
 
     def refit(self, generation: Any, version: int) -> None: ...

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from gymrl.config.schema.recipe import RecipeConfig
 from gymrl.config.schema.trainer import MegatronTrainerConfig
-from nemo_gym_ext.config import ConfigIssue
+from nemo_gym_ext.config_errors import ConfigIssue
 
 
 def unsupported_by_trainer(config: RecipeConfig) -> list[ConfigIssue]:

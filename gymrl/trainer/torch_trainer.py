@@ -29,7 +29,7 @@ from gymrl.model.attention_mask import additive_mask
 from gymrl.model.precision import ComputeDtype, body_autocast, resolve_compute_dtype
 from gymrl.run.checkpoint import TrainerState, capture_rng_state, load_checkpoint, save_checkpoint
 from gymrl.trainer.grpo_step import loss_normalizer, micro_batch_loss, reduce_loss_metrics
-from gymrl.trainer.parity import PASSED_METRIC, ParityCheck, ParityGateError
+from gymrl.trainer.parity_gate import PASSED_METRIC, ParityCheck, ParityGateError
 from gymrl.trainer.prefix_packing import PrefixTree, pack_prefix_tree, prefix_chunks
 
 # The attention implementations that apply a custom 4D float mask as given (transformers passes
@@ -87,7 +87,7 @@ class TorchPolicyTrainer:
         parity: ParityCheck | None = None,
     ) -> dict[str, float]:
         """One optimizer step. `parity` (the run's first step) is applied after the backward
-        passes and before the update (`gymrl.trainer.parity`): a failed check that stops raises
+        passes and before the update (`gymrl.trainer.parity_gate`): a failed check that stops raises
         with the weights untouched; its verdict is the metric `parity/passed`."""
         trainable = [
             i for i, t in enumerate(trajectories) if not t.is_masked and t.num_generated_tokens

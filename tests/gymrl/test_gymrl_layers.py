@@ -72,5 +72,5 @@ def test_no_layer_imports_one_above_it():
 
 def test_the_checker_sees_an_upward_import(tmp_path):
     module = tmp_path / "m.py"
-    module.write_text("def f():\n    from gymrl.recipes.grpo import GRPORecipe\n")
+    module.write_text("def f():\n    from gymrl.recipes.training import GRPORecipe\n")
     assert imported_layers(module) == [(2, "recipes")]

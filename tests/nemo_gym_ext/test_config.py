@@ -9,13 +9,13 @@ import pytest
 from nemo_gym_ext.config import (
     RECIPE_ONLY_KEYS,
     AgentSpec,
-    ConfigError,
     NemoGymPostprocessConfig,
     build_all_gym_actor_configs,
     build_gym_actor_config,
     deep_merge,
     shard_names,
 )
+from nemo_gym_ext.config_errors import ConfigError
 from nemo_gym_ext.envs.agent import AgentOptions
 
 AGENTS = {"calc": {"environment": "calculator", "options": {"max_turns": 3}}}

@@ -43,7 +43,7 @@ def test_the_checker_finds_imports_at_every_depth():
         import gymrl_other, os
         from . import gymrl as relative
         def f():
-            import gymrl.recipes.grpo as train
+            import gymrl.recipes.training as train
             class C:
                 def g(self):
                     from gymrl import data

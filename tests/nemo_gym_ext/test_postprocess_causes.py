@@ -17,8 +17,8 @@ from functools import partial
 import pytest
 from metric_docs import documented_patterns
 
-from gymrl.generation.chat_template import ChatFormat, build_prompt_token_ids
-from gymrl.generation.parsers import GenerationParser
+from gymrl.generation.server.chat_template import ChatFormat, build_prompt_token_ids
+from gymrl.generation.server.parsers import GenerationParser
 from gymrl.model.tokens import decode_text
 from nemo_gym_ext.config import NemoGymPostprocessConfig
 from nemo_gym_ext.metrics import per_agent_metrics

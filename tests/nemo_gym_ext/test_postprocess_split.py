@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from nemo_gym_ext.config import ConfigError, NemoGymPostprocessConfig, build_gym_actor_config
+from nemo_gym_ext.config import NemoGymPostprocessConfig, build_gym_actor_config
+from nemo_gym_ext.config_errors import ConfigError
 from nemo_gym_ext.postprocess import postprocess_gym_result
 
 TRUNCATE = NemoGymPostprocessConfig(truncate_noncontiguous_episodes=True)

@@ -7,9 +7,9 @@ import pytest
 from pydantic import SecretStr
 
 from gymrl.config.schema.generation import TorchGenerationConfig
-from gymrl.generation.chat_template import row_prompt_token_count
-from gymrl.generation.policy_server import create_policy_server_app
-from gymrl.generation.torch_engine import TorchGenerationEngine
+from gymrl.generation.server.app import create_policy_server_app
+from gymrl.generation.server.chat_template import row_prompt_token_count
+from gymrl.generation.torch.engine import TorchGenerationEngine
 from gymrl.model.loading import build_tiny_llama
 from nemo_gym_ext.config import NemoGymPostprocessConfig
 from nemo_gym_ext.envs.registry import make_rows, start_builtin_environment

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_model
 
-from gymrl.generation.torch_engine import TorchGenerationEngine
+from gymrl.generation.torch.engine import TorchGenerationEngine
 from gymrl.generation.types import GenerationRequest, SamplingParams
 from gymrl.model.loading import load_pretrained
 from gymrl.model.tokens import model_end_token_ids

@@ -10,7 +10,7 @@ from nemo_gym_ext.wire import MAX_TEMPERATURE
 
 class EvalConfig(Strict):
     """`recipes/eval.py`: held-out rows, `num_samples` episodes each, through the roles and the
-    pass validation uses (`gymrl.experience.validation`); no trainer starts. docs/evaluation.md."""
+    pass validation uses (`gymrl.experience.held_out`); no trainer starts. docs/evaluation.md."""
 
     checkpoint: str | None = Field(
         default=None,

@@ -82,8 +82,8 @@ class ModelServerConfig(Strict):
         description="Answers the server remembers to tell a diverged request (about 110 bytes "
         "each, oldest forgotten first). Keep it above the model calls in flight times two: a "
         "forgotten answer's next request is not checked, nor is one whose answer has the "
-        "text of a forgotten one (gymrl/generation/divergence_watch.py), so a small memory "
-        "misses divergences and never invents one.",
+        "text of a forgotten one (gymrl/generation/server/divergence_watch.py), so a small "
+        "memory misses divergences and never invents one.",
     )
 
 
@@ -131,16 +131,16 @@ class TorchGenerationConfig(Strict):
         ge=0,
         description="Tokens of finished rows whose keys and values the torch engine keeps, so a "
         "prompt that starts the same way (the episode's next turn; any episode's system prompt) "
-        "prefills only the rest (gymrl/generation/prefix_cache.py); least recently used beyond "
-        "this, all dropped at a refit; 0 = off. Memory: layers x kv_heads x head_dim x (bytes "
-        "of a key + of a value) per token, in the compute dtype (SmolLM2-135M: 46 KB in "
+        "prefills only the rest (gymrl/generation/torch/prefix_cache.py); least recently used "
+        "beyond this, all dropped at a refit; 0 = off. Memory: layers x kv_heads x head_dim x "
+        "(bytes of a key + of a value) per token, in the compute dtype (SmolLM2-135M: 46 KB in "
         "float32, so 16384 tokens are about 750 MB; 23 KB and 380 MB in bfloat16).",
     )
     decode_path: Literal["auto", "fused", "transformers"] = Field(
         default="auto",
         description="How the torch engine decodes: fused runs its own decode step for Llama "
-        "models (gymrl/generation/llama_decode.py: fused projections, weights packed once for "
-        "the CPU's matrix library, attention over the cache without copies; the same "
+        "models (gymrl/generation/torch/llama_decode.py: fused projections, weights packed once "
+        "for the CPU's matrix library, attention over the cache without copies; the same "
         "computation, a decode step 1.4-1.9x faster on SmolLM2, benchmarks/README.md, "
         "'Generation speed'), and refuses another model; "
         "transformers calls the model's forward at every step; auto is fused where the model "
@@ -151,7 +151,7 @@ class TorchGenerationConfig(Strict):
 
 
 class RefitConfig(Strict):
-    """How new weights reach the SGLang servers (`gymrl.generation.weight_sync`)."""
+    """How new weights reach the SGLang servers (`gymrl.generation.sglang.weight_sync`)."""
 
     transport: Literal["nccl", "disk"] = Field(
         default="nccl",
@@ -230,7 +230,7 @@ DETERMINISTIC_ATTENTION = ("ascend", "fa3", "fa4", "flashinfer", "intel_xpu", "t
 
 
 class SGLangLaunchConfig(Strict):
-    """How each SGLang server is started (`gymrl.generation.sglang_servers.server_command`): the
+    """How each SGLang server is started (`gymrl.generation.sglang.servers.server_command`): the
     interpreter and the server flags that differ between a GPU cluster and a CPU (the real
     server runs on a CPU for tests and small runs: docs/cluster.md, "SGLang on a CPU")."""
 

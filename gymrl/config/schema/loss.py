@@ -44,7 +44,8 @@ class OffPolicyCorrectionConfig(Strict):
 
 
 class EpisodeRulesConfig(Strict):
-    """How one agent's episodes enter the loss and their group's baseline (gymrl.algo.episodes)."""
+    """How one agent's episodes enter the loss and their group's baseline
+    (gymrl.algo.episode_rules)."""
 
     overlong_mask: bool = Field(
         default=False,

@@ -26,7 +26,8 @@ class RouterReplayConfig(Strict):
 
 
 class YarnConfig(Strict):
-    """YaRN RoPE scaling, applied identically to SGLang and Megatron (gymrl.config.context)."""
+    """YaRN RoPE scaling, applied identically to SGLang and Megatron
+    (gymrl.config.context_length)."""
 
     factor: float = Field(
         gt=1, description="Context stretch: the scaled context is original x factor tokens."
@@ -95,7 +96,7 @@ class PolicyConfig(Strict):
     chat_template: str | None = Field(
         default=None,
         description="Chat template replacing the tokenizer's own: the name of one shipped in "
-        "gymrl/generation/templates/ (smollm2_tools: SmolLM2's template with tools) or the "
+        "gymrl/generation/server/templates/ (smollm2_tools: SmolLM2's template with tools) or the "
         "absolute path of a Jinja file every node can read. null = the tokenizer's own "
         "chat_template.",
     )
@@ -106,7 +107,8 @@ class PolicyConfig(Strict):
     )
     tool_call_parser: str = Field(
         default="hermes",
-        description="How tool calls are read out of a generation (gymrl.generation.parsers): "
+        description="How tool calls are read out of a generation "
+        "(gymrl.generation.server.parsers): "
         'hermes (<tool_call>{"name", "arguments"}</tool_call>: Hermes, Qwen2.5, Qwen3, SmolLM2 '
         'with smollm2_tools) or llama3_json (a bare {"name", "parameters"} answer: Llama 3.x).',
     )

@@ -49,10 +49,10 @@ One `train_step` is one optimizer step over every trajectory of the batch:
 
 Refit: with `generation.refit.transport: nccl` the worker's `send_weights` exports the Hugging
 Face weights (`AutoBridge.export_hf_weights`, collective) and rank 0 broadcasts them to the SGLang
-servers as they come (`gymrl.generation.weight_sync.WeightSender`); with `disk`,
+servers as they come (`gymrl.generation.sglang.weight_sync.WeightSender`); with `disk`,
 `export_hf_checkpoint` writes a Hugging Face checkpoint with `AutoBridge.save_hf_pretrained`
 (collective; rank 0 writes), which SGLang then loads with `/update_weights_from_disk`
-(`gymrl.generation.sglang_engine.SGLangEngine.refit_from_disk`).
+(`gymrl.generation.sglang.engine.SGLangEngine.refit_from_disk`).
 Checkpoints use Megatron's distributed checkpointing (`dist_checkpointing.save/load` of the
 model's and the distributed optimizer's sharded state dicts) inside the folder layout and with the
 resume state (`gymrl.run.checkpoint.TrainerState`: step, weight version, data position, every rank's

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from gymrl.config.context import megatron_rope_overrides
+from gymrl.config.context_length import megatron_rope_overrides
 from gymrl.config.schema.recipe import RecipeConfig
 from gymrl.config.schema.trainer import MegatronTrainerConfig
 from gymrl.trainer.capabilities import unsupported_by_trainer

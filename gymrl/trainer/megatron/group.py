@@ -15,7 +15,7 @@ from gymrl.cluster.placement import RolePlacement, actor_options
 from gymrl.cluster.ray_calls import wait_for
 from gymrl.config.schema.generation import RefitConfig
 from gymrl.config.schema.recipe import RecipeConfig
-from gymrl.generation.weight_sync import WEIGHT_SYNC_NCCL_ENV
+from gymrl.generation.sglang.weight_sync import WEIGHT_SYNC_NCCL_ENV
 from gymrl.trainer.grpo_step import reduce_loss_metrics
 from gymrl.trainer.megatron.arguments import (
     data_parallel_size,
@@ -24,7 +24,7 @@ from gymrl.trainer.megatron.arguments import (
 )
 from gymrl.trainer.megatron.distributed import distributed_env
 from gymrl.trainer.megatron.worker import NOTHING_TRAINED, MegatronPolicyTrainer
-from gymrl.trainer.parity import PASSED_METRIC, ParityCheck
+from gymrl.trainer.parity_gate import PASSED_METRIC, ParityCheck
 from nemo_gym_ext.ports import free_port
 
 

@@ -13,8 +13,8 @@ import torch
 from gymrl.algo.trajectory import Trajectory
 from gymrl.config.schema.generation import RefitConfig
 from gymrl.config.schema.recipe import RecipeConfig
-from gymrl.generation.refit import broadcast_backend, weight_sender
-from gymrl.generation.weight_sync import WeightSender
+from gymrl.generation.sglang.refit import broadcast_backend, weight_sender
+from gymrl.generation.sglang.weight_sync import WeightSender
 from gymrl.model.policy import model_folder
 from gymrl.run.checkpoint import TrainerState, capture_rng_state, restore_rng_state
 from gymrl.trainer.grpo_step import loss_normalizer, micro_batch_loss, reduce_loss_metrics
@@ -42,7 +42,7 @@ from gymrl.trainer.megatron.checkpointing import (
 )
 from gymrl.trainer.megatron.distributed import DIST_TIMEOUT, local_rank_from_env
 from gymrl.trainer.megatron.logprobs import token_logprobs
-from gymrl.trainer.parity import PASSED_METRIC, ParityCheck, ParityGateError
+from gymrl.trainer.parity_gate import PASSED_METRIC, ParityCheck, ParityGateError
 
 NOTHING_TRAINED = {"num_tokens": 0.0, "num_sequences": 0.0}
 

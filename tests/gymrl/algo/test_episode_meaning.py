@@ -12,12 +12,13 @@ from __future__ import annotations
 import pytest
 from metric_docs import documented_keys
 
-from gymrl.algo.episodes import EpisodeRules
+from gymrl.algo.episode_rules import EpisodeRules
 from gymrl.algo.trajectory import Trajectory
 from gymrl.config.compose import compose_raw
 from gymrl.config.schema.loss import EpisodeRulesConfig, LossConfig
 from gymrl.preflight.validate import validate_config
-from nemo_gym_ext.config import ConfigError, NemoGymPostprocessConfig
+from nemo_gym_ext.config import NemoGymPostprocessConfig
+from nemo_gym_ext.config_errors import ConfigError
 from nemo_gym_ext.postprocess import postprocess_gym_result
 
 LIMIT = 16

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from gymrl.algo.advantages import grpo_advantages
-from gymrl.algo.episodes import ADVANTAGE_EPS, EpisodeRules, overlong_penalty
+from gymrl.algo.episode_rules import ADVANTAGE_EPS, EpisodeRules, overlong_penalty
 from gymrl.algo.trajectory import Trajectory
 from gymrl.config.schema.loss import EpisodeRulesConfig, LossConfig
 

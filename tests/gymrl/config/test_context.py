@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 
 from gymrl.config.compose import compose_raw
-from gymrl.config.context import megatron_rope_overrides, sglang_model_overrides
+from gymrl.config.context_length import megatron_rope_overrides, sglang_model_overrides
 from gymrl.config.schema.generation import SGLangGenerationConfig
-from gymrl.generation.sglang_servers import server_command
+from gymrl.generation.sglang.servers import server_command
 from gymrl.preflight.validate import validate_config
-from nemo_gym_ext.config import ConfigError
+from nemo_gym_ext.config_errors import ConfigError
 
 SGLANG_MEGATRON = ["generation=sglang", "trainer=megatron", "cluster=slurm_8gpu", "dry_run=true"]
 

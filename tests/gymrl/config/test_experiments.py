@@ -7,7 +7,7 @@ import pytest
 from gymrl.config.compose import CONFIG_DIR, compose_raw, experiment_names
 from gymrl.preflight.plan import render_plan
 from gymrl.preflight.validate import validate_config
-from nemo_gym_ext.config import ConfigError
+from nemo_gym_ext.config_errors import ConfigError
 
 
 def test_the_shipped_experiments_exist():

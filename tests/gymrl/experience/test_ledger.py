@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from metric_docs import documented_patterns
 
-from gymrl.algo.episodes import EpisodeRules
+from gymrl.algo.episode_rules import EpisodeRules
 from gymrl.algo.trajectory import Trajectory
 from gymrl.config.schema.grpo import DynamicSamplingConfig
 from gymrl.config.schema.loss import EpisodeRulesConfig, LossConfig

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
+from gymrl.experience.held_out import HeldOutEpisode
 from gymrl.experience.pass_at_k import pass_at_k, pass_at_k_metrics
-from gymrl.experience.validation import HeldOutEpisode
 
 
 def _by_enumeration(n, c, k):

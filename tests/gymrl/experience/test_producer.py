@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from gymrl.algo.episodes import EpisodeRules
+from gymrl.algo.episode_rules import EpisodeRules
 from gymrl.config.schema.grpo import DynamicSamplingConfig, GRPOConfig
 from gymrl.config.schema.loss import EpisodeRulesConfig, LossConfig
 from gymrl.experience.producer import ProducerCounts, RolloutProducer
@@ -349,7 +349,7 @@ def test_stop_cancels_every_group_in_flight_and_ends_the_thread(started):
 
 
 def _train(producer, buffer, steps, prompts):
-    """What gymrl/recipes/grpo.py does per step, less the training: take the step's batch,
+    """What gymrl/recipes/training.py does per step, less the training: take the step's batch,
     record the data state (before `advance`, as a checkpoint would), advance. Returns the row
     ids of each step's batch and the data state recorded at each step's end."""
     trained, states = [], []

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from gymrl.experience.validation import (
+from gymrl.experience.held_out import (
     HeldOutEpisode,
     Validator,
     held_out_metrics,

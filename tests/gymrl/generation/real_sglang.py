@@ -16,7 +16,7 @@ from typing import Any
 
 from gymrl.config.schema.generation import RefitConfig, SGLangGenerationConfig, SGLangLaunchConfig
 from gymrl.config.schema.policy import PolicyConfig
-from gymrl.generation.sglang_servers import SGLangServerProcess, server_command
+from gymrl.generation.sglang.servers import SGLangServerProcess, server_command
 from nemo_gym_ext.ports import free_port
 
 REPO = Path(__file__).resolve().parents[3]

@@ -8,7 +8,7 @@ compare that finds a difference (the real one's compare needs CUDA), thousands o
 routing benchmark. What the real server shows here is tested against it (`test_sglang_cpu.py`,
 marker `sglang_cpu`), where a differential test sends both the same requests and fails where
 status, keys or types differ; the stand-in keeps no behaviour that no test uses.
-It implements the routes `gymrl.generation.sglang_engine` uses with SGLang's field names and rules:
+It implements the routes `gymrl.generation.sglang.engine` uses with SGLang's field names and rules:
 `/generate` accepts SGLang's `GenerateReqInput` and `SamplingParams` fields (stricter than SGLang,
 it rejects unknown ones, so a misspelt key fails here instead of being ignored there) and answers
 `meta_info.output_token_logprobs` triples, `finish_reason` objects and `cached_tokens`.
@@ -89,8 +89,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 from safetensors.torch import load_file
 
-from gymrl.generation.routing import block_keys
-from gymrl.generation.weight_sync import FLATTENED_BUCKET, broadcast, join_weight_update_group
+from gymrl.generation.sglang.routing import block_keys
+from gymrl.generation.sglang.weight_sync import (
+    FLATTENED_BUCKET,
+    broadcast,
+    join_weight_update_group,
+)
 
 WEIGHT_OFFSET = 1000
 CACHE_BLOCK = 16

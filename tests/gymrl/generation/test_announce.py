@@ -5,7 +5,7 @@ import json
 import stat
 
 from gymrl.config.compose import compose_raw
-from gymrl.generation.announce import announce_policy_server, policy_server_host
+from gymrl.generation.server.announce import announce_policy_server, policy_server_host
 from gymrl.preflight.validate import validate_config
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from gymrl.generation.api_key import API_KEY_ENV, ApiKeyError, resolve_api_key
+from gymrl.generation.server.api_key import API_KEY_ENV, ApiKeyError, resolve_api_key
 
 
 def test_without_a_source_every_run_gets_a_different_strong_key():

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gymrl.generation.chat_template import ChatFormatError, build_prompt_token_ids
-from gymrl.generation.parsers import GenerationParser
+from gymrl.generation.server.chat_template import ChatFormatError, build_prompt_token_ids
+from gymrl.generation.server.parsers import GenerationParser
 from nemo_gym_ext.wire import ChatMessage, FunctionSpec, ToolSpec
 
 HERMES = GenerationParser("hermes")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gymrl.generation.divergence_watch import DivergenceCounts, DivergenceWatch, Verdict
+from gymrl.generation.server.divergence_watch import DivergenceCounts, DivergenceWatch, Verdict
 from nemo_gym_ext.wire import ChatMessage
 
 USER = ChatMessage(role="user", content="Guess my number.")

@@ -1,7 +1,7 @@
-"""The torch engine's fused decode step (`generation.decode_path`, gymrl/generation/llama_decode.py)
-against the model's own forward: the same tokens and log-probabilities, through continuous
-batching, the prefix cache and a refit, on a tiny random Llama with grouped key/value heads (and
-on SmolLM2-135M-Instruct, slow)."""
+"""The torch engine's fused decode step (`generation.decode_path`,
+gymrl/generation/torch/llama_decode.py) against the model's own forward: the same tokens and
+log-probabilities, through continuous batching, the prefix cache and a refit, on a tiny random
+Llama with grouped key/value heads (and on SmolLM2-135M-Instruct, slow)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from gymrl.config.schema.generation import TorchGenerationConfig
 from gymrl.config.schema.grpo import ParityGateConfig
-from gymrl.generation.llama_decode import unsupported_reason
-from gymrl.generation.torch_engine import TorchGenerationEngine
+from gymrl.generation.torch.engine import TorchGenerationEngine
+from gymrl.generation.torch.llama_decode import unsupported_reason
 from gymrl.generation.types import GenerationOutput, GenerationRequest, SamplingParams
 from gymrl.model.loading import load_pretrained
 from gymrl.model.precision import body_autocast

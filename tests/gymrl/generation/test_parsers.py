@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from gymrl.generation.parsers import GenerationParser
+from gymrl.generation.server.parsers import GenerationParser
 
 QWEN3 = GenerationParser("hermes", "qwen3")
 LLAMA3 = GenerationParser("llama3_json")

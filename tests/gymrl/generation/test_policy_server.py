@@ -23,17 +23,17 @@ from pydantic import SecretStr
 from sglang_standin import make_standin
 
 from gymrl.config.schema.generation import TorchGenerationConfig
-from gymrl.generation.chat_template import ChatFormat
-from gymrl.generation.divergence_watch import DivergenceCounts, DivergenceWatch
-from gymrl.generation.policy_server import create_policy_server_app
-from gymrl.generation.sampling_parity import (
+from gymrl.generation.server.app import create_policy_server_app
+from gymrl.generation.server.chat_template import ChatFormat
+from gymrl.generation.server.divergence_watch import DivergenceCounts, DivergenceWatch
+from gymrl.generation.server.sampling_rules import (
     Sampling,
     SamplingCounts,
     SamplingParity,
     SamplingRules,
 )
-from gymrl.generation.sglang_engine import SGLangEngine
-from gymrl.generation.torch_engine import TorchGenerationEngine
+from gymrl.generation.sglang.engine import SGLangEngine
+from gymrl.generation.torch.engine import TorchGenerationEngine
 from gymrl.generation.types import EngineFailedError, GenerationOutput, GenerationRequest
 from gymrl.model.loading import build_tiny_llama
 from nemo_gym_ext.http_server import serve_in_thread

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from pydantic import SecretStr
 
 from gymrl.config.schema.generation import TorchGenerationConfig
-from gymrl.generation.policy_server import create_policy_server_app
-from gymrl.generation.torch_engine import TorchGenerationEngine
+from gymrl.generation.server.app import create_policy_server_app
+from gymrl.generation.torch.engine import TorchGenerationEngine
 from gymrl.model.loading import build_tiny_llama
 from nemo_gym_ext.http_server import serve_in_thread
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gymrl.generation.prefix_cache import MIN_SHARED_GAIN, PrefixCache, plan_prefill
+from gymrl.generation.torch.prefix_cache import MIN_SHARED_GAIN, PrefixCache, plan_prefill
 
 LAYERS, HEADS, DIM = 2, 3, 4
 

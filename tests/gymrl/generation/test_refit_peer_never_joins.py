@@ -11,7 +11,7 @@ import pytest
 import sglang_standin
 import torch
 
-from gymrl.generation.weight_sync import WeightSender, WeightSyncError
+from gymrl.generation.sglang.weight_sync import WeightSender, WeightSyncError
 
 TIMEOUT_S = 3.0
 

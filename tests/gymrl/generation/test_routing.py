@@ -2,8 +2,8 @@
 
 from sglang_standin import make_standin
 
-from gymrl.generation.routing import BLOCK_TOKENS, PrefixRouter, Routing
-from gymrl.generation.sglang_engine import SGLangEngine
+from gymrl.generation.sglang.engine import SGLangEngine
+from gymrl.generation.sglang.routing import BLOCK_TOKENS, PrefixRouter, Routing
 from gymrl.generation.types import GenerationRequest, SamplingParams
 from nemo_gym_ext.http_server import serve_in_thread
 

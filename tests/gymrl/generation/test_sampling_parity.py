@@ -7,7 +7,7 @@ import pickle
 import pytest
 
 from gymrl.config.compose import compose_raw
-from gymrl.generation.sampling_parity import (
+from gymrl.generation.server.sampling_rules import (
     Sampling,
     SamplingCounts,
     SamplingMismatchError,

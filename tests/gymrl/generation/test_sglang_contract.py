@@ -58,12 +58,16 @@ from sglang_standin import make_standin
 
 from gymrl.config.schema.generation import SGLangGenerationConfig, SGLangLaunchConfig
 from gymrl.config.schema.policy import PolicyConfig
-from gymrl.generation.sglang_engine import SGLangEngine
-from gymrl.generation.sglang_servers import server_command
+from gymrl.generation.sglang.engine import SGLangEngine
+from gymrl.generation.sglang.refit_checks.read_back import ReadBackCheck
+from gymrl.generation.sglang.refit_checks.weights_checker import (
+    MISMATCH_PREFIX,
+    ROUTE,
+    WeightsChecker,
+)
+from gymrl.generation.sglang.servers import server_command
+from gymrl.generation.sglang.weight_sync import FLATTENED_BUCKET, WeightSender
 from gymrl.generation.types import GenerationRequest, SamplingParams
-from gymrl.generation.verify_read_back import ReadBackCheck
-from gymrl.generation.verify_weights_checker import MISMATCH_PREFIX, ROUTE, WeightsChecker
-from gymrl.generation.weight_sync import FLATTENED_BUCKET, WeightSender
 from nemo_gym_ext.http_server import serve_in_thread
 
 pytestmark = pytest.mark.registry

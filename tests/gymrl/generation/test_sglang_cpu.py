@@ -25,13 +25,16 @@ from real_sglang import VENV, cpu_generation, start_cpu_server
 from sglang_answers import CLIENT_READS, lookup
 from sglang_standin import make_standin
 
-from gymrl.generation.policy_server import create_policy_server_app
-from gymrl.generation.sglang_engine import SGLangEngine, SGLangError
-from gymrl.generation.sglang_servers import SGLangServerProcess
-from gymrl.generation.torch_engine import TorchGenerationEngine
+from gymrl.generation.server.app import create_policy_server_app
+from gymrl.generation.sglang.engine import SGLangEngine, SGLangError
+from gymrl.generation.sglang.refit_checks.weights_checker import (
+    WeightCheckUnavailableError,
+    WeightsChecker,
+)
+from gymrl.generation.sglang.servers import SGLangServerProcess
+from gymrl.generation.sglang.weight_sync import Backend, WeightSender, WeightSyncError
+from gymrl.generation.torch.engine import TorchGenerationEngine
 from gymrl.generation.types import GenerationRequest, SamplingParams
-from gymrl.generation.verify_weights_checker import WeightCheckUnavailableError, WeightsChecker
-from gymrl.generation.weight_sync import Backend, WeightSender, WeightSyncError
 from gymrl.model.loading import load_pretrained
 from gymrl.model.tokens import model_end_token_ids
 from nemo_gym_ext.envs.registry import make_rows, start_builtin_environment

@@ -20,14 +20,14 @@ from sglang_standin import WEIGHT_OFFSET, make_standin
 
 from gymrl.config.schema.generation import SGLangGenerationConfig, SGLangLaunchConfig
 from gymrl.config.schema.policy import PolicyConfig
-from gymrl.generation import sglang_engine
-from gymrl.generation.sglang_engine import (
+from gymrl.generation.sglang import engine as sglang_engine
+from gymrl.generation.sglang.engine import (
     SGLangEngine,
     SGLangError,
     SGLangTimeoutError,
     remove_loaded_refits,
 )
-from gymrl.generation.sglang_servers import (
+from gymrl.generation.sglang.servers import (
     ORIGINAL_LOGPROB_ENV,
     SGLangServerProcess,
     server_command,
@@ -540,7 +540,7 @@ def test_server_process_health_deadline_kills_it(tmp_path):
 # A stand-in for the Ray actor that owns a server: starts one, prints its pid, waits to be killed.
 _SERVER_OWNER = """
 import sys, time
-from gymrl.generation.sglang_servers import SGLangServerProcess
+from gymrl.generation.sglang.servers import SGLangServerProcess
 server = SGLangServerProcess(
     [sys.executable, "-c", "import time; time.sleep(600)"],
     base_url="http://127.0.0.1:1",
@@ -656,7 +656,7 @@ def test_real_sglang_server_group_on_ray(tmp_path):
     from ray.util.placement_group import placement_group
 
     from gymrl.cluster.placement import RolePlacement
-    from gymrl.generation.sglang_servers import SGLangServerGroup
+    from gymrl.generation.sglang.servers import SGLangServerGroup
 
     generation = SGLangGenerationConfig(num_engines=1, mem_fraction_static=0.3)
     policy = _policy(path=str(checkpoint), dtype="bfloat16", max_total_sequence_length=2048)

@@ -14,8 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from gymrl.generation.chat_template import ChatFormat, ChatFormatError, build_prompt_token_ids
-from gymrl.generation.parsers import GenerationParser
+from gymrl.generation.server.chat_template import (
+    ChatFormat,
+    ChatFormatError,
+    build_prompt_token_ids,
+)
+from gymrl.generation.server.parsers import GenerationParser
 from nemo_gym_ext.wire import ChatMessage, FunctionSpec, ToolSpec
 from tests.gymrl.generation.test_policy_server import ScriptedEngine, completion, served
 

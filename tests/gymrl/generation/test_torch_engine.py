@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from gymrl.config.schema.generation import TorchGenerationConfig
-from gymrl.generation.torch_engine import EngineClosedError, TorchGenerationEngine, sample_tokens
+from gymrl.generation.torch.engine import EngineClosedError, TorchGenerationEngine, sample_tokens
 from gymrl.generation.types import (
     EngineFailedError,
     GenerationOutput,

@@ -11,17 +11,17 @@ from fastapi.responses import JSONResponse
 from sglang_standin import make_standin
 
 from gymrl.config.schema.generation import RefitConfig, SGLangGenerationConfig
-from gymrl.generation.refit import weight_sender
-from gymrl.generation.sglang_engine import SGLangEngine
-from gymrl.generation.types import GenerationRequest, SamplingParams
-from gymrl.generation.verify_read_back import WeightMismatchError
-from gymrl.generation.verify_weights_checker import (
+from gymrl.generation.sglang.engine import SGLangEngine
+from gymrl.generation.sglang.refit import weight_sender
+from gymrl.generation.sglang.refit_checks.read_back import WeightMismatchError
+from gymrl.generation.sglang.refit_checks.weights_checker import (
     ROUTE,
     WeightCheckUnavailableError,
     WeightsChecker,
     checker_for,
 )
-from gymrl.generation.weight_sync import WeightSender
+from gymrl.generation.sglang.weight_sync import WeightSender
+from gymrl.generation.types import GenerationRequest, SamplingParams
 from nemo_gym_ext.http_server import serve_in_thread
 
 RENAMED = "model.layers.0.self_attn.qkv_proj.weight"  # what the server's model calls q_proj

@@ -13,12 +13,16 @@ import pytest
 import torch
 from sglang_standin import WEIGHT_OFFSET
 
-from gymrl.generation import weight_sync
-from gymrl.generation.refit import broadcast_backend
-from gymrl.generation.sglang_engine import SGLangEngine
+from gymrl.generation.sglang import weight_sync
+from gymrl.generation.sglang.engine import SGLangEngine
+from gymrl.generation.sglang.refit import broadcast_backend
+from gymrl.generation.sglang.refit_checks.read_back import (
+    ReadBackCheck,
+    WeightMismatchError,
+    checksum,
+)
+from gymrl.generation.sglang.weight_sync import WeightSender, WeightSyncError, buckets
 from gymrl.generation.types import GenerationRequest, SamplingParams
-from gymrl.generation.verify_read_back import ReadBackCheck, WeightMismatchError, checksum
-from gymrl.generation.weight_sync import WeightSender, WeightSyncError, buckets
 
 
 def _state_dict() -> dict[str, torch.Tensor]:
@@ -425,7 +429,7 @@ def test_the_group_meets_a_member_built_the_way_sglang_builds_its_end():
     "<device>/"). The trainer's end must rendezvous on the same keys."""
     from torch.distributed import distributed_c10d as c10d
 
-    from gymrl.generation.weight_sync import broadcast, join_weight_update_group
+    from gymrl.generation.sglang.weight_sync import broadcast, join_weight_update_group
     from nemo_gym_ext.ports import free_port
 
     port = free_port()

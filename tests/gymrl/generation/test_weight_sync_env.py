@@ -23,8 +23,8 @@ import gymrl.roles.trainer as trainer_role
 import gymrl.trainer.megatron.group as megatron_group
 from gymrl.cluster.placement import plan_placement
 from gymrl.config.compose import compose_raw
-from gymrl.generation.sglang_servers import SGLangServerProcess
-from gymrl.generation.weight_sync import WEIGHT_SYNC_NCCL_ENV
+from gymrl.generation.sglang.servers import SGLangServerProcess
+from gymrl.generation.sglang.weight_sync import WEIGHT_SYNC_NCCL_ENV
 from gymrl.preflight.validate import validate_config
 
 # What SGLang 0.5.23 sets in its processes unless the environment has them

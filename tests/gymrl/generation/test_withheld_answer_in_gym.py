@@ -24,7 +24,7 @@ from test_policy_server import (
     served,
 )
 
-from gymrl.generation.divergence_watch import DivergenceWatch
+from gymrl.generation.server.divergence_watch import DivergenceWatch
 from gymrl.model.tokens import decode_text
 from nemo_gym_ext.config import NemoGymPostprocessConfig
 from nemo_gym_ext.postprocess import postprocess_gym_result

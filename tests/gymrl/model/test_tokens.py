@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gymrl.generation.chat_template import ChatFormat
-from gymrl.generation.parsers import GenerationParser
+from gymrl.generation.server.chat_template import ChatFormat
+from gymrl.generation.server.parsers import GenerationParser
 from gymrl.model.tokens import (
     decode_text,
     eos_token_id,

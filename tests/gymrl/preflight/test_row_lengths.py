@@ -4,7 +4,7 @@ names the rows that leave less than one turn of the context and those that do no
 import json
 
 from gymrl.config.compose import compose_raw
-from gymrl.generation.chat_template import row_prompt_token_count
+from gymrl.generation.server.chat_template import row_prompt_token_count
 from gymrl.preflight.plan import render_plan
 from gymrl.preflight.row_lengths import measure_rows
 from gymrl.preflight.validate import validate_config

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from gymrl.config.compose import compose_raw
-from gymrl.generation.chat_template import ChatFormat
-from gymrl.generation.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, GenerationParser
+from gymrl.generation.server.chat_template import ChatFormat
+from gymrl.generation.server.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, GenerationParser
 from gymrl.preflight.plan import render_plan
 from gymrl.preflight.template_probe import (
     REASONING_WRITERS,
@@ -21,7 +21,7 @@ from gymrl.preflight.template_probe import (
     probe_policy,
 )
 from gymrl.preflight.validate import validate_config
-from nemo_gym_ext.config import ConfigError
+from nemo_gym_ext.config_errors import ConfigError
 from tests.recipes.test_grpo_entry import run_recipe
 
 QWEN = GenerationParser("hermes", "qwen3")

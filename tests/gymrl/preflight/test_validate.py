@@ -9,7 +9,7 @@ from gymrl.cluster.placement import generation_gpus, trainer_gpus
 from gymrl.config.compose import compose_raw
 from gymrl.preflight.plan import render_plan
 from gymrl.preflight.validate import validate_config
-from nemo_gym_ext.config import ConfigError
+from nemo_gym_ext.config_errors import ConfigError
 
 
 def _issues(overrides):

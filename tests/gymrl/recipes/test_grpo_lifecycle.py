@@ -19,14 +19,14 @@ import psutil
 import pytest
 import ray
 
-import gymrl.recipes.grpo
+import gymrl.recipes.training
 import gymrl.roles.generation_server
 import gymrl.roles.gym_shard
 import gymrl.roles.replay_buffer_actor
 import gymrl.roles.trainer
 from gymrl.config.compose import compose_raw
 from gymrl.preflight.validate import validate_config
-from gymrl.recipes.grpo import GRPORecipe
+from gymrl.recipes.training import GRPORecipe
 
 MARKER = "GYMRL_LIFECYCLE_TEST"
 
@@ -90,7 +90,7 @@ def _port_open(url: str) -> bool:
 # stage -> (how to make it fail: a builder that raises, or a real start-up that cannot finish;
 #           the error the caller must see)
 STAGES = {
-    "ray": (lambda mp: mp.setattr(gymrl.recipes.grpo, "start_ray", _raise), InjectedFailure),
+    "ray": (lambda mp: mp.setattr(gymrl.recipes.training, "start_ray", _raise), InjectedFailure),
     # Killed while its constructor still loads the model.
     "generation server": (
         lambda mp: mp.setattr(
@@ -99,12 +99,14 @@ STAGES = {
         TimeoutError,
     ),
     "trainer": (
-        lambda mp: mp.setattr(gymrl.recipes.grpo, "start_trainer", _raise),
+        lambda mp: mp.setattr(gymrl.recipes.training, "start_trainer", _raise),
         InjectedFailure,
     ),
     # The shard actor starts and its constructor fails (there is no tokenizer there).
     "gym shards": (
-        lambda mp: mp.setattr(gymrl.recipes.grpo, "model_folder", lambda policy: "/nonexistent"),
+        lambda mp: mp.setattr(
+            gymrl.recipes.training, "model_folder", lambda policy: "/nonexistent"
+        ),
         ray.exceptions.ActorDiedError,
     ),
     "replay buffer": (
@@ -112,10 +114,13 @@ STAGES = {
         InjectedFailure,
     ),
     "first refit": (lambda mp: mp.setattr(GRPORecipe, "_refit", _raise), InjectedFailure),
-    "rows": (lambda mp: mp.setattr(gymrl.recipes.grpo, "load_rows", _raise), InjectedFailure),
-    "logger": (lambda mp: mp.setattr(gymrl.recipes.grpo, "build_logger", _raise), InjectedFailure),
+    "rows": (lambda mp: mp.setattr(gymrl.recipes.training, "load_rows", _raise), InjectedFailure),
+    "logger": (
+        lambda mp: mp.setattr(gymrl.recipes.training, "build_logger", _raise),
+        InjectedFailure,
+    ),
     "producer": (
-        lambda mp: mp.setattr(gymrl.recipes.grpo, "RolloutProducer", _raise),
+        lambda mp: mp.setattr(gymrl.recipes.training, "RolloutProducer", _raise),
         InjectedFailure,
     ),
     "first step": (lambda mp: mp.setattr(GRPORecipe, "_step", _raise), InjectedFailure),

@@ -11,7 +11,7 @@ from gymrl.algo.trajectory import Trajectory
 from gymrl.config.schema.loss import OffPolicyCorrectionConfig
 from gymrl.experience.producer import ProducerCounts
 from gymrl.experience.rollout_group import RolloutGroup
-from gymrl.recipes.grpo import GRPORecipe
+from gymrl.recipes.training import GRPORecipe
 
 
 def _group(agent: str, rewards: list[float], failed: int) -> RolloutGroup:

@@ -18,7 +18,7 @@ import httpx
 import torch
 
 from gymrl.algo.trajectory import Trajectory
-from gymrl.generation.sglang_engine import SGLangEngine
+from gymrl.generation.sglang.engine import SGLangEngine
 from gymrl.generation.types import GenerationRequest, SamplingParams
 from gymrl.model.tokens import model_end_token_ids
 from tests.gymrl.generation.real_sglang import cpu_generation
@@ -34,7 +34,8 @@ def _checksum(client: httpx.Client, url: str) -> str:
 
 
 def _refit(trainer: Any, engine: SGLangEngine, url: str, version: int) -> tuple[float, int]:
-    """One broadcast refit as `gymrl.generation.refit.refit_by_broadcast` runs it: seconds from
+    """One broadcast refit as `gymrl.generation.sglang.refit.refit_by_broadcast` runs it: seconds
+    from
     the pause to the resume, and the bytes the trainer has sent so far."""
     start = time.perf_counter()
     engine.begin_refit(version)

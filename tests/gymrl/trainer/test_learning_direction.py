@@ -17,7 +17,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from gymrl.algo.advantages import grpo_advantages
-from gymrl.algo.episodes import EpisodeRules
+from gymrl.algo.episode_rules import EpisodeRules
 from gymrl.algo.loss import finish_agent_statistics
 from gymrl.algo.trajectory import Trajectory
 from gymrl.config.schema.loss import EpisodeRulesConfig, LossConfig, OffPolicyCorrectionConfig

@@ -16,7 +16,7 @@ from gymrl.config.schema.grpo import ParityGateConfig, ParityToleranceConfig
 from gymrl.config.schema.loss import LossConfig
 from gymrl.config.schema.trainer import TorchOptimizerConfig, TorchTrainerConfig
 from gymrl.model.loading import build_tiny_llama
-from gymrl.trainer.parity import (
+from gymrl.trainer.parity_gate import (
     PASSED_METRIC,
     ParityCheck,
     ParityGateError,

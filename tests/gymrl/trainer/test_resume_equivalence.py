@@ -1,7 +1,7 @@
 """Resume equals an uninterrupted run on the CPU torch path (sync mode, fixed seeds), bit-exact.
 
 What a sync run carries from step to step is: the trainer's weights and AdamW state, the
-process's RNG streams, and the position in the row stream (gymrl/recipes/grpo.py records it
+process's RNG streams, and the position in the row stream (gymrl/recipes/training.py records it
 before the producer may take the next step's rows). Here a run of N steps and a run stopped
 after K steps, checkpointed, rebuilt from a *different* initialisation and resumed, must agree
 exactly on the rows each step draws, the metrics of every step, and the weights and optimizer

@@ -4,7 +4,7 @@ The roles a training run starts, minus the trainer: the generation server (every
 config places: one torch engine here, one or many SGLang engines on a cluster) with its policy
 server, then the Gym shards of `env.source` (built-in, launched or joined). A checkpoint's
 weights reach the engines as a training refit does (`update_weights`, version = its step). The
-pass is training validation's own (`gymrl.experience.validation.Validator`), `eval.num_samples`
+pass is training validation's own (`gymrl.experience.held_out.Validator`), `eval.num_samples`
 episodes per row at `eval.temperature`, reduced by the same function under `eval/`, plus pass@k
 (`gymrl.experience.pass_at_k`), failure rates and the token ledger.
 
@@ -39,18 +39,18 @@ from gymrl.cluster.placement import plan_placement, reserve
 from gymrl.cluster.ray_calls import wait_for
 from gymrl.cluster.ray_session import start_ray
 from gymrl.config.schema.recipe import RecipeConfig
-from gymrl.experience.pass_at_k import pass_at_k_metrics
-from gymrl.experience.rows import load_rows, load_validation_rows
-from gymrl.experience.validation import (
+from gymrl.experience.held_out import (
     HeldOutEpisode,
     HeldOutPass,
     Validator,
     held_out_metrics,
     ledger_metrics,
 )
-from gymrl.generation.api_key import resolve_api_key
+from gymrl.experience.pass_at_k import pass_at_k_metrics
+from gymrl.experience.rows import load_rows, load_validation_rows
+from gymrl.generation.server.api_key import resolve_api_key
 from gymrl.model.policy import model_folder
-from gymrl.recipes.grpo import RUN_STOPPING_ERRORS
+from gymrl.recipes.training import RUN_STOPPING_ERRORS
 from gymrl.roles import close_reporting_failure
 from gymrl.roles.generation_server import start_generation_server
 from gymrl.roles.gym_shard import RayGroupRunner, start_gym_shards

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-from gymrl.generation.parsers import GenerationParser, ParsedGeneration
-from gymrl.generation.templates import bundled_chat_templates, chat_template_path
+from gymrl.generation.server.parsers import GenerationParser, ParsedGeneration
+from gymrl.generation.server.templates import bundled_chat_templates, chat_template_path
 from gymrl.model.tokens import decode_text, eos_token_id
 from nemo_gym_ext.wire import (
     ChatMessage,

@@ -46,8 +46,8 @@ The trainer's end (:func:`join_weight_update_group`) is a TCP store at its addre
 process group made directly on it, so it is separate from any default process group the trainer
 already has; its store keys carry the prefixes SGLang's end uses. The stand-in server of the
 tests joins through the same function. After a refit that
-:class:`~gymrl.generation.verify_read_back.ReadBackCheck` says is due, samples of what was sent are
-read back from every server.
+:class:`~gymrl.generation.sglang.refit_checks.read_back.ReadBackCheck` says is due, samples of what
+was sent are read back from every server.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
-from gymrl.generation.verify_read_back import ReadBackCheck, WeightSamples
+from gymrl.generation.sglang.refit_checks.read_back import ReadBackCheck, WeightSamples
 from nemo_gym_ext.keep_alive import CLIENT_KEEPALIVE_EXPIRY_S
 from nemo_gym_ext.ports import free_port
 

@@ -20,7 +20,7 @@ How requests run:
   dropped, and columns that are padding in every remaining row are cut off.
 - Keys and values are written into spare capacity instead of being concatenated, so a decoding
   step copies only the new token's keys and values, not the whole cache.
-- A finished row's keys and values are kept (`gymrl.generation.prefix_cache`): a later prompt
+- A finished row's keys and values are kept (`gymrl.generation.torch.prefix_cache`): a later prompt
   that starts with the same tokens (the episode's next turn, or any episode of the same task's
   system prompt) prefills only what follows the shared prefix, attending to the kept part.
 """
@@ -41,8 +41,8 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
 
-from gymrl.generation.llama_decode import LlamaDecoder, unsupported_reason
-from gymrl.generation.prefix_cache import CachedPrefix, PrefixCache, plan_prefill
+from gymrl.generation.torch.llama_decode import LlamaDecoder, unsupported_reason
+from gymrl.generation.torch.prefix_cache import CachedPrefix, PrefixCache, plan_prefill
 from gymrl.generation.types import (
     EngineFailedError,
     EngineUnavailableError,
@@ -427,7 +427,7 @@ class TorchGenerationEngine:
         tokens whose keys and values are kept for reuse (0: none); `compute_dtype` is
         `policy.compute_dtype` (`gymrl.model.precision`: the body under autocast, logits in the
         weights' dtype); `decode_path` is `generation.decode_path`: `fused` decodes through
-        `gymrl.generation.llama_decode` (Llama models only; another model is refused), `auto`
+        `gymrl.generation.torch.llama_decode` (Llama models only; another model is refused), `auto`
         does where the model allows and says so, `transformers` (this constructor's default, the
         reference the fused step is tested against) calls the model itself at every step."""
         if max_batch_size < 1:

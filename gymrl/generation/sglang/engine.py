@@ -1,6 +1,6 @@
 """The SGLang engine: a token-in/token-out client of SGLang servers over their native HTTP API.
 
-The servers are `gymrl.generation.sglang_servers`; nothing here imports SGLang (its pinned
+The servers are `gymrl.generation.sglang.servers`; nothing here imports SGLang (its pinned
 environment is not the recipe's). The client is tested against the real server on a CPU
 (`tests/gymrl/generation/test_sglang_cpu.py`) and, in the default suite, against a stand-in
 (`tests/gymrl/generation/sglang_standin.py`) whose routes and request fields the contract test
@@ -21,9 +21,9 @@ The HTTP API used (SGLang 0.5.23, pinned exactly: `sglang/srt/entrypoints/http_s
   engine is given as `end_token_ids` for the abort cut.
 * `POST /pause_generation {"mode": "abort"}`, `POST /update_weights_from_disk {"model_path",
   "weight_version", "flush_cache": false}`, `POST /flush_cache`, `POST /continue_generation {}`:
-  the refit sequence (the broadcast's own calls are `gymrl.generation.weight_sync`'s).
+  the refit sequence (the broadcast's own calls are `gymrl.generation.sglang.weight_sync`'s).
 * `POST /weights_checker {action, skip_tensor_list}`: the weight check around a refit,
-  `gymrl.generation.verify_weights_checker`'s.
+  `gymrl.generation.sglang.refit_checks.weights_checker`'s.
 * `GET /health_generate`: 200 once the server generates.
 
 **Log-probability semantics.** The project defines generation log-probabilities as those of the
@@ -36,14 +36,14 @@ pre-temperature distribution, so the server is always started with it removed.
 **Refit.** Generation and training run on different GPUs, so `/update_weights_from_tensor`
 (CUDA IPC handles, colocated only) does not apply. Either the trainer's rank 0 broadcasts the
 weights to every server over a process group (`generation.refit.transport: nccl`,
-`gymrl.generation.weight_sync`), paused and resumed by :meth:`SGLangEngine.begin_refit` and
+`gymrl.generation.sglang.weight_sync`), paused and resumed by :meth:`SGLangEngine.begin_refit` and
 :meth:`SGLangEngine.end_refit`, or each server loads a Hugging Face safetensors checkpoint from a
 shared filesystem with `/update_weights_from_disk` (`transport: disk`, :meth:`refit_from_disk`):
 one write plus parallel reads of the checkpoint per step, and no process group that must be
 rebuilt when an engine restarts. Either way the refit runs between :meth:`begin_refit` and
 :meth:`end_refit`, which is where the weights are checked (`generation.refit.verify_method:
-weights_checker`, :class:`~gymrl.generation.verify_weights_checker.WeightsChecker`): before
-anything is sent and after everything loaded, while no request runs.
+weights_checker`, :class:`~gymrl.generation.sglang.refit_checks.weights_checker.WeightsChecker`):
+before anything is sent and after everything loaded, while no request runs.
 
 SGLang takes the weight-update lock only once no request holds it, and paused requests still
 hold it (a "retract" or "in_place" pause deadlocks the update), so generation is paused with
@@ -76,17 +76,17 @@ import torch
 from safetensors.torch import save_file
 
 from gymrl.config.schema.generation import SGLangGenerationConfig
-from gymrl.generation.routing import PrefixRouter, Routing
+from gymrl.generation.sglang.refit_checks.weights_checker import (
+    WeightCheckUnavailableError,
+    WeightsChecker,
+    checker_for,
+)
+from gymrl.generation.sglang.routing import PrefixRouter, Routing
 from gymrl.generation.types import (
     EngineFailedError,
     FinishReason,
     GenerationOutput,
     GenerationRequest,
-)
-from gymrl.generation.verify_weights_checker import (
-    WeightCheckUnavailableError,
-    WeightsChecker,
-    checker_for,
 )
 from gymrl.run.atomic import atomic_folder
 from nemo_gym_ext.keep_alive import CLIENT_KEEPALIVE_EXPIRY_S
@@ -176,9 +176,9 @@ class SGLangEngine:
     """A :class:`~gymrl.generation.types.GenerationEngine` backed by SGLang servers over HTTP.
 
     Each request is one `/generate` call, sent to the server whose prefix cache most likely holds
-    the longest start of its prompt (:class:`~gymrl.generation.routing.PrefixRouter`; a turn of a
-    multi-turn episode follows its episode) or, with `routing="least_loaded"` or when that server
-    is much busier, to the one with the fewest requests in flight from this client (ties go
+    the longest start of its prompt (:class:`~gymrl.generation.sglang.routing.PrefixRouter`; a turn
+    of a multi-turn episode follows its episode) or, with `routing="least_loaded"` or when that
+    server is much busier, to the one with the fewest requests in flight from this client (ties go
     round-robin); SGLang batches concurrent requests itself, so the
     policy server submits each chat request alone (:meth:`submit`). Calls run on a private
     asyncio loop, so `generate` may be called from many threads at once and a batch of requests
@@ -430,7 +430,7 @@ class SGLangEngine:
 
     def begin_refit(self, version: int) -> None:
         """Pause every server for weight `version`, which someone else sends (the trainer, by
-        broadcast: `gymrl.generation.weight_sync`), then have the weights checker prepare its
+        broadcast: `gymrl.generation.sglang.weight_sync`), then have the weights checker prepare its
         check; requests aborted by the pause are resumed after :meth:`end_refit`. Holds the
         refit lock until then, on this thread."""
         self._refit_lock.acquire()

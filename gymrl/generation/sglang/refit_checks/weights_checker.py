@@ -39,7 +39,7 @@ engine:
 `SGLangEngine.begin_refit` and `end_refit` call it, with generation paused, around whatever sends
 the weights: the broadcast and the disk refit take the same pause and resume, so both transports
 are checked, and no request runs on the randomised weights. The other method, `read_back`
-(`gymrl.generation.verify_read_back`), reads samples of the broadcast tensors back.
+(`gymrl.generation.sglang.refit_checks.read_back`), reads samples of the broadcast tensors back.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ import httpx
 import orjson
 
 from gymrl.config.schema.generation import RefitConfig
-from gymrl.generation.verify_read_back import WeightMismatchError, refit_due
+from gymrl.generation.sglang.refit_checks.read_back import WeightMismatchError, refit_due
 
 ROUTE = "/weights_checker"
 # How SGLang 0.5.23's compare says tensors differ (`utils/weight_checker.py` `_check_tensors`);

@@ -2,8 +2,8 @@
 
 The same config tree and the same generation server as a training run (`GenerationServer`: the
 engine behind the OpenAI-compatible policy server), started on a local or joined Ray cluster,
-announced like a run's (`gymrl.generation.announce`), and stopped in reverse order when `stop`
-is set (SIGINT or SIGTERM set it), or when an error leaves.
+announced like a run's (`gymrl.generation.server.announce`), and stopped in reverse order when
+`stop` is set (SIGINT or SIGTERM set it), or when an error leaves.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from ray.util.placement_group import remove_placement_group
 from gymrl.cluster.placement import plan_placement, reserve
 from gymrl.cluster.ray_session import start_ray
 from gymrl.config.schema.recipe import RecipeConfig
-from gymrl.generation.announce import announce_policy_server
-from gymrl.generation.api_key import resolve_api_key
+from gymrl.generation.server.announce import announce_policy_server
+from gymrl.generation.server.api_key import resolve_api_key
 from gymrl.roles.generation_server import start_generation_server
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@
   writes it to shared disk itself, `SGLangEngine.update_weights`);
 * **broadcast** (`generation.refit.transport: nccl`): the generation server pauses its SGLang
   engines, the trainer's rank 0 sends the weights over a process group
-  (`gymrl.generation.weight_sync`), the engines continue under the new version;
+  (`gymrl.generation.sglang.weight_sync`), the engines continue under the new version;
 * **disk** (`transport: disk`): the trainer exports a Hugging Face checkpoint to shared storage,
   every server loads it, and the previous version is deleted once all have.
 
@@ -16,9 +16,9 @@ transport; the trainer process calls :func:`weight_sender`.
 
 Where the weights are checked (`generation.refit.verify_weights`): with `verify_method:
 weights_checker` on the generation side, by the SGLang engine's `begin_refit` and `end_refit`,
-which both SGLang transports pass through (`gymrl.generation.verify_weights_checker`); with
-`read_back` on the trainer side, by the `WeightSender` after a broadcast
-(`gymrl.generation.verify_read_back`).
+which both SGLang transports pass through (`gymrl.generation.sglang.refit_checks.weights_checker`);
+with `read_back` on the trainer side, by the `WeightSender` after a broadcast
+(`gymrl.generation.sglang.refit_checks.read_back`).
 The torch engine loads the state dict itself and needs neither.
 """
 
@@ -31,9 +31,9 @@ from typing import Any
 import torch
 
 from gymrl.config.schema.generation import RefitConfig
-from gymrl.generation.sglang_engine import remove_loaded_refits
-from gymrl.generation.verify_read_back import ReadBackCheck
-from gymrl.generation.weight_sync import Backend, WeightSender
+from gymrl.generation.sglang.engine import remove_loaded_refits
+from gymrl.generation.sglang.refit_checks.read_back import ReadBackCheck
+from gymrl.generation.sglang.weight_sync import Backend, WeightSender
 from gymrl.model.policy import DTYPES
 
 Wait = Callable[[Any, str], Any]

@@ -14,9 +14,9 @@ naming the server, the tensor and both checksums.
 SGLang 0.5.23 implements `/get_weights_by_name` only for some model classes (Llama, Granite, OPT,
 Exaone4, EmbeddingGemma2; not Qwen2/Qwen3 nor their MoE variants): for the others every read
 fails, and the check says so and names the method that works for them,
-`generation.refit.verify_method: weights_checker` (`gymrl.generation.verify_weights_checker`, the
-default). Samples are taken from the broadcast, so this method checks `transport: nccl` refits
-only.
+`generation.refit.verify_method: weights_checker`
+(`gymrl.generation.sglang.refit_checks.weights_checker`, the default). Samples are taken from the
+broadcast, so this method checks `transport: nccl` refits only.
 """
 
 from __future__ import annotations

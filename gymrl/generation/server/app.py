@@ -7,14 +7,14 @@ the token bundle (`prompt_token_ids`, `generation_token_ids`, `generation_log_pr
 `choices[0].message`. This server:
 
 * renders messages and tools with the model's own chat template
-  (:mod:`gymrl.generation.chat_template`), keeping the exact ids clients send back on earlier
+  (:mod:`gymrl.generation.server.chat_template`), keeping the exact ids clients send back on earlier
   assistant turns (the on-policy prefix fix) when `honor_prompt_token_ids` is set;
 * hands each request to the engine alone as it arrives (`RequestScheduler.submit`): both engines
   batch concurrent requests themselves (the torch engine admits a new request into the rows
   already decoding at its next step, SGLang on the server), so no answer waits for the slowest
   generation of a batch;
 * parses tool calls and reasoning with the model family's parsers
-  (:mod:`gymrl.generation.parsers`) into `message.tool_calls` and `reasoning_content`, and
+  (:mod:`gymrl.generation.server.parsers`) into `message.tool_calls` and `reasoning_content`, and
   answers a full OpenAI `ChatCompletion`, plus two extras on the message: the token bundle and
   `weight_version` (the engine's weight version that produced the answer, so rollouts can be aged
   in the replay buffer).
@@ -46,14 +46,14 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Field, SecretStr, StrictInt, field_validator, model_validator
 from starlette.exceptions import HTTPException
 
-from gymrl.generation.chat_template import (
+from gymrl.generation.server.chat_template import (
     ChatFormat,
     ChatFormatError,
     PromptTokens,
     build_prompt_token_ids,
 )
-from gymrl.generation.divergence_watch import DivergenceWatch, Verdict
-from gymrl.generation.sampling_parity import Sampling, SamplingMismatchError, SamplingParity
+from gymrl.generation.server.divergence_watch import DivergenceWatch, Verdict
+from gymrl.generation.server.sampling_rules import Sampling, SamplingMismatchError, SamplingParity
 from gymrl.generation.types import (
     EngineFailedError,
     EngineUnavailableError,
@@ -101,7 +101,7 @@ class PolicyServerRequest(ChatCompletionRequest):
     the JSON parser: validate bodies with `nemo_gym_ext.json_body`, as the server does.
     `parallel_tool_calls` is accepted and not enforced: every parsed tool call is returned.
     `temperature` and `top_p` stay null when left out, so that a training server can tell "not
-    sent" from "sent at OpenAI's default" (`gymrl.generation.sampling_parity`). A `max_tokens`
+    sent" from "sent at OpenAI's default" (`gymrl.generation.server.sampling_rules`). A `max_tokens`
     beyond the context is not an error: generation stops at the context's end
     (`finish_reason: "length"`), as vLLM does.
     """
@@ -265,7 +265,8 @@ def create_policy_server_app(
     server) each request's sampling is resolved against the run's; without it, a request is
     sampled as it asks, OpenAI's defaults filling what it leaves out. With `divergence_watch`
     each answer is remembered and each request checked against them
-    (`gymrl.generation.divergence_watch`); when the watch stops divergences, a diverged request
+    (`gymrl.generation.server.divergence_watch`); when the watch stops divergences, a diverged
+    request
     is answered without generating (:func:`_withheld_answer`)."""
     for name, value, minimum in (
         ("default_max_tokens", default_max_tokens, 1),

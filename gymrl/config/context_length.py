@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from gymrl.config.schema.policy import PolicyConfig, YarnConfig
-from nemo_gym_ext.config import ConfigIssue
+from nemo_gym_ext.config_errors import ConfigIssue
 
 # SmolLM2-135M-Instruct (its wheel's config.json) and the tiny random Llama built from it.
 EMBEDDED_CONTEXT_LENGTH = 8192

@@ -1,5 +1,5 @@
 """SGLang server processes: the command line, one supervised process, a group of them as Ray
-actors. The client that talks to them is `gymrl.generation.sglang_engine`.
+actors. The client that talks to them is `gymrl.generation.sglang.engine`.
 
 SGLang's pinned environment conflicts with the recipe's, so nothing here imports it: a server is a
 subprocess (`python -m sglang.launch_server`, with `generation.launch.python` or this
@@ -10,7 +10,7 @@ guard when its owner dies).
 Every server's environment has `SGLANG_RETURN_ORIGINAL_LOGPROB` removed (it would switch the
 reported log-probabilities to the pre-temperature distribution; see `sglang_engine`) and the
 weight-sync NCCL settings the trainer's rank 0 also runs with
-(`gymrl.generation.weight_sync.WEIGHT_SYNC_NCCL_ENV`). On a CPU (`generation.launch.device:
+(`gymrl.generation.sglang.weight_sync.WEIGHT_SYNC_NCCL_ENV`). On a CPU (`generation.launch.device:
 cpu`) it also gets `SGLANG_USE_CPU_ENGINE=1`, which SGLang needs to choose its CPU platform, and
 `OMP_NUM_THREADS` from `launch.cpu_threads`; `launch.env` is added last.
 """
@@ -28,11 +28,11 @@ from typing import Any
 import httpx
 
 from gymrl.cluster.placement import RolePlacement, actor_options
-from gymrl.config.context import sglang_model_overrides
+from gymrl.config.context_length import sglang_model_overrides
 from gymrl.config.schema.generation import SGLangGenerationConfig, SGLangLaunchConfig
 from gymrl.config.schema.policy import PolicyConfig
-from gymrl.generation.sglang_engine import SGLangError, SGLangTimeoutError
-from gymrl.generation.weight_sync import WEIGHT_SYNC_NCCL_ENV
+from gymrl.generation.sglang.engine import SGLangError, SGLangTimeoutError
+from gymrl.generation.sglang.weight_sync import WEIGHT_SYNC_NCCL_ENV
 from nemo_gym_ext.ports import free_port
 from nemo_gym_ext.processes import ChildProcess
 

@@ -31,12 +31,13 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import remove_placement_group
 
 from gymrl.algo.advantages import share_of_groups_with_variance
-from gymrl.algo.episodes import EpisodeRules
+from gymrl.algo.episode_rules import EpisodeRules
 from gymrl.algo.trajectory import Trajectory
 from gymrl.cluster.placement import plan_placement, reserve
 from gymrl.cluster.ray_calls import wait_for
 from gymrl.cluster.ray_session import ClusterUnavailableError, start_ray
 from gymrl.config.schema.recipe import RecipeConfig
+from gymrl.experience.held_out import HeldOutEpisode, Validator
 from gymrl.experience.ledger import TokenLedger
 from gymrl.experience.producer import (
     DataState,
@@ -46,12 +47,11 @@ from gymrl.experience.producer import (
 )
 from gymrl.experience.rollout_group import RolloutGroup
 from gymrl.experience.rows import RowStream, UnservedAgentError, load_rows, load_validation_rows
-from gymrl.experience.validation import HeldOutEpisode, Validator
-from gymrl.generation.announce import announce_policy_server
-from gymrl.generation.api_key import ApiKeyError, resolve_api_key
-from gymrl.generation.divergence_watch import DivergenceCounts
-from gymrl.generation.sampling_parity import SamplingCounts, training_sampling_rules
-from gymrl.generation.torch_engine import EngineCounters
+from gymrl.generation.server.announce import announce_policy_server
+from gymrl.generation.server.api_key import ApiKeyError, resolve_api_key
+from gymrl.generation.server.divergence_watch import DivergenceCounts
+from gymrl.generation.server.sampling_rules import SamplingCounts, training_sampling_rules
+from gymrl.generation.torch.engine import EngineCounters
 from gymrl.generation.types import EngineFailedError
 from gymrl.model.policy import model_folder
 from gymrl.roles import close_reporting_failure
@@ -67,7 +67,7 @@ from gymrl.tracking.metrics_logger import build_logger
 from gymrl.tracking.plot import plot_run
 from gymrl.tracking.records import read_records
 from gymrl.trainer.grpo_step import agent_off_policy_metrics
-from gymrl.trainer.parity import PASSED_METRIC, ParityGateError, first_step_check
+from gymrl.trainer.parity_gate import PASSED_METRIC, ParityGateError, first_step_check
 from nemo_gym_ext.gym_launch import GymStartError, GymVenvMissingError, PolicyEndpoint, gym_launcher
 from nemo_gym_ext.metrics import per_agent_metrics
 from nemo_gym_ext.postprocess import MalformedGymResultError, NonContiguousEpisodeError
@@ -347,7 +347,7 @@ class GRPORecipe:
         return periodic or (grpo.val_at_end and steps_taken == grpo.num_steps)
 
     def _validate(self) -> dict[str, float]:
-        """One validation pass on the weights the engine has now (gymrl.experience.validation)."""
+        """One validation pass on the weights the engine has now (gymrl.experience.held_out)."""
         assert self.validator is not None  # built whenever a grpo.val_* setting asks for it
         started = time.monotonic()
         # Validation's sampling is allowed by the policy server during the pass only.
