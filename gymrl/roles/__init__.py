@@ -5,6 +5,8 @@ Every `start_*` takes `on_cleanup(what, close)`: the caller's stack of closers (
 `serve`'s, a benchmark's), pushed the moment the role exists, so a start-up that fails half-way
 leaves nothing running. What each role reserves (GPUs, CPUs, its bundle) comes from
 `gymrl.cluster.placement`; the decorators' `num_cpus=0` is what an actor without options gets.
+
+May import: config, run, cluster, model, algo, generation, trainer, experience.
 """
 
 import logging
