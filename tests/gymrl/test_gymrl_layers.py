@@ -95,7 +95,7 @@ def test_the_signs_are_read_from_the_doors():
     assert LOWER["config"] == set()
     assert LOWER["run"] == {"config"}
     assert "roles" in LOWER["recipes"] and "preflight" not in LOWER["roles"]
-    assert WINGS == {wing: {"types"} for wing in GENERATION_WINGS}
+    assert {wing: {"types"} for wing in GENERATION_WINGS} == WINGS
 
 
 def test_no_wing_of_generation_imports_another():
