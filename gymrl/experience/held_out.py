@@ -14,10 +14,17 @@ episodes and the next batch is mostly ready when validation ends.
 
 Episodes that still fail after their retries are counted (`<prefix>failures`), not charged to
 the training failure budget, and left out of the means.
+
+A row whose prompt the policy server refuses (longer than its context) has no episode to count:
+it is named once in the log, counted (`<prefix>refused_rows`, beside `<prefix>rows`, the rows the
+means are over), and the pass fails when every row, or more than
+`env.data.max_refused_held_out_share` of them, was refused: a mean over the rows that happen to
+fit would be a figure of another data set.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -34,6 +41,21 @@ from nemo_gym_ext.wire import TOKEN_FIELDS, agent_name_of
 
 PREFIX = "validation/"
 _POLL_S = 0.5
+
+log = logging.getLogger(__name__)
+
+
+class HeldOutRowsRefusedError(ValueError):
+    """Too many held-out rows were refused by the policy server for the pass to mean anything."""
+
+
+@dataclass(frozen=True)
+class RefusedRow:
+    """A held-out row whose prompt the policy server refused, and why (its first refusal)."""
+
+    row_id: str
+    agent: str
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -123,16 +145,19 @@ class HeldOutEpisode:
 
 @dataclass(frozen=True)
 class HeldOutPass:
-    """What a pass produced: every episode that finished or failed, and whether it ran to the
-    end (false when `stop` was set: the episodes still running were cancelled)."""
+    """What a pass produced: every episode that finished or failed, whether it ran to the end
+    (false when `stop` was set: the episodes still running were cancelled), and the rows whose
+    prompt the policy server refused (no episode of theirs counts)."""
 
     episodes: tuple[HeldOutEpisode, ...]
     complete: bool
+    refused: tuple[RefusedRow, ...] = ()
 
 
 class Validator:
     """Runs every held-out row `num_samples` times through a group runner and summarises the
-    results under `prefix`. `deadline_key` names the setting the timeout came from."""
+    results under `prefix`. `deadline_key` names the setting the timeout came from;
+    `max_refused_share` is `env.data.max_refused_held_out_share`."""
 
     def __init__(
         self,
@@ -140,6 +165,7 @@ class Validator:
         runner: GroupRunner,
         timeout_s: float,
         *,
+        max_refused_share: float,
         num_samples: int = 1,
         prefix: str = PREFIX,
         deadline_key: str = "grpo.batch_timeout_s",
@@ -152,11 +178,12 @@ class Validator:
         self._prefix = prefix
         self._deadline_key = deadline_key
         self._keep_transcripts = keep_transcripts
+        self._max_refused_share = max_refused_share
 
     def run(self, on_episode: Callable[[HeldOutEpisode], None] | None = None) -> dict[str, float]:
         """`<prefix>...` metrics of one pass over the rows (keys in docs/metrics.md); each
         episode is handed to `on_episode` as it ends (the recipe's token ledger)."""
-        return held_out_metrics(self.collect(on_episode).episodes, prefix=self._prefix)
+        return held_out_metrics(self.collect(on_episode), prefix=self._prefix)
 
     def collect(
         self,
@@ -164,17 +191,19 @@ class Validator:
         stop: threading.Event | None = None,
     ) -> HeldOutPass:
         """Every episode of the pass, each handed to `on_episode` as it ends; returns early,
-        cancelling what still runs, once `stop` is set."""
+        cancelling what still runs, once `stop` is set. Refused rows are named and checked
+        against `max_refused_share` once the pass is complete."""
         deadline = time.monotonic() + self._timeout_s
         pending: dict[Any, tuple[dict[str, Any], int]] = {}
         for row in self._rows:
             for sample in range(self._num_samples):
                 pending[self._runner.submit(agent_name_of(row), row, 1)] = (row, sample)
         total, episodes = len(pending), []
+        refused: dict[str, RefusedRow] = {}  # by row id: each of its samples is refused alike
         try:
             while pending:
                 if stop is not None and stop.is_set():
-                    return HeldOutPass(tuple(episodes), complete=False)
+                    return HeldOutPass(tuple(episodes), False, tuple(refused.values()))
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(
@@ -185,6 +214,11 @@ class Validator:
                 for group in self._runner.finished(list(pending), min(left, _POLL_S)):
                     row, sample = pending.pop(group)
                     outcome = self._runner.outcome(group)  # contiguity errors propagate
+                    if outcome.prompt_refused:
+                        row_id = row_id_of(row)
+                        refused.setdefault(
+                            row_id, RefusedRow(row_id, agent_name_of(row), outcome.prompt_refused)
+                        )
                     ended = [
                         HeldOutEpisode.finished(
                             row, sample, e, keep_transcript=self._keep_transcripts
@@ -202,12 +236,35 @@ class Validator:
         finally:
             for group in pending:
                 self._runner.cancel(group)
-        return HeldOutPass(tuple(episodes), complete=True)
+        self._check_refusals(list(refused.values()))
+        return HeldOutPass(tuple(episodes), True, tuple(refused.values()))
+
+    def _check_refusals(self, refused: Sequence[RefusedRow]) -> None:
+        """Name the refused rows once; fail when all, or more than the allowed share, were."""
+        if not refused:
+            return
+        rows, name = len(self._rows), self._prefix.rstrip("/")
+        log.warning(
+            f"{name}: the policy server refused the prompt of {len(refused)} of {rows} held-out "
+            "rows, left out of the means: "
+            + "; ".join(f"{r.row_id} ({r.agent}): {r.reason}" for r in refused)
+        )
+        share = len(refused) / rows
+        if len(refused) == rows or share > self._max_refused_share:
+            raise HeldOutRowsRefusedError(
+                f"{name}: the policy server refused the prompt of {len(refused)} of {rows} "
+                f"held-out rows ({share:.0%}), more than "
+                f"env.data.max_refused_held_out_share={self._max_refused_share:g}; the first: "
+                f"{refused[0].row_id}: {refused[0].reason}. Shorten those prompts, raise "
+                "policy.max_total_sequence_length, or raise the share"
+            )
 
 
-def held_out_metrics(episodes: Sequence[HeldOutEpisode], *, prefix: str) -> dict[str, float]:
+def held_out_metrics(held_out: HeldOutPass, *, prefix: str) -> dict[str, float]:
     """Per-agent fields (as training has them), each agent's reward standard error, the mean
-    reward over all finished episodes, and the counts of finished and failed episodes."""
+    reward over all finished episodes, the counts of finished and failed episodes, and the rows
+    the means are over beside those the policy server refused."""
+    episodes = held_out.episodes
     results = [e.summary for e in episodes if e.summary is not None]
     failures = sum(1 for e in episodes if e.failure is not None)
     metrics = {prefix + key: value for key, value in per_agent_metrics(results).items()}
@@ -217,6 +274,8 @@ def held_out_metrics(episodes: Sequence[HeldOutEpisode], *, prefix: str) -> dict
     metrics[prefix + "reward/mean"] = math.fsum(rewards) / len(rewards) if rewards else math.nan
     metrics[prefix + "episodes"] = float(len(results))
     metrics[prefix + "failures"] = float(failures)
+    metrics[prefix + "rows"] = float(len({e.row_id for e in episodes}))
+    metrics[prefix + "refused_rows"] = float(len(held_out.refused))
     return metrics
 
 

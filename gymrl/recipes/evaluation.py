@@ -147,6 +147,7 @@ class EvalRecipe:
             self.rows,
             RayGroupRunner(shards_by_agent, generation.raise_if_engine_failed),
             config.eval.timeout_s,
+            max_refused_share=config.env.data.max_refused_held_out_share,
             num_samples=config.eval.num_samples,
             prefix=PREFIX,
             deadline_key="eval.timeout_s",
@@ -283,7 +284,7 @@ def eval_metrics(held_out: HeldOutPass, config: RecipeConfig) -> dict[str, float
     """The `eval/...` keys of docs/metrics.md: validation's reduction, the failure rates and
     token ledger, and pass@k at `eval.success_threshold`."""
     episodes = held_out.episodes
-    metrics = held_out_metrics(episodes, prefix=PREFIX)
+    metrics = held_out_metrics(held_out, prefix=PREFIX)
     metrics.update(ledger_metrics(episodes, prefix=PREFIX))
     metrics.update(
         pass_at_k_metrics(

@@ -37,7 +37,7 @@ from gymrl.cluster.placement import plan_placement, reserve
 from gymrl.cluster.ray_calls import wait_for
 from gymrl.cluster.ray_session import ClusterUnavailableError, start_ray
 from gymrl.config.schema.recipe import RecipeConfig
-from gymrl.experience.held_out import HeldOutEpisode, Validator
+from gymrl.experience.held_out import HeldOutEpisode, HeldOutRowsRefusedError, Validator
 from gymrl.experience.ledger import TokenLedger
 from gymrl.experience.producer import (
     DataState,
@@ -90,6 +90,7 @@ RUN_STOPPING_ERRORS = (
     GymStartError,
     ParityGateError,
     EveryPromptRefusedError,
+    HeldOutRowsRefusedError,
     NoProgressError,
     # The torch engine stopped after a failed step: its own error, not the agents' failures.
     EngineFailedError,
@@ -247,6 +248,7 @@ class GRPORecipe:
                 ),
                 RayGroupRunner(shards_by_agent, generation.raise_if_engine_failed),
                 grpo.batch_timeout_s,
+                max_refused_share=config.env.data.max_refused_held_out_share,
             )
             if grpo.val_at_start or grpo.val_period or grpo.val_at_end
             else None

@@ -89,6 +89,16 @@ class DataConfig(Strict):
     num_builtin_val_rows_per_agent: int = Field(
         default=64, gt=0, description="Held-out validation rows per built-in agent."
     )
+    max_refused_held_out_share: float = Field(
+        default=0.1,
+        ge=0,
+        le=1,
+        description="Share of held-out rows (validation's and evaluation's) the policy server may "
+        "refuse as longer than its context: they are named once, counted "
+        "(`validation/refused_rows`, `eval/refused_rows`) and left out of the means; past "
+        "this share, or when every row is refused, the pass fails, since its mean would be "
+        "over another data set. 0 fails at the first refused row.",
+    )
 
 
 class GymLaunchConfig(Strict):

@@ -12,6 +12,8 @@ import pytest
 
 from gymrl.experience.held_out import (
     HeldOutEpisode,
+    HeldOutPass,
+    HeldOutRowsRefusedError,
     Validator,
     held_out_metrics,
     ledger_metrics,
@@ -19,6 +21,10 @@ from gymrl.experience.held_out import (
 )
 from nemo_gym_ext.postprocess import NonContiguousEpisodeError
 from nemo_gym_ext.rollout import GroupOutcome
+
+
+def validator(rows, runner, timeout_s, *, max_refused_share=0.1, **options) -> Validator:
+    return Validator(rows, runner, timeout_s, max_refused_share=max_refused_share, **options)
 
 
 def _row(index, agent):
@@ -75,7 +81,7 @@ def _scored(row):
 def test_a_pass_runs_every_row_once_and_logs_the_training_fields_per_agent():
     rows = [_row(i, "calc") for i in range(4)] + [_row(i, "guess") for i in range(3)]
     runner = Runner(_scored)
-    metrics = Validator(rows, runner, timeout_s=10).run()
+    metrics = validator(rows, runner, timeout_s=10).run()
     assert runner.sizes == [1] * 7  # one episode per row
     assert metrics["validation/calc/reward/mean"] == 0.5
     assert metrics["validation/guess/reward/mean"] == pytest.approx(1 / 3)
@@ -94,7 +100,7 @@ def test_failed_episodes_are_counted_and_left_out_of_the_means():
             return GroupOutcome(row["id"], "calc", failures=["agent 'calc' failed: 502"])
         return _scored(row)
 
-    metrics = Validator([_row(i, "calc") for i in range(3)], Runner(outcome), 10).run()
+    metrics = validator([_row(i, "calc") for i in range(3)], Runner(outcome), 10).run()
     assert metrics["validation/failures"] == 1.0
     assert metrics["validation/episodes"] == 2.0
     assert metrics["validation/calc/reward/mean"] == 0.0  # rows 0 and 2
@@ -103,7 +109,7 @@ def test_failed_episodes_are_counted_and_left_out_of_the_means():
 def test_a_pass_that_misses_its_deadline_says_which_key_to_raise_and_cancels_the_rest():
     runner = Runner(_scored, hold=True)
     with pytest.raises(TimeoutError, match=r"2 of 2 episodes unfinished.*batch_timeout_s"):
-        Validator([_row(0, "calc"), _row(1, "calc")], runner, timeout_s=0.05).run()
+        validator([_row(0, "calc"), _row(1, "calc")], runner, timeout_s=0.05).run()
     assert sorted(runner.cancelled) == [0, 1]
 
 
@@ -115,21 +121,23 @@ def test_a_contiguity_error_stops_the_pass_and_cancels_what_is_still_running():
 
     runner = Runner(outcome)
     with pytest.raises(NonContiguousEpisodeError):
-        Validator([_row(i, "calc") for i in range(4)], runner, timeout_s=10).run()
+        validator([_row(i, "calc") for i in range(4)], runner, timeout_s=10).run()
     assert sorted(runner.cancelled) == [1, 2, 3]
 
 
 def test_standard_error_is_the_sample_std_over_root_n_and_undefined_below_two():
     assert standard_error([0.0, 1.0, 0.0, 1.0]) == pytest.approx(math.sqrt(1 / 3 / 4))
     assert math.isnan(standard_error([1.0]))
-    assert math.isnan(held_out_metrics([], prefix="validation/")["validation/reward/mean"])
+    assert math.isnan(
+        held_out_metrics(HeldOutPass((), True), prefix="validation/")["validation/reward/mean"]
+    )
 
 
 def test_k_samples_of_every_row_each_become_one_record_in_the_order_they_end():
     rows = [_row(0, "calc"), _row(1, "calc")]
     runner = Runner(_scored)
     records = []
-    held_out = Validator(rows, runner, timeout_s=10, num_samples=3, prefix="eval/").collect(
+    held_out = validator(rows, runner, timeout_s=10, num_samples=3, prefix="eval/").collect(
         lambda episode: records.append(episode.record())
     )
     assert held_out.complete
@@ -151,7 +159,7 @@ def test_k_samples_of_every_row_each_become_one_record_in_the_order_they_end():
         "truncation_causes": ["max_tokens"],
         "failure": None,
     }
-    metrics = held_out_metrics(held_out.episodes, prefix="eval/")
+    metrics = held_out_metrics(held_out, prefix="eval/")
     assert metrics["eval/episodes"] == 6.0
     assert metrics["eval/calc/reward/mean"] == 0.5
 
@@ -163,7 +171,7 @@ def test_the_ledger_counts_failures_truncation_and_tokens_per_agent():
         return _scored(row)
 
     rows = [_row(0, "calc"), _row(1, "calc"), _row(0, "guess"), _row(1, "guess")]
-    held_out = Validator(rows, Runner(outcome), 10, num_samples=2).collect()
+    held_out = validator(rows, Runner(outcome), 10, num_samples=2).collect()
     failed = [e for e in held_out.episodes if e.failure is not None]
     assert [(e.row_id, e.record()["failure"]) for e in failed] == [
         ("guess-1", "agent 'guess' failed: 502")
@@ -188,15 +196,54 @@ def test_a_stop_ends_the_pass_with_what_finished_and_cancels_the_rest():
         stop.set()  # as SIGINT does, while groups are still running
 
     rows = [_row(i, "calc") for i in range(4)]
-    held_out = Validator(rows, runner, 10).collect(on_episode, stop=stop)
+    held_out = validator(rows, runner, 10).collect(on_episode, stop=stop)
     assert not held_out.complete
     assert len(held_out.episodes) == len(seen) == 2  # the first poll's two groups
     assert sorted(runner.cancelled) == [2, 3]
 
 
 def test_transcripts_are_kept_without_token_fields_when_asked():
-    held_out = Validator([_row(0, "calc")], Runner(_scored), 10, keep_transcripts=True).collect()
+    held_out = validator([_row(0, "calc")], Runner(_scored), 10, keep_transcripts=True).collect()
     (episode,) = held_out.episodes
     assert episode.record()["transcript"] == [{"type": "message"}]
-    plain = Validator([_row(0, "calc")], Runner(_scored), 10).collect()
+    plain = validator([_row(0, "calc")], Runner(_scored), 10).collect()
     assert "transcript" not in plain.episodes[0].record()
+
+
+def _refusing(*refused_ids):
+    """Outcomes as the Gym shard gives them: the rows `refused_ids` refused, the others scored."""
+
+    def outcome(row):
+        if row["id"] in refused_ids:
+            reason = f"row {row['id']}: its prompt (5000 tokens) is longer than the context"
+            return GroupOutcome(row["id"], row["agent_ref"]["name"], prompt_refused=reason)
+        return _scored(row)
+
+    return outcome
+
+
+def test_refused_rows_are_named_once_counted_and_left_out_of_the_means(caplog):
+    rows = [_row(i, "calc") for i in range(10)]
+    held_out = validator(rows, Runner(_refusing("calc-3")), 10, num_samples=2).collect()
+    assert [(r.row_id, r.agent) for r in held_out.refused] == [("calc-3", "calc")]
+    warnings = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "1 of 10 held-out rows" in warnings[0] and "calc-3 (calc): row calc-3" in warnings[0]
+    metrics = held_out_metrics(held_out, prefix="validation/")
+    assert metrics["validation/refused_rows"] == 1.0
+    assert metrics["validation/rows"] == 9.0
+    assert metrics["validation/episodes"] == 18.0
+
+
+@pytest.mark.parametrize(
+    ("refused", "share", "count"),
+    [
+        (("calc-0", "calc-1"), 0.1, "2 of 10"),
+        (tuple(f"calc-{i}" for i in range(10)), 1.0, "10 of 10"),
+    ],
+)
+def test_a_pass_with_too_many_refused_rows_fails_naming_the_share(refused, share, count):
+    rows = [_row(i, "calc") for i in range(10)]
+    with pytest.raises(HeldOutRowsRefusedError, match=count) as error:
+        validator(rows, Runner(_refusing(*refused)), 10, max_refused_share=share).collect()
+    assert "env.data.max_refused_held_out_share" in str(error.value)
