@@ -17,6 +17,7 @@ ints of repeated prompt prefixes (:mod:`nemo_gym_ext.result_json`).
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,8 @@ from nemo_gym_ext.postprocess import Decode, postprocess_gym_result, row_id_of
 from nemo_gym_ext.result_json import loads_result
 from nemo_gym_ext.retry import backoff_s, retry_after_s
 from nemo_gym_ext.wire import agent_name_of
+
+log = logging.getLogger(__name__)
 
 _SHORTEN = (
     "Shorten the row's prompt (system prompt, tools and input all count) or raise the context"
@@ -239,7 +242,12 @@ class RolloutCollector:
             return ""
         try:
             tokens = self._prompt_size.count(row)
-        except Exception:  # the policy server renders it, and says what is wrong with it
+        except Exception as error:  # the policy server renders it, and says what is wrong
+            log.warning(
+                f"row {outcome.row_id!r} (agent {outcome.agent!r}): its prompt could not be "
+                f"measured before sending ({type(error).__name__}: {error}); sent unmeasured, "
+                "the policy server decides"
+            )
             return ""
         context = self._prompt_size.context_tokens
         if tokens < context:

@@ -185,6 +185,24 @@ def test_a_prompt_the_policy_server_would_refuse_is_named_and_never_sent(tokeniz
     )
 
 
+def test_a_prompt_that_cannot_be_measured_is_sent_and_the_reason_logged(tokenizer, caplog):
+    """A measurement that fails (a row the template cannot render) is logged, not swallowed: the
+    row is sent as it is and the policy server decides (the unreachable agent fails it here)."""
+
+    def broken(row):
+        raise ValueError("messages[0] has no role")
+
+    size = PromptSize(broken, context_tokens=2048)
+    unreachable = {AGENT: "http://127.0.0.1:9"}
+    outcome = collect(unreachable, NemoGymPostprocessConfig(), ROW, 1, tokenizer, size)
+    assert outcome.prompt_refused == "" and len(outcome.failures) == 1
+    (warning,) = [
+        r.getMessage() for r in caplog.records if "could not be measured" in r.getMessage()
+    ]
+    assert f"row {ROW['id']!r} (agent {AGENT!r})" in warning
+    assert "ValueError: messages[0] has no role" in warning
+
+
 def test_a_prompt_the_policy_server_refuses_is_named_from_the_result_and_not_retried(
     policy_url, tokenizer
 ):
