@@ -599,7 +599,10 @@ def _real_sglang_checkpoint() -> Path:
     import importlib.util
 
     if not torch.cuda.is_available():
-        pytest.skip("needs an NVIDIA GPU (SGLang runs on CUDA)")
+        pytest.skip(
+            "the bfloat16 check on a GPU; the real server on this CPU is test_sglang_cpu.py's "
+            "(-m sglang_cpu)"
+        )
     if importlib.util.find_spec("sglang") is None:
         pytest.skip("sglang is not installed (the sglang role: locks/sglang.txt, docs/cluster.md)")
     from gymrl.model.loading import ensure_smollm2_checkpoint
