@@ -73,10 +73,10 @@ def _make_rows_module():
     return module
 
 
+@pytest.mark.slow  # the slow suite runs after `make gym-venv` (`make test-slow`, .ci/run)
 def test_the_script_writes_the_committed_files_again(tmp_path):
     """Reproducible: the same seed and Gym's shipped environment give the same bytes."""
-    if not (GYM_VENV / "bin" / "ng_run").is_file():
-        pytest.skip("NeMo-Gym's venv is missing (`make gym-venv`); the script reads it")
+    assert (GYM_VENV / "bin" / "ng_run").is_file(), "NeMo-Gym's venv is missing: make gym-venv"
     _make_rows_module().main(["--gym-venv", str(GYM_VENV), "--out-dir", str(tmp_path)])
     for name in ("train.jsonl", "val.jsonl"):
         assert (tmp_path / name).read_bytes() == (DATA / name).read_bytes(), name
