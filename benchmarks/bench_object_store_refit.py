@@ -61,6 +61,7 @@ def main() -> None:
             group=group,
             api_key=resolve_api_key(None),
             on_cleanup=on_cleanup,
+            episode_deadline_s=config.env.rollout.run_timeout_s,
         )
         trainer = start_trainer(
             config,

@@ -72,6 +72,7 @@ def main() -> None:
             group=group,
             api_key=api_key,
             on_cleanup=on_cleanup,
+            episode_deadline_s=config.env.rollout.run_timeout_s,
         )
         shards = start_gym_shards(
             config,

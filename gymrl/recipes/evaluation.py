@@ -116,6 +116,7 @@ class EvalRecipe:
             group=group,
             api_key=api_key,
             on_cleanup=self._on_cleanup,
+            episode_deadline_s=config.env.rollout.run_timeout_s,
         )
         if self.checkpoint is not None:
             weights = checkpoint_weights(self.checkpoint)

@@ -51,6 +51,7 @@ def serve_policy(config: RecipeConfig, output_dir: Path, stop: threading.Event) 
             group=group,
             api_key=api_key,
             on_cleanup=lambda what, close: _push(started, close),
+            episode_deadline_s=None,  # any client may call, for as long as it likes
         )
         announce_policy_server(
             output_dir,

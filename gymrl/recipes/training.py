@@ -191,6 +191,7 @@ class GRPORecipe:
             group=group,
             api_key=self.policy_api_key,
             on_cleanup=self._on_cleanup,
+            episode_deadline_s=config.env.rollout.run_timeout_s,
             sampling_rules=training_sampling_rules(config),
         )
         self.generation, base_url = generation.actor, generation.base_url

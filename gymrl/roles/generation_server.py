@@ -54,9 +54,12 @@ class GenerationServer:
         placement_group: Any,
         api_key: SecretStr,
         sampling_rules: SamplingRules | None,
+        episode_deadline_s: float | None,
     ):
         """`placement` says where the engines run (the torch engine: on this actor's GPU, if it
-        has one); SGLang servers go into bundles of `placement_group`. `api_key` is the run's
+        has one); SGLang servers go into bundles of `placement_group`. `episode_deadline_s`: how
+        long any client's episode may last (the divergence watch's marks last as long), None
+        when the clients are not the run's. `api_key` is the run's
         (`gymrl.generation.server.api_key`); `sampling_rules` a training run's (else requests are
         sampled as they ask)."""
         torch.set_num_threads(torch_threads)
@@ -86,7 +89,9 @@ class GenerationServer:
             server = generation.server
             self._sampling_parity = sampling_rules and SamplingParity(sampling_rules)
             self._divergence_watch = DivergenceWatch(
-                capacity=server.divergence_memory, stop=server.stop_on_divergence
+                capacity=server.divergence_memory,
+                stop=server.stop_on_divergence,
+                marks_last_s=episode_deadline_s,
             )
             app = create_policy_server_app(
                 backend.engine,
@@ -293,12 +298,14 @@ def start_generation_server(
     group: Any,
     api_key: SecretStr,
     on_cleanup: OnCleanup,
+    episode_deadline_s: float | None,
     sampling_rules: SamplingRules | None = None,
 ) -> GenerationRole:
     """Start the generation server where `placement` says, in the run's placement `group`, and
     wait (with a deadline) until its policy server answers. A training run passes its
     `sampling_rules` (`gymrl.generation.server.sampling_rules`); serving and evaluating sample what
-    each request asks."""
+    each request asks. `episode_deadline_s` is the run's episode deadline where the run's own
+    episodes are the only clients (`env.rollout.run_timeout_s`), None where anyone may call."""
     actor = GenerationServer.options(**actor_options(placement.policy_server, 0, group)).remote(
         config,
         output_dir=str(output_dir),
@@ -307,6 +314,7 @@ def start_generation_server(
         placement_group=group,
         api_key=api_key,
         sampling_rules=sampling_rules,
+        episode_deadline_s=episode_deadline_s,
     )
     on_cleanup("the generation server", lambda: close_actor(actor, timeout_s=GENERATION_CLOSE_S))
     base_url = wait_for(

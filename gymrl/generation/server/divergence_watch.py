@@ -24,19 +24,26 @@ same text later, and A's next request then finds only B's ids under that fingerp
 against them would invent a divergence. So a request whose prompt extends none of the remembered
 answers is a divergence only when no answer of that fingerprint was ever forgotten; otherwise it
 is unknown. The marks live in a fixed bitmap (`_FORGET_BITS_PER_ANSWER` bits per remembered
-answer, fingerprints hashed into it) that is never cleared, since a client may hold a forgotten
-answer for as long as it likes: a mark shared by two fingerprints and a long run that fills the
-bitmap only make more requests unknown, so detection degrades under memory pressure and never
-errs the other way. Thread-safe: answers are remembered and requests checked on the server's
+answer, fingerprints hashed into it). A mark shared by two fingerprints only makes more requests
+unknown, so detection degrades under memory pressure and never errs the other way; but a bitmap
+that only fills would leave a long run's server checking nothing. Where every client's episode
+has a deadline (a training or evaluation run: `env.rollout.run_timeout_s`), a mark is needed only
+for that long: a live episode's answer was generated, and so forgotten, after the episode began.
+The marks then live in two bitmaps, the current and the previous one, swapped and the older
+cleared once per deadline, so each mark lasts at least one deadline. A server with clients of no
+known deadline (`recipes/serve.py`) keeps its marks for good. Requests the watch could not judge
+(their answer forgotten or never seen here) are counted (`unchecked`), so a run sees when
+detection decays. Thread-safe: answers are remembered and requests checked on the server's
 render worker, counts read by the recipe.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -54,10 +61,13 @@ class Verdict(Enum):
 
 @dataclass(frozen=True)
 class DivergenceCounts:
-    """Requests found diverged (`detected`) and those answered without generating (`stopped`)."""
+    """Requests found diverged (`detected`), those answered without generating (`stopped`), and
+    those that ended their history with an answer the watch could not judge (`unchecked`: never
+    seen by this server, or forgotten)."""
 
     detected: int = 0
     stopped: int = 0
+    unchecked: int = 0
 
 
 def answer_fingerprint(message: ChatMessage) -> bytes:
@@ -78,17 +88,33 @@ def _ids_digest(ids: Sequence[int]) -> bytes:
 class DivergenceWatch:
     """Remembers this server's answers and checks requests against them (module docstring)."""
 
-    def __init__(self, *, capacity: int, stop: bool):
+    def __init__(
+        self,
+        *,
+        capacity: int,
+        stop: bool,
+        marks_last_s: float | None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        """`marks_last_s`: the longest any client may hold an answer (its episodes' deadline),
+        after which a forgotten answer's mark may be cleared; None keeps marks for good."""
         if capacity < 1:
             raise ValueError(f"capacity={capacity} must be >= 1 remembered answer")
+        if marks_last_s is not None and marks_last_s <= 0:
+            raise ValueError(f"marks_last_s={marks_last_s} must be > 0 seconds, or None")
         self.stop = stop
         self._capacity = capacity
         self._lock = threading.Lock()
         # fingerprint -> {(length of prompt + generation, digest of those ids)}, oldest first.
         self._answers: OrderedDict[bytes, set[tuple[int, bytes]]] = OrderedDict()
         self._size = 0
-        # Fingerprints of which an answer was forgotten (module docstring), hashed into bits.
+        # Fingerprints of which an answer was forgotten (module docstring), hashed into bits:
+        # marks set since the last swap, and those of the deadline before.
         self._forgotten = bytearray(capacity * _FORGET_BITS_PER_ANSWER // 8)
+        self._forgotten_before = bytearray(len(self._forgotten))
+        self._marks_last_s = marks_last_s
+        self._clock = clock
+        self._swapped_at = clock()
         self._counts = DivergenceCounts()
 
     def remember(self, answer: ChatMessage, prompt: Sequence[int], generation: Sequence[int]):
@@ -101,6 +127,7 @@ class DivergenceWatch:
             if history not in known:
                 known.add(history)
                 self._size += 1
+            self._swap_marks_when_due()
             while self._size > self._capacity:
                 forgotten_key, forgotten = self._answers.popitem(last=False)
                 self._size -= len(forgotten)
@@ -118,17 +145,37 @@ class DivergenceWatch:
         with self._lock:
             histories = tuple(self._answers.get(key, ()))
         if not histories:
-            return Verdict.UNKNOWN
+            return self._unchecked()
         digests = {length: _ids_digest(prompt[:length]) for length, _ in histories}
         if any(length <= len(prompt) and digests[length] == d for length, d in histories):
             return Verdict.EXTENDS
         with self._lock:
-            if self._forgotten[byte] & bit:
-                return Verdict.UNKNOWN  # the answer it ends with may be one we forgot
-            self._counts = DivergenceCounts(
-                self._counts.detected + 1, self._counts.stopped + int(self.stop)
-            )
-        return Verdict.DIVERGED
+            self._swap_marks_when_due()
+            if (self._forgotten[byte] | self._forgotten_before[byte]) & bit:
+                marked = True  # the answer it ends with may be one we forgot
+            else:
+                marked = False
+                counts = self._counts
+                self._counts = DivergenceCounts(
+                    counts.detected + 1, counts.stopped + int(self.stop), counts.unchecked
+                )
+        return self._unchecked() if marked else Verdict.DIVERGED
+
+    def _unchecked(self) -> Verdict:
+        """Count a request the watch cannot judge, and say so."""
+        with self._lock:
+            counts = self._counts
+            self._counts = DivergenceCounts(counts.detected, counts.stopped, counts.unchecked + 1)
+        return Verdict.UNKNOWN
+
+    def _swap_marks_when_due(self) -> None:
+        """Once per `marks_last_s`: the current marks become the previous ones, the previous
+        ones are cleared (under the lock)."""
+        if self._marks_last_s is None or self._clock() - self._swapped_at < self._marks_last_s:
+            return
+        self._forgotten, self._forgotten_before = self._forgotten_before, self._forgotten
+        self._forgotten[:] = bytes(len(self._forgotten))
+        self._swapped_at = self._clock()
 
     def _mark_of(self, key: bytes) -> tuple[int, int]:
         """(byte, bit mask) of a fingerprint's mark in the forgotten bitmap."""

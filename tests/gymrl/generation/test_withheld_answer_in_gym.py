@@ -74,7 +74,7 @@ def test_gym_keeps_the_withheld_answers_bundle_and_truncation_sees_it_stopped(
 ):
     engine_reply = char_level_reply(tokenizer, chat_format, "five is the sum")
     engine = ScriptedEngine(engine_reply)
-    watch = DivergenceWatch(capacity=64, stop=True)
+    watch = DivergenceWatch(capacity=64, stop=True, marks_last_s=None)
     with served(engine, chat_format, divergence_watch=watch) as client:
         first = completion(client, USER_ONLY).json()
         text_only = [
