@@ -15,6 +15,7 @@ import torch
 from fixed_trajectories import fixed_trajectory
 from megatron_setup import DEVICE, megatron_batch, tensor_parallel_run, tiny_config
 
+from gymrl.config.schema.grpo import ParityGateConfig
 from gymrl.trainer.megatron.arguments import (
     ddp_config_kwargs,
     optimizer_config_kwargs,
@@ -24,6 +25,7 @@ from gymrl.trainer.megatron.arguments import (
 )
 from gymrl.trainer.megatron.distributed import distributed_env
 from gymrl.trainer.megatron.worker import MegatronPolicyTrainer
+from gymrl.trainer.parity_gate import ParityCheck, ParityGateError
 
 pytestmark = pytest.mark.megatron
 
@@ -103,6 +105,27 @@ def test_megatron_train_step(tiny_trainer):
     assert trainer.weight_version == version + 1
     after = trainer.export_weights()
     assert all(not torch.equal(before[name], after[name]) for name in before)
+
+
+def test_megatron_parity_stop_leaves_the_weights_and_the_next_step_trains(tiny_trainer):
+    """The first step's gate with `on_failure: stop`: engine log-probabilities far from the
+    trainer's (megatron_batch's -3.0 per token) stop the step before the update, on every rank
+    alike; the weights and the version stay, and the next step trains from them with no
+    gradient left over from the stopped one."""
+    trainer, _, hf_model = tiny_trainer
+    trajectories, advantages = megatron_batch(hf_model.config.vocab_size)
+    before, version = trainer.export_weights(), trainer.weight_version
+    check = ParityCheck(ParityGateConfig(on_failure="stop"), "float32")
+    with pytest.raises(ParityGateError, match=r"a: logprob_diff/mean = [0-9.]+ > "):
+        trainer.train_step(trajectories, advantages, check)
+    after = trainer.export_weights()
+    assert trainer.weight_version == version
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    stepped = trainer.train_step(trajectories, advantages)
+    assert trainer.weight_version == version + 1 and math.isfinite(stepped["grad_norm"])
+    repeated = trainer.train_step(trajectories, advantages)
+    # The stopped step left no gradient behind: the step after it is an ordinary one.
+    assert stepped["loss"] != repeated["loss"] and trainer.weight_version == version + 2
 
 
 def test_megatron_resumed_step_equals_the_uninterrupted_one(tiny_trainer, tmp_path):
