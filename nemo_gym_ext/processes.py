@@ -7,7 +7,9 @@ group: SIGTERM, a grace period for the leader and every member, then SIGKILL for
 left (a member that ignored the first signal outlives its leader otherwise). Signals go to the
 group, never to processes by name. Output is appended to a log, whose first error (or, without
 one, its tail) goes into the callers' start-up errors: a server that fails at import prints its
-traceback long before the launcher's shutdown noise ends the log.
+traceback long before the launcher's shutdown noise ends the log. Only this start's part of the
+log is read: a resumed run appends to the log of the attempts before it, whose errors may have
+been fixed since.
 
 Every child has a guard: a small process of its own, in a session of its own, that holds the read
 end of a pipe whose write end only the owner holds. When the owner dies without `stop()`
@@ -21,6 +23,7 @@ would not do: it reaches the leader only, and SIGKILL gives the leader no chance
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import re
 import signal
@@ -61,6 +64,7 @@ class ChildProcess:
         self._cwd = cwd
         self._stop_grace_s = stop_grace_s
         self._process: subprocess.Popen[bytes] | None = None
+        self._log_start = 0  # where this start's output begins in the log
         self._guard: subprocess.Popen[bytes] | None = None
         self._lifeline: int | None = None  # the pipe's write end, held by this process only
 
@@ -77,6 +81,7 @@ class ChildProcess:
             raise RuntimeError(f"{self.command[0]} was already started (pid {self.pid})")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
+            self._log_start = log.seek(0, os.SEEK_END)
             self._process = subprocess.Popen(
                 self.command,
                 cwd=self._cwd,
@@ -138,24 +143,28 @@ class ChildProcess:
             self._lifeline = None
 
     def log_first_error(self) -> str | None:
-        """The log's first error (:func:`first_error`); None without a log or an error."""
-        return first_error(self.log_path) if self.log_path.is_file() else None
+        """The first error this start wrote to the log (:func:`first_error`); None without a
+        log or an error."""
+        return first_error(self.log_path, self._log_start) if self.log_path.is_file() else None
 
     def log_tail(self) -> str:
+        """The last `LOG_TAIL_CHARS` bytes this start wrote to the log."""
         if not self.log_path.is_file():
             return "(no log written)"
         with self.log_path.open("rb") as log:
-            log.seek(0, os.SEEK_END)
-            log.seek(max(0, log.tell() - LOG_TAIL_CHARS))
+            end = log.seek(0, os.SEEK_END)
+            log.seek(max(self._log_start, end - LOG_TAIL_CHARS))
             return log.read().decode("utf-8", errors="replace")
 
 
-def first_error(log_path: Path) -> str | None:
-    """The first error of a log: from its first traceback to the line naming the exception
-    that ends it, or, without a traceback, the first line naming one; at most 40 lines and
-    `LOG_TAIL_CHARS`. None when no line looks like an error."""
+def first_error(log_path: Path, start: int = 0) -> str | None:
+    """The first error of a log from byte `start` on: from its first traceback to the line
+    naming the exception that ends it, or, without a traceback, the first line naming one; at
+    most 40 lines and `LOG_TAIL_CHARS`. None when no line looks like an error."""
     block: list[str] = []
-    with log_path.open(encoding="utf-8", errors="replace") as log:
+    with log_path.open("rb") as raw:
+        raw.seek(start)
+        log = io.TextIOWrapper(raw, encoding="utf-8", errors="replace")
         for line in log:
             line = line.rstrip("\n")
             bare = _PREFIX.sub("", line, count=1)

@@ -353,12 +353,15 @@ class GRPORecipe:
         """One validation pass on the weights the engine has now (gymrl.experience.held_out)."""
         assert self.validator is not None  # built whenever a grpo.val_* setting asks for it
         started = time.monotonic()
-        # Validation's sampling is allowed by the policy server during the pass only.
-        self._set_validating(True)
-        try:
-            metrics = self.validator.run(on_episode=self._count_validation_tokens)
-        finally:
-            self._set_validating(False)
+        # The pass is the trainer loop's wait (its episodes are the progress), so the watchdog's
+        # report names it rather than a busy loop.
+        with waiting("a validation pass (grpo.batch_timeout_s)", self.config.grpo.batch_timeout_s):
+            # Validation's sampling is allowed by the policy server during the pass only.
+            self._set_validating(True)
+            try:
+                metrics = self.validator.run(on_episode=self._count_validation_tokens)
+            finally:
+                self._set_validating(False)
         metrics["timing/validation_s"] = time.monotonic() - started
         return metrics
 

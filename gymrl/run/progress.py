@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 _ROLE_NAMES = {"MainThread": "trainer loop"}
 
@@ -68,16 +68,25 @@ class ProgressWatch:
             self._last, self._last_what = self._clock(), what
 
     @contextmanager
-    def waiting(self, what: str, deadline_s: float, since: float | None = None) -> Iterator[None]:
+    def waiting(
+        self, what: str, deadline_s: float, since: float | None = None
+    ) -> Iterator[Callable[[str], None]]:
         role = _role()
         started = self._clock() if since is None else since
         with self._lock:
-            self._waits.setdefault(role, []).append(Wait(what, started, deadline_s))
+            waits = self._waits.setdefault(role, [])
+            waits.append(Wait(what, started, deadline_s))
+            depth = len(waits) - 1
+
+        def retitle(now_what: str) -> None:
+            with self._lock:
+                waits[depth] = replace(waits[depth], what=now_what)
+
         try:
-            yield
+            yield retitle
         finally:
             with self._lock:
-                self._waits[role].pop()
+                waits.pop()
 
     def check(self) -> None:
         """Trip if nothing progressed for `timeout_s` (the watch thread calls this)."""
@@ -145,15 +154,23 @@ def progressed(what: str) -> None:
 
 
 @contextmanager
-def waiting(what: str, deadline_s: float, since: float | None = None) -> Iterator[None]:
+def waiting(
+    what: str, deadline_s: float, since: float | None = None
+) -> Iterator[Callable[[str], None]]:
     """Record that the calling role waits on `what` (bounded by `deadline_s`) during the block;
-    `since` (`time.monotonic()`) when the wait began before the block (a wait taken in slices)."""
+    `since` (`time.monotonic()`) when the wait began before the block (a wait taken in slices).
+    The block gets a function that rewords `what` as the wait narrows (a call to many actors:
+    which of them have not answered yet), so a report shows what is still missing."""
     watch = _active
     if watch is None:
-        yield
+        yield _unwatched
         return
-    with watch.waiting(what, deadline_s, since):
-        yield
+    with watch.waiting(what, deadline_s, since) as retitle:
+        yield retitle
+
+
+def _unwatched(_what: str) -> None:
+    """Rewording a wait that no watch records: nothing to do."""
 
 
 def raise_if_stalled() -> None:

@@ -212,6 +212,24 @@ def test_a_server_that_fails_at_import_is_reported_by_its_first_error(venv, tmp_
     assert "shutting down" not in message
 
 
+def test_a_restart_in_the_same_folder_is_reported_by_its_own_log_not_the_last_attempts(
+    venv, tmp_path
+):
+    """A resumed run appends to the Gym log of the attempt before it: that attempt's import
+    error, fixed since, must not be named as this start's cause."""
+    work_dir = tmp_path / "w"
+    first = GymDeployment(_config(tmp_path, mode="crash"), venv=venv, work_dir=work_dir)
+    with pytest.raises(GymStartError, match="gymnasium"):
+        first.start(timeout_s=60)
+    again = GymDeployment(_config(tmp_path, mode="exit"), venv=venv, work_dir=work_dir)
+    with pytest.raises(GymStartError, match="exited with code 3") as raised:
+        again.start(timeout_s=60)
+    message = str(raised.value)
+    assert "gymnasium" not in message and "shutting down" not in message
+    assert message.endswith("which ends with:\nfake gym: refusing this config\n")
+    assert "ModuleNotFoundError" in (work_dir / "gym.log").read_text()  # still there to read
+
+
 def test_a_server_ignoring_sigterm_is_killed_with_its_group(venv, tmp_path, monkeypatch):
     monkeypatch.setattr(gym_launch, "_STOP_GRACE_S", 1.0)
     deployment = GymDeployment(

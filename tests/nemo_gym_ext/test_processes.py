@@ -48,6 +48,32 @@ def test_a_traceback_without_an_end_is_cut_to_forty_lines_and_the_tail_size(tmp_
     assert len(shown) <= LOG_TAIL_CHARS and len(shown.splitlines()) <= 40
 
 
+def test_a_restarted_child_s_error_and_tail_come_from_its_own_start(tmp_path):
+    """The log is appended to across starts (a resumed run): an error an earlier start wrote is
+    not this start's cause, and neither is its output in the tail."""
+    log = tmp_path / "child.log"
+    log.write_text("Traceback (most recent call last):\nImportError: fixed since\nold tail\n")
+    child = ChildProcess(
+        [
+            sys.executable,
+            "-c",
+            "print('starting', flush=True); raise SystemExit('RuntimeError: port taken')",
+        ],
+        log_path=log,
+        env={},
+        stop_grace_s=5.0,
+    )
+    child.start()
+    try:
+        deadline = time.monotonic() + 60
+        while child.exit_code() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        child.stop(5.0)
+    assert child.log_first_error() == "RuntimeError: port taken"
+    assert child.log_tail() == "starting\nRuntimeError: port taken\n"
+
+
 # A child that forks a grandchild (as Gym's launcher and SGLang do), writes both pids to argv[1]
 # and sleeps; with argv[2] == "stubborn" the grandchild ignores SIGTERM.
 _FAMILY = """

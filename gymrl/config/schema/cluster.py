@@ -84,7 +84,13 @@ class ClusterConfig(Strict):
     ray_address: str | None = Field(
         default=None, description="Existing Ray cluster ('auto' on Slurm); null = start locally."
     )
-    ray_start_timeout_s: float = Field(default=120.0, gt=0, description="Deadline to join Ray.")
+    ray_start_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="Deadline for the cluster at ray_address to accept a connection before the "
+        "run joins it (ray.init itself takes none), for the placement group to be reserved and "
+        "for the Gym shards and the policy server to start.",
+    )
     roles: RoleEnvironmentsConfig = Field(
         default_factory=RoleEnvironmentsConfig,
         description="Per role, the interpreter or container image its Ray actors run in.",

@@ -12,7 +12,7 @@ import torch
 
 from gymrl.algo.trajectory import Trajectory
 from gymrl.cluster.placement import RolePlacement, actor_options
-from gymrl.cluster.ray_calls import wait_for
+from gymrl.cluster.ray_calls import wait_for, wait_for_all
 from gymrl.config.schema.generation import RefitConfig
 from gymrl.config.schema.recipe import RecipeConfig
 from gymrl.generation.sglang.weight_sync import WEIGHT_SYNC_NCCL_ENV
@@ -39,8 +39,10 @@ class MegatronTrainerGroup:
     """The Megatron trainer as one Ray actor per trainer GPU (see `gymrl.roles.trainer`).
 
     Needs a running Ray cluster with the GPUs. Every call goes to all ranks (Megatron's
-    collectives need them all) and waits at most `call_timeout_s`; metrics come from the
-    reporting ranks (one per data-parallel replica), combined by :func:`reduce_loss_metrics`.
+    collectives need them all) and waits at most `call_timeout_s` (`grpo.batch_timeout_s`,
+    which its errors name) through :func:`wait_for_all`, so the no-progress watchdog and a stop
+    reach it and a rank that does not answer is named; metrics come from the reporting ranks
+    (one per data-parallel replica), combined by :func:`reduce_loss_metrics`.
     """
 
     def __init__(
@@ -99,7 +101,12 @@ class MegatronTrainerGroup:
 
     def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         calls = [getattr(actor, method).remote(*args, **kwargs) for actor in self._actors]
-        return self._ray.get(calls, timeout=self._timeout)
+        return wait_for_all(
+            calls,
+            timeout_s=self._timeout,
+            what=f"the Megatron trainer's {method} (grpo.batch_timeout_s)",
+            member="rank",
+        )
 
     def train_step(
         self,

@@ -71,6 +71,21 @@ def test_a_role_between_waits_is_reported_busy():
     assert str(watch.error).endswith("At that moment: trainer loop: not waiting (busy)")
 
 
+def test_a_wait_reworded_as_it_narrows_is_reported_in_its_last_words_since_its_start():
+    """A call to many ranks says which have not answered yet (gymrl.cluster.ray_calls)."""
+    clock = Clock()
+    watch = ProgressWatch(10.0, clock=clock)
+    with watch.waiting("train_step from ranks 0-3 (of 4)", 1800.0) as retitle:
+        clock.now += 4.0
+        with watch.waiting("an inner call", 5.0):
+            retitle("train_step from rank 2 (of 4)")  # the outer one, not the innermost
+        clock.now += 6.0
+        watch.check()
+    assert str(watch.error).endswith(
+        "trainer loop: waiting for train_step from rank 2 (of 4) for 10.0 s (its deadline 1800 s)"
+    )
+
+
 def test_without_an_active_watch_the_module_functions_do_nothing():
     assert progress._active is None
     progress.progressed("nothing watches")
