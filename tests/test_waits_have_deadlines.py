@@ -99,17 +99,17 @@ ALLOWED = {
     "cluster.ray_start_timeout_s (_wait_until_answering); starting the run's own: Ray's waits "
     "for the processes it starts",
     (
-        "gymrl/recipes/grpo.py",
+        "gymrl/recipes/training.py",
         "GRPORecipe.setup",
         "ray.shutdown",
     ): _RAY_SHUTDOWN,
     (
-        "gymrl/recipes/eval.py",
+        "gymrl/recipes/evaluation.py",
         "EvalRecipe.setup",
         "ray.shutdown",
     ): _RAY_SHUTDOWN,
     (
-        "gymrl/recipes/serve.py",
+        "gymrl/recipes/serving.py",
         "serve_policy",
         "ray.shutdown",
     ): _RAY_SHUTDOWN,
@@ -129,19 +129,19 @@ ALLOWED = {
         "ThreadPoolExecutor",
     ): _LOCAL_HASHING,
     (
-        "gymrl/generation/sglang_engine.py",
+        "gymrl/generation/sglang/engine.py",
         "SGLangEngine._resume",
         "asyncio.gather",
     ): "each _flush_cache gives up at FLUSH_DEADLINE_S and each of its POSTs has the request "
     "timeout; the caller waits in _run with 2 x request timeout + FLUSH_DEADLINE_S",
     (
-        "gymrl/generation/sglang_engine.py",
+        "gymrl/generation/sglang/engine.py",
         "SGLangEngine._on_all",
         "asyncio.gather",
     ): "each _post has an httpx timeout (generation.server.request_timeout_s, or the refit's); "
     "every caller runs it through _run, which waits with a deadline",
     (
-        "gymrl/generation/verify_weights_checker.py",
+        "gymrl/generation/sglang/refit_checks/weights_checker.py",
         "WeightsChecker._on_all",
         "asyncio.gather",
     ): "each call POSTs with the checker's timeout_s; the engine runs every check through "
@@ -164,13 +164,13 @@ ALLOWED = {
 # longer matches a call fails, so the fix removes it.
 KNOWN_UNBOUNDED = {
     (
-        "gymrl/generation/policy_server.py",
+        "gymrl/generation/server/app.py",
         "create_policy_server_app.chat_completions",
         "loop.run_in_executor",
     ): "NOT bounded: rendering a prompt, and the answer, on the one render worker has no "
     "deadline; issue 42 item 5",
     (
-        "gymrl/generation/policy_server.py",
+        "gymrl/generation/server/app.py",
         "create_policy_server_app.lifespan",
         "render_pool.shutdown",
     ): "NOT bounded: waits for the render in progress, which has no deadline; issue 42 item 5",

@@ -20,9 +20,9 @@ from ray.util.placement_group import placement_group, remove_placement_group
 
 from gymrl.cluster.placement import RolePlacement
 from gymrl.config.compose import compose_raw
-from gymrl.experience.validation import Validator
+from gymrl.experience.held_out import Validator
 from gymrl.preflight.validate import validate_config
-from gymrl.recipes.grpo import GRPORecipe
+from gymrl.recipes.training import GRPORecipe
 from gymrl.roles.gym_shard import RayGroupRunner
 from gymrl.run.progress import NoProgressError, ProgressWatch
 from gymrl.run.stop import StopRequested, stop_request_behind
@@ -179,7 +179,9 @@ def test_a_stalled_validation_pass_is_named_in_the_watchdog_report(tmp_path):
     shard = StalledShard.remote()
     recipe.generation = ValidationWindow.remote()
     row = {"id": "calc-0", "agent_ref": {"name": "calc"}}
-    recipe.validator = Validator([row], RayGroupRunner({"calc": shard}), timeout_s=60)
+    recipe.validator = Validator(
+        [row], RayGroupRunner({"calc": shard}), timeout_s=60, max_refused_share=0.1
+    )
     watch = ProgressWatch(PROGRESS_TIMEOUT_S)
     watch.start()
     try:
