@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from nemo_gym_ext.ports import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -65,7 +67,15 @@ def test_router_replay_with_truncation_is_refused_with_a_clear_message(tmp_path)
 
 
 def test_an_unreachable_ray_cluster_is_one_clear_message(tmp_path):
-    done = run_recipe("+experiment=math_1p5b", tmp_path=tmp_path)
+    """An address where nothing listens (not `auto`, which would join any Ray cluster running
+    on this machine): refused within cluster.ray_start_timeout_s, in one line."""
+    address = f"127.0.0.1:{free_port()}"
+    done = run_recipe(
+        "+experiment=math_1p5b",
+        f"cluster.ray_address={address}",
+        "cluster.ray_start_timeout_s=3",
+        tmp_path=tmp_path,
+    )
     assert done.returncode == 1
-    assert "run stopped: ClusterUnavailableError: cluster.ray_address='auto'" in done.stderr
+    assert f"run stopped: ClusterUnavailableError: cluster.ray_address='{address}'" in done.stderr
     assert "launch/ray.sub" in done.stderr and "Traceback" not in done.stderr
