@@ -50,7 +50,7 @@ from gymrl.experience.pass_at_k import pass_at_k_metrics
 from gymrl.experience.rows import load_rows, load_validation_rows
 from gymrl.generation.server.api_key import resolve_api_key
 from gymrl.model.policy import model_folder
-from gymrl.recipes.training import RUN_STOPPING_ERRORS
+from gymrl.recipes.stopping_errors import RUN_STOPPING_ERRORS
 from gymrl.roles import close_reporting_failure
 from gymrl.roles.generation_server import start_generation_server
 from gymrl.roles.gym_shard import RayGroupRunner, start_gym_shards

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ray
-from ray.exceptions import RayActorError
 from ray.util.placement_group import remove_placement_group
 
 from gymrl.algo.advantages import share_of_groups_with_variance
@@ -35,24 +34,18 @@ from gymrl.algo.episode_rules import EpisodeRules
 from gymrl.algo.trajectory import Trajectory
 from gymrl.cluster.placement import plan_placement, reserve
 from gymrl.cluster.ray_calls import wait_for
-from gymrl.cluster.ray_session import ClusterUnavailableError, start_ray
+from gymrl.cluster.ray_session import start_ray
 from gymrl.config.schema.recipe import RecipeConfig
 from gymrl.experience.held_out import HeldOutEpisode, Validator
 from gymrl.experience.ledger import TokenLedger
-from gymrl.experience.producer import (
-    DataState,
-    EveryPromptRefusedError,
-    ProducerCounts,
-    RolloutProducer,
-)
+from gymrl.experience.producer import DataState, ProducerCounts, RolloutProducer
 from gymrl.experience.rollout_group import RolloutGroup
-from gymrl.experience.rows import RowStream, UnservedAgentError, load_rows, load_validation_rows
+from gymrl.experience.rows import RowStream, load_rows, load_validation_rows
 from gymrl.generation.server.announce import announce_policy_server
-from gymrl.generation.server.api_key import ApiKeyError, resolve_api_key
+from gymrl.generation.server.api_key import resolve_api_key
 from gymrl.generation.server.divergence_watch import DivergenceCounts
 from gymrl.generation.server.sampling_rules import SamplingCounts, training_sampling_rules
 from gymrl.generation.torch.engine import EngineCounters
-from gymrl.generation.types import EngineFailedError
 from gymrl.model.policy import model_folder
 from gymrl.roles import close_reporting_failure
 from gymrl.roles.generation_server import start_generation_server
@@ -60,40 +53,17 @@ from gymrl.roles.gym_shard import RayGroupRunner, start_gym_shards
 from gymrl.roles.replay_buffer_actor import start_replay_buffer
 from gymrl.roles.trainer import start_trainer
 from gymrl.run.checkpoint import latest_verified_checkpoint
-from gymrl.run.folder import METRICS_FILENAME, RunFolderInUseError, claim_run_folder
-from gymrl.run.progress import NoProgressError, ProgressWatch, progressed, waiting
+from gymrl.run.folder import METRICS_FILENAME, claim_run_folder
+from gymrl.run.progress import ProgressWatch, progressed, waiting
 from gymrl.run.stop import StopSignals
 from gymrl.tracking.metrics_logger import build_logger
 from gymrl.tracking.plot import plot_run
 from gymrl.tracking.records import read_records
 from gymrl.trainer.grpo_step import agent_off_policy_metrics
-from gymrl.trainer.parity_gate import PASSED_METRIC, ParityGateError, first_step_check
-from nemo_gym_ext.gym_launch import GymStartError, GymVenvMissingError, PolicyEndpoint, gym_launcher
+from gymrl.trainer.parity_gate import PASSED_METRIC, first_step_check
+from nemo_gym_ext.gym_launch import PolicyEndpoint, gym_launcher
 from nemo_gym_ext.metrics import per_agent_metrics
-from nemo_gym_ext.postprocess import MalformedGymResultError, NonContiguousEpisodeError
-from nemo_gym_ext.rollout import FailureBudget, RolloutBudgetExceeded, UnknownAgentError
-
-# Errors that end a run with a message a user can act on (printed without a traceback).
-RUN_STOPPING_ERRORS = (
-    ClusterUnavailableError,
-    ApiKeyError,
-    RunFolderInUseError,
-    NonContiguousEpisodeError,
-    MalformedGymResultError,
-    UnknownAgentError,
-    UnservedAgentError,
-    RolloutBudgetExceeded,
-    TimeoutError,
-    # A role's process died (killed, out of memory, its node lost): the message names the actor.
-    RayActorError,
-    GymVenvMissingError,
-    GymStartError,
-    ParityGateError,
-    EveryPromptRefusedError,
-    NoProgressError,
-    # The torch engine stopped after a failed step: its own error, not the agents' failures.
-    EngineFailedError,
-)
+from nemo_gym_ext.rollout import FailureBudget
 
 
 @dataclass(frozen=True)
