@@ -19,34 +19,29 @@ contiguity/malformed-result error (never retried), the run stops with the cause.
 from __future__ import annotations
 
 import logging
-import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 
 import ray
 from ray.util.placement_group import remove_placement_group
 
-from gymrl.algo.advantages import share_of_groups_with_variance
 from gymrl.algo.episode_rules import EpisodeRules
-from gymrl.algo.trajectory import Trajectory
 from gymrl.cluster.placement import plan_placement, reserve
 from gymrl.cluster.ray_calls import wait_for
 from gymrl.cluster.ray_session import start_ray
 from gymrl.config.schema.recipe import RecipeConfig
 from gymrl.experience.held_out import HeldOutEpisode, Validator
 from gymrl.experience.ledger import TokenLedger
-from gymrl.experience.producer import DataState, ProducerCounts, RolloutProducer
+from gymrl.experience.producer import DataState, RolloutProducer
 from gymrl.experience.rollout_group import RolloutGroup
 from gymrl.experience.rows import RowStream, load_rows, load_validation_rows
 from gymrl.generation.server.announce import announce_policy_server
 from gymrl.generation.server.api_key import resolve_api_key
-from gymrl.generation.server.divergence_watch import DivergenceCounts
-from gymrl.generation.server.sampling_rules import SamplingCounts, training_sampling_rules
-from gymrl.generation.torch.engine import EngineCounters
+from gymrl.generation.server.sampling_rules import training_sampling_rules
 from gymrl.model.policy import model_folder
+from gymrl.recipes.step_metrics import EngineSnapshot, engine_metrics, step_metrics
 from gymrl.roles import close_reporting_failure
 from gymrl.roles.generation_server import start_generation_server
 from gymrl.roles.gym_shard import RayGroupRunner, start_gym_shards
@@ -59,24 +54,9 @@ from gymrl.run.stop import StopSignals
 from gymrl.tracking.metrics_logger import build_logger
 from gymrl.tracking.plot import plot_run
 from gymrl.tracking.records import read_records
-from gymrl.trainer.grpo_step import agent_off_policy_metrics
 from gymrl.trainer.parity_gate import PASSED_METRIC, first_step_check
 from nemo_gym_ext.gym_launch import PolicyEndpoint, gym_launcher
-from nemo_gym_ext.metrics import per_agent_metrics
 from nemo_gym_ext.rollout import FailureBudget
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """The generation server's totals at one moment (`time.monotonic()`): the torch engine's
-    counters (None for SGLang engines), the requests whose sampling was not the run's and the
-    requests it found diverged."""
-
-    seconds: float
-    engine: EngineCounters | None
-    sampling: SamplingCounts
-    divergence: DivergenceCounts
-
 
 log = logging.getLogger(__name__)
 
@@ -405,7 +385,7 @@ class GRPORecipe:
         self.ledger.trained_groups(groups)
         self.ledger.running_totals("producer", counts.untrained_tokens)
         self.ledger.running_totals("buffer", self.buffer.evicted_tokens())
-        metrics = self._metrics(
+        metrics = step_metrics(
             step, groups, train_metrics, counts, self.config.generation.server.max_tokens_per_turn
         )
         metrics.update(self._engine_metrics())
@@ -436,38 +416,10 @@ class GRPORecipe:
         return EngineSnapshot(time.monotonic(), counters, sampling, divergence)
 
     def _engine_metrics(self) -> dict[str, float]:
-        """How the engine spent the time since the last step, the requests whose sampling was
-        not the run's and those found diverged (docs/metrics.md)."""
+        """The engine's figures over the window since the last call (the step's), which the
+        next step's window starts from."""
         seen, self._engine_seen = self._engine_seen, self._engine_snapshot()
-        divergence, diverged_before = self._engine_seen.divergence, seen.divergence
-        metrics = {
-            "generation/divergence_detected": float(divergence.detected - diverged_before.detected),
-            "generation/divergence_stopped": float(divergence.stopped - diverged_before.stopped),
-            "generation/sampling_overridden": float(
-                self._engine_seen.sampling.overridden - seen.sampling.overridden
-            ),
-            "generation/sampling_rejected": float(
-                self._engine_seen.sampling.rejected - seen.sampling.rejected
-            ),
-        }
-        then, before = seen.seconds, seen.engine
-        now, after = self._engine_seen.seconds, self._engine_seen.engine
-        if before is None or after is None:
-            return metrics
-        steps = after.decode_steps - before.decode_steps
-        busy = after.busy_s - before.busy_s
-        generated = after.generated_tokens - before.generated_tokens
-        reused = after.reused_tokens - before.reused_tokens
-        prompt_tokens = reused + after.prefill_tokens - before.prefill_tokens
-        return metrics | {
-            "perf/engine_busy_share": busy / (now - then),
-            "perf/engine_rows_per_decode_step": (
-                (after.decode_rows - before.decode_rows) / steps if steps else math.nan
-            ),
-            "perf/engine_tokens_per_busy_s": generated / busy if busy else math.nan,
-            "perf/engine_prefix_reuse_share": reused / prompt_tokens if prompt_tokens else math.nan,
-            "perf/generated_tokens_per_s": generated / (now - then),
-        }
+        return engine_metrics(seen, self._engine_seen)
 
     def _wait_for_batch(self, step: int) -> list[RolloutGroup]:
         """The step's groups, waiting in short slices so a producer error surfaces at once."""
@@ -491,53 +443,6 @@ class GRPORecipe:
                         raise producer.fatal from None
                     raise
 
-    @staticmethod
-    def _metrics(
-        step: int,
-        groups: Sequence[RolloutGroup],
-        train_metrics: Mapping[str, float],
-        counts: ProducerCounts,
-        max_tokens_per_turn: int,
-    ) -> dict[str, float]:
-        trajectories: list[Trajectory] = [t for group in groups for t in group.trajectories]
-        episodes = [t for group in groups for t in group.episodes]  # tail segments left out
-        results = [summary for group in groups for summary in group.summaries]
-        ages = [step - t.weight_version for t in trajectories]
-        generated = sum(t.num_generated_tokens for t in trajectories)
-        own, off_policy = agent_off_policy_metrics(train_metrics)
-        metrics: dict[str, float] = {f"train/{k}": v for k, v in own.items()}
-        metrics.update({f"train/{k}": v for k, v in per_agent_metrics(results).items()})
-        metrics.update({f"train/{k}": v for k, v in off_policy.items()})
-        metrics.update({f"train/{k}": v for k, v in _infra_failure_rates(groups).items()})
-        metrics.update(_response_lengths(trajectories, max_tokens_per_turn))
-        metrics.update(
-            {
-                f"rollout/{agent}/uniform_dropped_total": float(count)
-                for agent, count in counts.uniform_dropped.items()
-            }
-        )
-        metrics.update(
-            {
-                "train/reward/mean": float(sum(t.reward for t in episodes) / len(episodes)),
-                "train/groups_with_reward_variance": share_of_groups_with_variance(
-                    [t.reward for t in episodes], [t.group_id for t in episodes]
-                ),
-                "rollout/episodes": float(len(episodes)),
-                "rollout/generated_tokens": float(generated),
-                "rollout/failures_total": float(counts.failures),
-                "rollout/prompt_too_long_total": float(counts.prompts_too_long),
-                "rollout/episode_timeouts_total": float(counts.episode_timeouts),
-                "rollout/retries_total": float(counts.retries),
-                "rollout/dropped_groups_total": float(counts.dropped_groups),
-                "rollout/uniform_over_budget_total": float(counts.uniform_over_budget),
-                "rollout/group_s/mean": _mean([group.seconds for group in groups]),
-                "async/weight_version": float(step + 1),
-                "async/trajectory_age/mean": _mean(ages),
-                "async/trajectory_age/max": float(max(ages)),
-            }
-        )
-        return metrics
-
     # ------------------------------------------------------------------------------- cleanup
     def cleanup(self) -> None:
         """Close, in reverse order, whatever `setup` started; safe after a failed setup and
@@ -552,42 +457,3 @@ def _group_deadline_s(config: RecipeConfig) -> float:
     rollout = config.env.rollout
     attempts = rollout.max_retries + 1
     return attempts * rollout.run_timeout_s + rollout.max_retries * rollout.retry_backoff_max_s
-
-
-def _infra_failure_rates(groups: Sequence[RolloutGroup]) -> dict[str, float]:
-    """Per agent, `<agent>/infra_failure_rate`: the share of the step's groups' episodes that
-    failed after their retries (no result), whatever the baseline does with them."""
-    failed: dict[str, int] = {}
-    total: dict[str, int] = {}
-    for group in groups:
-        agent = group.trajectories[0].agent
-        failed[agent] = failed.get(agent, 0) + group.failed_episodes
-        total[agent] = total.get(agent, 0) + group.failed_episodes + len(group.episodes)
-    return {f"{agent}/infra_failure_rate": failed[agent] / total[agent] for agent in total}
-
-
-def _response_lengths(
-    trajectories: Sequence[Trajectory], max_tokens_per_turn: int
-) -> dict[str, float]:
-    """The response-length and clipped-response figures every peer logs (docs/metrics.md has
-    the crosswalk), over the step's episodes: generated tokens per episode and per model call
-    trained on, the share of episodes that hit a token limit, and the share of model calls
-    trained on that used the policy server's whole `max_tokens_per_turn`. A masked episode (no
-    tokens) counts in the episode share only: it has no calls left to measure."""
-    episodes = [t.num_generated_tokens for t in trajectories if not t.is_masked]
-    turns = [length for t in trajectories for length in t.turn_lengths]
-    metrics = {
-        "rollout/clipped_episode_share": _mean([float(t.overlong) for t in trajectories]),
-        "rollout/clipped_turn_share": _mean(
-            [float(length >= max_tokens_per_turn) for length in turns]
-        ),
-    }
-    for name, lengths in (("episode", episodes), ("turn", turns)):
-        metrics[f"rollout/{name}_generated_tokens/mean"] = _mean(lengths)
-        metrics[f"rollout/{name}_generated_tokens/min"] = float(min(lengths, default=math.nan))
-        metrics[f"rollout/{name}_generated_tokens/max"] = float(max(lengths, default=math.nan))
-    return metrics
-
-
-def _mean(values: Sequence[float]) -> float:
-    return float(sum(values) / len(values)) if values else math.nan
