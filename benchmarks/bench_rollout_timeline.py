@@ -38,7 +38,6 @@ from gymrl.model.policy import model_folder
 from gymrl.preflight.validate import validate_config
 from gymrl.roles.generation_server import start_generation_server
 from gymrl.roles.gym_shard import RayGroupRunner, start_gym_shards
-from nemo_gym_ext.gym_launch import PolicyEndpoint
 from nemo_gym_ext.wire import agent_name_of
 
 
@@ -75,11 +74,8 @@ def main() -> None:
         )
         shards = start_gym_shards(
             config,
-            config.gym_shards,
             output_dir=output_dir,
-            policy=PolicyEndpoint(
-                generation.base_url, api_key.get_secret_value(), config.policy.name
-            ),
+            policy=generation.policy,
             model_folder=model_folder(config.policy),
             placement=placement,
             group=group,

@@ -67,7 +67,7 @@ from gymrl.run.eval_folder import (
     write_summary,
 )
 from gymrl.tracking.metrics_logger import WandbSink
-from nemo_gym_ext.gym_launch import PolicyEndpoint, gym_launcher
+from nemo_gym_ext.gym_launch import gym_launcher
 
 log = logging.getLogger(__name__)
 PREFIX = "eval/"
@@ -94,10 +94,9 @@ class EvalRecipe:
         self.folder = self._folder()
         if config.env.source == "gym_launch":
             gym_launcher(Path(config.env.gym.venv))  # a missing venv fails before anything starts
-        self.actor_configs = config.gym_shards
         self.rows: list[dict[str, Any]] | None = None
         if config.env.source == "builtin":  # every agent is in the config: check the rows now
-            served = {name for actor in self.actor_configs for name in actor.agents}
+            served = {name for actor in config.gym_shards for name in actor.agents}
             self.rows = self._held_out_rows(served)
         claim_eval_folder(self.folder)
         log.info(f"eval of {self.label}: writing {self.folder}")
@@ -127,11 +126,8 @@ class EvalRecipe:
             log.info(f"engines hold the weights of {self.checkpoint.folder} (version {version})")
         shards_by_agent = start_gym_shards(
             config,
-            self.actor_configs,
             output_dir=self.folder,
-            policy=PolicyEndpoint(
-                generation.base_url, api_key.get_secret_value(), config.policy.name
-            ),
+            policy=generation.policy,
             model_folder=model_folder(config.policy),
             placement=placement,
             group=group,
@@ -185,7 +181,7 @@ class EvalRecipe:
             if data.val_jsonl
             else load_rows(
                 data,
-                self.actor_configs,
+                config.gym_shards,
                 sampling,
                 config.run.seed,
                 served_agents=served,
@@ -194,7 +190,7 @@ class EvalRecipe:
         )
         return load_validation_rows(
             data,
-            self.actor_configs,
+            config.gym_shards,
             train_rows,
             temperature=eval_temperature(config),
             top_p=sampling.top_p,

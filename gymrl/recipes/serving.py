@@ -52,12 +52,7 @@ def serve_policy(config: RecipeConfig, output_dir: Path, stop: threading.Event) 
             api_key=api_key,
             on_cleanup=lambda what, close: _push(started, close),
         )
-        announce_policy_server(
-            output_dir,
-            base_url=server.base_url,
-            model_name=config.policy.name,
-            api_key=api_key.get_secret_value(),
-        )
+        announce_policy_server(output_dir, server.policy)
         log.info("serving until interrupted (Ctrl-C or SIGTERM)")
         stop.wait()
         log.info("stopping the policy server")

@@ -55,7 +55,7 @@ from gymrl.tracking.metrics_logger import build_logger
 from gymrl.tracking.plot import plot_run
 from gymrl.tracking.records import read_records
 from gymrl.trainer.parity_gate import PASSED_METRIC, first_step_check
-from nemo_gym_ext.gym_launch import PolicyEndpoint, gym_launcher
+from nemo_gym_ext.gym_launch import gym_launcher
 from nemo_gym_ext.rollout import FailureBudget
 
 log = logging.getLogger(__name__)
@@ -142,21 +142,13 @@ class GRPORecipe:
             on_cleanup=self._on_cleanup,
             sampling_rules=training_sampling_rules(config),
         )
-        self.generation, base_url = generation.actor, generation.base_url
+        self.generation = generation.actor
         log.info(f"policy server up {time.monotonic() - started:.1f} s into setup")
-        announce_policy_server(
-            self.output_dir,
-            base_url=base_url,
-            model_name=config.policy.name,
-            api_key=self.policy_api_key.get_secret_value(),
-        )
+        announce_policy_server(self.output_dir, generation.policy)
         shards_by_agent = start_gym_shards(
             config,
-            config.gym_shards,
             output_dir=self.output_dir,
-            policy=PolicyEndpoint(
-                base_url, self.policy_api_key.get_secret_value(), config.policy.name
-            ),
+            policy=generation.policy,
             model_folder=folder,
             placement=placement,
             group=group,

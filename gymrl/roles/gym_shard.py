@@ -166,7 +166,6 @@ def shard_launch(config: RecipeConfig, output_dir: Path, index: int, count: int,
 
 def start_gym_shards(
     config: RecipeConfig,
-    actor_configs: Sequence[GymActorConfig],
     *,
     output_dir: Path,
     policy: PolicyEndpoint,
@@ -175,18 +174,19 @@ def start_gym_shards(
     group: Any,
     on_cleanup: OnCleanup,
 ) -> dict[str, Any]:
-    """Start one shard actor per entry of `actor_configs` and wait for each one's agents; the
-    shard actor serving each agent. An agent served by two shards is refused."""
+    """Start one shard actor per entry of `config.gym_shards` and wait for each one's agents;
+    the shard actor serving each agent. An agent served by two shards is refused."""
     shards_by_agent: dict[str, Any] = {}
     shard_names: dict[str, str] = {}
     launching = config.env.source == "gym_launch"
-    for index, actor in enumerate(actor_configs):
+    shards = config.gym_shards
+    for index, actor in enumerate(shards):
         shard = GymShard.options(**actor_options(placement.gym_shards, 0, group)).remote(
             actor,
             config.env.rollout,
             policy=policy,
             model_folder=model_folder,
-            launch=shard_launch(config, output_dir, index, len(actor_configs), actor.shard),
+            launch=shard_launch(config, output_dir, index, len(shards), actor.shard),
             stop_on_divergence=config.generation.server.stop_on_divergence,
             policy_config=config.policy,
         )
