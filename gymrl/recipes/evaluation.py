@@ -27,17 +27,12 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Collection
-from contextlib import ExitStack
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
-import ray
-from ray.util.placement_group import remove_placement_group
-
-from gymrl.cluster.placement import plan_placement, reserve
 from gymrl.cluster.ray_calls import wait_for
-from gymrl.cluster.ray_session import start_ray
+from gymrl.cluster.session import ClusterSession
 from gymrl.config.schema.recipe import RecipeConfig
 from gymrl.experience.held_out import (
     HeldOutEpisode,
@@ -51,7 +46,6 @@ from gymrl.experience.rows import load_rows, load_validation_rows
 from gymrl.generation.server.api_key import resolve_api_key
 from gymrl.model.policy import model_folder
 from gymrl.recipes.stopping_errors import RUN_STOPPING_ERRORS
-from gymrl.roles import close_reporting_failure
 from gymrl.roles.generation_server import start_generation_server
 from gymrl.roles.gym_shard import RayGroupRunner, start_gym_shards
 from gymrl.run.eval_checkpoint import (
@@ -82,7 +76,7 @@ class EvalRecipe:
     def __init__(self, config: RecipeConfig, run_dir: Path):
         self.config = config
         self.run_dir = run_dir
-        self._closers = ExitStack()
+        self.cluster = ClusterSession()
         self.stop = threading.Event()
         self.stopped_by: int | None = None  # the signal that stopped the pass
 
@@ -101,20 +95,17 @@ class EvalRecipe:
         claim_eval_folder(self.folder)
         log.info(f"eval of {self.label}: writing {self.folder}")
         started = time.monotonic()
-        start_ray(config.cluster)
-        self._on_cleanup("Ray", ray.shutdown)
-        placement = plan_placement(config, with_trainer=False)
-        group = reserve(placement, config.cluster.ray_start_timeout_s)
-        if group is not None:
-            self._on_cleanup("the placement group", lambda: remove_placement_group(group))
+        # No handlers to put back: `run_eval` installs the eval's after setup, after ray.init.
+        cluster = self.cluster
+        cluster.start(config, with_trainer=False)
         generation = start_generation_server(
             config,
             output_dir=self.folder,
             torch_threads=2,  # nothing trains: generation takes both cores of a laptop
-            placement=placement,
-            group=group,
+            placement=cluster.placement,
+            group=cluster.group,
             api_key=api_key,
-            on_cleanup=self._on_cleanup,
+            on_cleanup=cluster.on_cleanup,
         )
         if self.checkpoint is not None:
             weights = checkpoint_weights(self.checkpoint)
@@ -129,9 +120,9 @@ class EvalRecipe:
             output_dir=self.folder,
             policy=generation.policy,
             model_folder=model_folder(config.policy),
-            placement=placement,
-            group=group,
-            on_cleanup=self._on_cleanup,
+            placement=cluster.placement,
+            group=cluster.group,
+            on_cleanup=cluster.on_cleanup,
         )
         if self.rows is None:
             self.rows = self._held_out_rows(shards_by_agent)
@@ -149,7 +140,7 @@ class EvalRecipe:
             keep_transcripts=config.eval.transcripts,
         )
         self.episode_log = EpisodeLog(self.folder)
-        self._on_cleanup("the episode log", self.episode_log.close)
+        cluster.on_cleanup("the episode log", self.episode_log.close)
 
     @property
     def step(self) -> int:
@@ -196,9 +187,6 @@ class EvalRecipe:
             top_p=sampling.top_p,
             served_agents=served,
         )
-
-    def _on_cleanup(self, what: str, close: Callable[[], object]) -> None:
-        self._closers.callback(close_reporting_failure, what, close)
 
     # ------------------------------------------------------------------------------ evaluate
     def install_stop_signals(self) -> None:
@@ -266,7 +254,7 @@ class EvalRecipe:
     # ------------------------------------------------------------------------------- cleanup
     def cleanup(self) -> None:
         """Close, in reverse order, whatever `setup` started; each closer best effort."""
-        self._closers.close()
+        self.cluster.close()
 
 
 def eval_temperature(config: RecipeConfig) -> float:

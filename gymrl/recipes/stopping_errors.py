@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ray.exceptions import RayActorError
 
-from gymrl.cluster.ray_session import ClusterUnavailableError
+from gymrl.cluster.session import ClusterUnavailableError
 from gymrl.experience.producer import EveryPromptRefusedError
 from gymrl.experience.rows import UnservedAgentError
 from gymrl.generation.server.api_key import ApiKeyError

@@ -20,17 +20,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from contextlib import ExitStack
 from pathlib import Path
 
-import ray
-from ray.util.placement_group import remove_placement_group
-
 from gymrl.algo.episode_rules import EpisodeRules
-from gymrl.cluster.placement import plan_placement, reserve
 from gymrl.cluster.ray_calls import wait_for
-from gymrl.cluster.ray_session import start_ray
+from gymrl.cluster.session import ClusterSession
 from gymrl.config.schema.recipe import RecipeConfig
 from gymrl.experience.held_out import HeldOutEpisode, Validator
 from gymrl.experience.ledger import TokenLedger
@@ -42,7 +36,6 @@ from gymrl.generation.server.api_key import resolve_api_key
 from gymrl.generation.server.sampling_rules import training_sampling_rules
 from gymrl.model.policy import model_folder
 from gymrl.recipes.step_metrics import EngineSnapshot, engine_metrics, step_metrics
-from gymrl.roles import close_reporting_failure
 from gymrl.roles.generation_server import start_generation_server
 from gymrl.roles.gym_shard import RayGroupRunner, start_gym_shards
 from gymrl.roles.replay_buffer_actor import start_replay_buffer
@@ -81,7 +74,7 @@ class GRPORecipe:
         self.config = config
         self.output_dir = output_dir
         self.checkpoint_dir = output_dir / "checkpoints"
-        self._closers = ExitStack()
+        self.cluster = ClusterSession()
         # Installed by the entry point (`install_stop_signals`); tests drive the recipe without.
         self.stops = StopSignals(config.stop.step_in_progress, config.stop.deadline_s)
         self._stops_installed = False
@@ -110,17 +103,12 @@ class GRPORecipe:
         if config.env.source == "gym_launch":
             gym_launcher(Path(config.env.gym.venv))  # a missing venv fails before anything starts
         identity = claim_run_folder(self.output_dir, resume=config.resume)
-        start_ray(config.cluster)
-        self._on_cleanup("Ray", ray.shutdown)
-        if self._stops_installed:
-            self.stops.install()  # ray.init replaced the driver's SIGTERM handler
+        cluster = self.cluster
+        cluster.start(config, install_signals=self.stops.install if self._stops_installed else None)
+        placement, group = cluster.placement, cluster.group
         # Async on a CPU: generation and training overlap, one core each; sync: they alternate.
         threads = 1 if config.grpo.async_enabled else 2
         folder = model_folder(config.policy)  # converts the embedded model once, here
-        placement = plan_placement(config)
-        group = reserve(placement, config.cluster.ray_start_timeout_s)
-        if group is not None:
-            self._on_cleanup("the placement group", lambda: remove_placement_group(group))
         # Every role has its bundles in `group` already, so the order of starting is free: the
         # trainer is launched first and waited for last, so that its model loads while the
         # generation server and the Gym shards start (6 s of the embedded run's setup on 2 cores).
@@ -130,7 +118,7 @@ class GRPORecipe:
             torch_threads=threads,
             placement=placement,
             group=group,
-            on_cleanup=self._on_cleanup,
+            on_cleanup=cluster.on_cleanup,
         )
         generation = start_generation_server(
             config,
@@ -139,7 +127,7 @@ class GRPORecipe:
             placement=placement,
             group=group,
             api_key=self.policy_api_key,
-            on_cleanup=self._on_cleanup,
+            on_cleanup=cluster.on_cleanup,
             sampling_rules=training_sampling_rules(config),
         )
         self.generation = generation.actor
@@ -152,7 +140,7 @@ class GRPORecipe:
             model_folder=folder,
             placement=placement,
             group=group,
-            on_cleanup=self._on_cleanup,
+            on_cleanup=cluster.on_cleanup,
         )
         self.trainer.wait_until_started()
         log.info(
@@ -170,7 +158,7 @@ class GRPORecipe:
         )
         grpo = config.grpo
         self.buffer = start_replay_buffer(
-            grpo, placement=placement, group=group, on_cleanup=self._on_cleanup
+            grpo, placement=placement, group=group, on_cleanup=cluster.on_cleanup
         )
         self.first_step, data = self._resume()
         self.finished_step = self.saved_step = self.first_step
@@ -202,7 +190,7 @@ class GRPORecipe:
             first_step=self.first_step,
             run_id=identity.wandb_run_id,
         )
-        self._on_cleanup("the metrics logger", self.logger.close)
+        cluster.on_cleanup("the metrics logger", self.logger.close)
         self.episode_rules = EpisodeRules(config.loss, config.generation.server.max_tokens_per_turn)
         rollout = config.env.rollout
         self.producer = RolloutProducer(
@@ -221,15 +209,12 @@ class GRPORecipe:
         )
         self._engine_seen = self._engine_snapshot()  # the first step's window starts here
         self.producer.start()
-        self._on_cleanup("the rollout producer", self.producer.stop)
+        cluster.on_cleanup("the rollout producer", self.producer.stop)
         if config.run.progress_timeout_s is not None:
             # Closed first: cleanup's own waits must not be cut short by a tripped watch.
             watch = ProgressWatch(config.run.progress_timeout_s)
             watch.start()
-            self._on_cleanup("the no-progress watchdog", watch.stop)
-
-    def _on_cleanup(self, what: str, close: Callable[[], object]) -> None:
-        self._closers.callback(close_reporting_failure, what, close)
+            cluster.on_cleanup("the no-progress watchdog", watch.stop)
 
     def _resume(self) -> tuple[int, DataState]:
         """The step and data state to start from: 0 and the first row, or a checkpoint's."""
@@ -440,7 +425,7 @@ class GRPORecipe:
         """Close, in reverse order, whatever `setup` started; safe after a failed setup and
         when called twice. A role that does not close cleanly is reported, not raised: it must
         not mask the error that ended the run, nor keep the roles before it from closing."""
-        self._closers.close()
+        self.cluster.close()
 
 
 def _group_deadline_s(config: RecipeConfig) -> float:

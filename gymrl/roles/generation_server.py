@@ -19,6 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from gymrl.cluster.placement import Placement, actor_options
 from gymrl.cluster.ray_calls import close_actor, wait_for
+from gymrl.cluster.session import OnCleanup
 from gymrl.config.schema.generation import SGLangGenerationConfig, TorchGenerationConfig
 from gymrl.config.schema.recipe import RecipeConfig
 from gymrl.generation.server.announce import policy_server_host
@@ -33,7 +34,6 @@ from gymrl.generation.types import EngineFailedError
 from gymrl.model.loading import load_tokenizer
 from gymrl.model.policy import build_policy, model_folder
 from gymrl.model.tokens import eos_token_id, policy_end_token_ids
-from gymrl.roles import OnCleanup
 from nemo_gym_ext.gym_launch import PolicyEndpoint
 from nemo_gym_ext.http_server import serve_in_thread
 

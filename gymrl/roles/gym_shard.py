@@ -18,13 +18,13 @@ import ray
 
 from gymrl.cluster.placement import Placement, actor_options
 from gymrl.cluster.ray_calls import close_actor, wait_for
+from gymrl.cluster.session import OnCleanup
 from gymrl.config.schema.env import RolloutConfig
 from gymrl.config.schema.policy import PolicyConfig
 from gymrl.config.schema.recipe import RecipeConfig
 from gymrl.generation.server.chat_template import ChatFormat, row_prompt_token_count
 from gymrl.model.loading import load_tokenizer
 from gymrl.model.tokens import decode_text
-from gymrl.roles import OnCleanup
 from gymrl.run.progress import raise_if_stalled
 from gymrl.run.stop import stops_held
 from nemo_gym_ext.config import HEAD_SERVER_URL_KEY, GymActorConfig
