@@ -20,7 +20,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
+
+from pydantic import SecretStr
 
 from gymrl.algo.episode_rules import EpisodeRules
 from gymrl.cluster.ray_calls import wait_for
@@ -41,7 +45,7 @@ from gymrl.roles.gym_shard import RayGroupRunner, start_gym_shards
 from gymrl.roles.replay_buffer_actor import start_replay_buffer
 from gymrl.roles.trainer import start_trainer
 from gymrl.run.checkpoint import latest_verified_checkpoint
-from gymrl.run.folder import METRICS_FILENAME, claim_run_folder
+from gymrl.run.folder import METRICS_FILENAME, RunIdentity, claim_run_folder
 from gymrl.run.progress import ProgressWatch, progressed, waiting
 from gymrl.run.stop import StopSignals
 from gymrl.tracking.metrics_logger import build_logger
@@ -57,12 +61,14 @@ log = logging.getLogger(__name__)
 class GRPORecipe:
     """One training run in the order it happens: `setup()`, `train()`, `cleanup()`.
 
-    `setup` starts Ray, then each role (generation server, trainer, Gym shards, replay buffer),
-    resumes from a checkpoint, refits the engine to the trainer's weights and starts the rollout
-    producer; every role is put on a stack of closers the moment it exists. `cleanup` closes
-    that stack in reverse order (the producer, the logger, the buffer, the shards' agents before
-    the policy server they call, the trainer, the generation server, Ray), so it undoes exactly
-    what a setup got through, also one that failed half-way. Call it in a `finally`.
+    `setup` starts the cluster session (Ray and the placement, gymrl.cluster.session), then each
+    role (trainer, generation server, Gym shards, replay buffer), resumes from a checkpoint,
+    refits the engine to the trainer's weights and starts the rollout producer; everything is put
+    on the session's stack of closers the moment it exists. `cleanup` closes that stack in
+    reverse order (the watchdog, the producer, the logger, the buffer, the shards' agents before
+    the policy server they call, the generation server, the trainer, the placement group, Ray),
+    so it undoes exactly what a setup got through, also one that failed half-way. Call it in a
+    `finally`.
 
     Where it lives: torchtune keeps its recipe classes in recipes/*.py. Here the class lives in
     the package and recipes/grpo.py drives its three verbs, because the same entry point serves
@@ -95,51 +101,67 @@ class GRPORecipe:
 
     # --------------------------------------------------------------------------------- setup
     def setup(self) -> None:
-        """Start every role; on failure, what started so far is on the stack for `cleanup`."""
+        """Start the run, one step after the other; on failure, what started so far is on the
+        cluster session's stack for `cleanup`."""
         config = self.config
         # First: a bad key source must fail before anything starts.
-        self.policy_api_key = resolve_api_key(config.generation.server.api_key_file)
+        api_key = resolve_api_key(config.generation.server.api_key_file)
         started = time.monotonic()
-        if config.env.source == "gym_launch":
-            gym_launcher(Path(config.env.gym.venv))  # a missing venv fails before anything starts
-        identity = claim_run_folder(self.output_dir, resume=config.resume)
+        identity = self._claim_run_folder()
         cluster = self.cluster
         cluster.start(config, install_signals=self.stops.install if self._stops_installed else None)
-        placement, group = cluster.placement, cluster.group
+        shards_by_agent = self._start_roles(api_key, started)
+        rows = self._load_rows(shards_by_agent)
+        self.buffer = start_replay_buffer(
+            config.grpo,
+            placement=cluster.placement,
+            group=cluster.group,
+            on_cleanup=cluster.on_cleanup,
+        )
+        data = self._resume_and_refit()
+        self.rows = RowStream(rows, data.position, seed=config.run.seed, redraw=data.pending)
+        runner = RayGroupRunner(shards_by_agent, self.generation.raise_if_engine_failed)
+        self.validator = self._validator(rows, runner)
+        self._start_logger(identity)
+        self._start_producer(runner)
+        self._start_watchdog()
+
+    def _claim_run_folder(self) -> RunIdentity:
+        """The run folder's identity; a missing Gym venv or a folder another run holds fails
+        here, before anything starts."""
+        config = self.config
+        if config.env.source == "gym_launch":
+            gym_launcher(Path(config.env.gym.venv))
+        return claim_run_folder(self.output_dir, resume=config.resume)
+
+    def _start_roles(self, api_key: SecretStr, started: float) -> dict[str, Any]:
+        """The trainer, the generation server (announced) and the Gym shards; the shard actor
+        serving each agent.
+
+        Every role has its bundles in the placement group already, so the order of starting is
+        free: the trainer is launched first and waited for last, so that its model loads while
+        the generation server and the Gym shards start (6 s of the embedded run's setup on 2
+        cores)."""
+        config, cluster = self.config, self.cluster
         # Async on a CPU: generation and training overlap, one core each; sync: they alternate.
         threads = 1 if config.grpo.async_enabled else 2
         folder = model_folder(config.policy)  # converts the embedded model once, here
-        # Every role has its bundles in `group` already, so the order of starting is free: the
-        # trainer is launched first and waited for last, so that its model loads while the
-        # generation server and the Gym shards start (6 s of the embedded run's setup on 2 cores).
         self.trainer = start_trainer(
             config,
             self.output_dir,
             torch_threads=threads,
-            placement=placement,
-            group=group,
+            placement=cluster.placement,
+            group=cluster.group,
             on_cleanup=cluster.on_cleanup,
         )
-        generation = start_generation_server(
-            config,
-            output_dir=self.output_dir,
-            torch_threads=threads,
-            placement=placement,
-            group=group,
-            api_key=self.policy_api_key,
-            on_cleanup=cluster.on_cleanup,
-            sampling_rules=training_sampling_rules(config),
-        )
-        self.generation = generation.actor
-        log.info(f"policy server up {time.monotonic() - started:.1f} s into setup")
-        announce_policy_server(self.output_dir, generation.policy)
+        self._start_generation_server(api_key, threads, started)
         shards_by_agent = start_gym_shards(
             config,
             output_dir=self.output_dir,
-            policy=generation.policy,
+            policy=self.generation.policy,
             model_folder=folder,
-            placement=placement,
-            group=group,
+            placement=cluster.placement,
+            group=cluster.group,
             on_cleanup=cluster.on_cleanup,
         )
         self.trainer.wait_until_started()
@@ -147,8 +169,29 @@ class GRPORecipe:
             f"{len(config.gym_shards)} Gym shard(s) up, {time.monotonic() - started:.1f} s into "
             f"setup ({config.env.source}), serving {sorted(shards_by_agent)}"
         )
-        # Every row's agent is served, checked before any episode runs.
-        rows = load_rows(
+        return shards_by_agent
+
+    def _start_generation_server(self, api_key: SecretStr, threads: int, started: float) -> None:
+        """The generation server with the run's sampling rules, announced to Gym deployments
+        started by hand (`policy_server.json`)."""
+        config, cluster = self.config, self.cluster
+        self.generation = start_generation_server(
+            config,
+            output_dir=self.output_dir,
+            torch_threads=threads,
+            placement=cluster.placement,
+            group=cluster.group,
+            api_key=api_key,
+            on_cleanup=cluster.on_cleanup,
+            sampling_rules=training_sampling_rules(config),
+        )
+        log.info(f"policy server up {time.monotonic() - started:.1f} s into setup")
+        announce_policy_server(self.output_dir, self.generation.policy)
+
+    def _load_rows(self, shards_by_agent: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """The training rows; every row's agent is served, checked before any episode runs."""
+        config = self.config
+        return load_rows(
             config.env.data,
             config.gym_shards,
             config.generation.sampling,
@@ -156,47 +199,54 @@ class GRPORecipe:
             served_agents=shards_by_agent,
             max_output_tokens=config.generation.server.max_tokens_per_turn,
         )
-        grpo = config.grpo
-        self.buffer = start_replay_buffer(
-            grpo, placement=placement, group=group, on_cleanup=cluster.on_cleanup
-        )
+
+    def _resume_and_refit(self) -> DataState:
+        """Load the checkpoint to resume from (if any), refit the engine to the trainer's
+        weights, and return where in the rows the run goes on."""
         self.first_step, data = self._resume()
         self.finished_step = self.saved_step = self.first_step
         self._finished_data = data
         self._refit(self.first_step)
-        self.rows = RowStream(rows, data.position, seed=config.run.seed, redraw=data.pending)
-        self.validator = (
-            Validator(
-                load_validation_rows(
-                    config.env.data,
-                    config.gym_shards,
-                    rows,
-                    temperature=grpo.val_temperature,
-                    top_p=config.generation.sampling.top_p,
-                    served_agents=shards_by_agent,
-                ),
-                RayGroupRunner(shards_by_agent, generation.raise_if_engine_failed),
-                grpo.batch_timeout_s,
-            )
-            if grpo.val_at_start or grpo.val_period or grpo.val_at_end
-            else None
+        return data
+
+    def _validator(self, rows: list[dict[str, Any]], runner: RayGroupRunner) -> Validator | None:
+        """The held-out pass, built whenever a `grpo.val_*` setting asks for one."""
+        config, grpo = self.config, self.config.grpo
+        if not (grpo.val_at_start or grpo.val_period or grpo.val_at_end):
+            return None
+        held_out = load_validation_rows(
+            config.env.data,
+            config.gym_shards,
+            rows,
+            temperature=grpo.val_temperature,
+            top_p=config.generation.sampling.top_p,
+            served_agents=runner.agents,
         )
+        return Validator(held_out, runner, grpo.batch_timeout_s)
+
+    def _start_logger(self, identity: RunIdentity) -> None:
+        """The metrics logger, under the folder's W&B run id, which a resume continues."""
+        config = self.config
         self.logger = build_logger(
             config.logger,
             run_name=config.run.name,
             output_dir=self.output_dir,
             hparams=config.model_dump(mode="json"),
-            total_steps=grpo.num_steps,
+            total_steps=config.grpo.num_steps,
             first_step=self.first_step,
             run_id=identity.wandb_run_id,
         )
-        cluster.on_cleanup("the metrics logger", self.logger.close)
+        self.cluster.on_cleanup("the metrics logger", self.logger.close)
+
+    def _start_producer(self, runner: RayGroupRunner) -> None:
+        """The rollout producer, started once the first step's engine window opens."""
+        config = self.config
         self.episode_rules = EpisodeRules(config.loss, config.generation.server.max_tokens_per_turn)
         rollout = config.env.rollout
         self.producer = RolloutProducer(
-            grpo,
+            config.grpo,
             self.rows,
-            RayGroupRunner(shards_by_agent, generation.raise_if_engine_failed),
+            runner,
             self.buffer,
             first_step=self.first_step,
             failures=FailureBudget(
@@ -209,12 +259,16 @@ class GRPORecipe:
         )
         self._engine_seen = self._engine_snapshot()  # the first step's window starts here
         self.producer.start()
-        cluster.on_cleanup("the rollout producer", self.producer.stop)
-        if config.run.progress_timeout_s is not None:
-            # Closed first: cleanup's own waits must not be cut short by a tripped watch.
-            watch = ProgressWatch(config.run.progress_timeout_s)
+        self.cluster.on_cleanup("the rollout producer", self.producer.stop)
+
+    def _start_watchdog(self) -> None:
+        """The no-progress watchdog (`run.progress_timeout_s`), closed first: cleanup's own
+        waits must not be cut short by a tripped watch."""
+        timeout_s = self.config.run.progress_timeout_s
+        if timeout_s is not None:
+            watch = ProgressWatch(timeout_s)
             watch.start()
-            cluster.on_cleanup("the no-progress watchdog", watch.stop)
+            self.cluster.on_cleanup("the no-progress watchdog", watch.stop)
 
     def _resume(self) -> tuple[int, DataState]:
         """The step and data state to start from: 0 and the first row, or a checkpoint's."""
@@ -288,7 +342,7 @@ class GRPORecipe:
 
     def _set_validating(self, validating: bool) -> None:
         wait_for(
-            self.generation.set_validating.remote(validating),
+            self.generation.actor.set_validating.remote(validating),
             timeout_s=self.config.grpo.batch_timeout_s,
             what="the policy server's validation window",
         )
@@ -326,7 +380,7 @@ class GRPORecipe:
 
     def _refit(self, version: int) -> float:
         started = time.monotonic()
-        self.trainer.refit(self.generation, version)
+        self.trainer.refit(self.generation.actor, version)
         return time.monotonic() - started
 
     def _step(self, step: int) -> dict[str, float]:
@@ -382,9 +436,9 @@ class GRPORecipe:
     def _engine_snapshot(self) -> EngineSnapshot:
         counters, sampling, divergence = wait_for(
             [
-                self.generation.engine_counters.remote(),
-                self.generation.sampling_counts.remote(),
-                self.generation.divergence_counts.remote(),
+                self.generation.actor.engine_counters.remote(),
+                self.generation.actor.sampling_counts.remote(),
+                self.generation.actor.divergence_counts.remote(),
             ],
             timeout_s=self.config.grpo.batch_timeout_s,
             what="the engine's counters",
