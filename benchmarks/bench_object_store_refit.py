@@ -17,14 +17,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from contextlib import ExitStack
 from pathlib import Path
 
-import ray
-
-from gymrl.cluster.placement import plan_placement, reserve
 from gymrl.cluster.ray_calls import wait_for
-from gymrl.cluster.ray_session import start_ray
+from gymrl.cluster.session import ClusterSession
 from gymrl.config.compose import compose_raw
 from gymrl.generation.server.api_key import resolve_api_key
 from gymrl.model.policy import build_policy
@@ -42,34 +38,27 @@ def main() -> None:
     config = validate_config(compose_raw(args.overrides))
     if config.generation.backend != "torch":
         parser.error("the object-store refit is the torch engine's: run with generation=torch")
-    with ExitStack() as started:
-        start_ray(config.cluster)
-        started.callback(ray.shutdown)
-        placement = plan_placement(config)
-        group = reserve(placement, config.cluster.ray_start_timeout_s)
-
-        def on_cleanup(_what, close):
-            started.callback(close)
-
+    with ClusterSession() as cluster:
+        cluster.start(config)
         output_dir = Path("outputs/bench_object_store_refit").resolve()
         output_dir.mkdir(parents=True, exist_ok=True)
         generation = start_generation_server(
             config,
             output_dir=output_dir,
             torch_threads=args.threads,
-            placement=placement,
-            group=group,
+            placement=cluster.placement,
+            group=cluster.group,
             api_key=resolve_api_key(None),
-            on_cleanup=on_cleanup,
+            on_cleanup=cluster.on_cleanup,
             episode_deadline_s=config.env.rollout.run_timeout_s,
         )
         trainer = start_trainer(
             config,
             output_dir,
             torch_threads=args.threads,
-            placement=placement,
-            group=group,
-            on_cleanup=on_cleanup,
+            placement=cluster.placement,
+            group=cluster.group,
+            on_cleanup=cluster.on_cleanup,
         )
         dtypes = wait_for(generation.actor.weight_dtypes.remote(), timeout_s=60, what="dtypes")
         seconds = []

@@ -17,19 +17,16 @@ from __future__ import annotations
 
 import argparse
 import time
-from contextlib import ExitStack
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
-import ray
 from matplotlib.ticker import MaxNLocator
 
-from gymrl.cluster.placement import plan_placement, reserve
 from gymrl.cluster.ray_calls import wait_for
-from gymrl.cluster.ray_session import start_ray
+from gymrl.cluster.session import ClusterSession
 from gymrl.config.compose import compose_raw
 from gymrl.experience.rows import RowStream, load_rows
 from gymrl.generation.server.api_key import resolve_api_key
@@ -38,7 +35,6 @@ from gymrl.model.policy import model_folder
 from gymrl.preflight.validate import validate_config
 from gymrl.roles.generation_server import start_generation_server
 from gymrl.roles.gym_shard import RayGroupRunner, start_gym_shards
-from nemo_gym_ext.gym_launch import PolicyEndpoint
 from nemo_gym_ext.wire import agent_name_of
 
 
@@ -52,39 +48,28 @@ def main() -> None:
     config = validate_config(compose_raw(args.overrides))
     if config.generation.backend != "torch":
         parser.error("the engine timeline is the torch engine's: run with generation=torch")
-    with ExitStack() as started:
-        start_ray(config.cluster)
-        started.callback(ray.shutdown)
-        placement = plan_placement(config)
-        group = reserve(placement, config.cluster.ray_start_timeout_s)
-        api_key = resolve_api_key(None)
-
-        def on_cleanup(_what, close):
-            started.callback(close)
-
+    with ClusterSession() as cluster:
+        cluster.start(config)
         output_dir = Path("outputs/bench_rollout_timeline").resolve()
         output_dir.mkdir(parents=True, exist_ok=True)
         generation = start_generation_server(
             config,
             output_dir=output_dir,
             torch_threads=args.threads,
-            placement=placement,
-            group=group,
-            api_key=api_key,
-            on_cleanup=on_cleanup,
+            placement=cluster.placement,
+            group=cluster.group,
+            api_key=resolve_api_key(None),
+            on_cleanup=cluster.on_cleanup,
             episode_deadline_s=config.env.rollout.run_timeout_s,
         )
         shards = start_gym_shards(
             config,
-            config.gym_shards,
             output_dir=output_dir,
-            policy=PolicyEndpoint(
-                generation.base_url, api_key.get_secret_value(), config.policy.name
-            ),
+            policy=generation.policy,
             model_folder=model_folder(config.policy),
-            placement=placement,
-            group=group,
-            on_cleanup=on_cleanup,
+            placement=cluster.placement,
+            group=cluster.group,
+            on_cleanup=cluster.on_cleanup,
         )
         rows = RowStream(
             load_rows(

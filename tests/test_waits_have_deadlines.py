@@ -92,25 +92,15 @@ ALLOWED = {
         "call.result",
     ): "called only on finished futures (call.done() or wait(..., timeout=))",
     (
-        "gymrl/cluster/ray_session.py",
+        "gymrl/cluster/session.py",
         "start_ray",
         "ray.init",
     ): "joining: called only once the cluster's GCS accepted a connection within "
     "cluster.ray_start_timeout_s (_wait_until_answering); starting the run's own: Ray's waits "
     "for the processes it starts",
     (
-        "gymrl/recipes/training.py",
-        "GRPORecipe.setup",
-        "ray.shutdown",
-    ): _RAY_SHUTDOWN,
-    (
-        "gymrl/recipes/evaluation.py",
-        "EvalRecipe.setup",
-        "ray.shutdown",
-    ): _RAY_SHUTDOWN,
-    (
-        "gymrl/recipes/serving.py",
-        "serve_policy",
+        "gymrl/cluster/session.py",
+        "ClusterSession.start",
         "ray.shutdown",
     ): _RAY_SHUTDOWN,
     (

@@ -50,7 +50,9 @@ def prepare(cfg: DictConfig, hydra_cfg: HydraConf, *, sweeping: bool) -> tuple[R
 
 def train(config: RecipeConfig, output_dir: Path) -> float:
     """Set up, train and clean up; the run's objective."""
-    from gymrl.recipes.training import RUN_STOPPING_ERRORS, GRPORecipe  # torch and ray: real runs
+    # torch and ray: imported by a real run only
+    from gymrl.recipes.stopping_errors import RUN_STOPPING_ERRORS
+    from gymrl.recipes.training import GRPORecipe
     from gymrl.run.stop import StopRequested, stop_request_behind
 
     recipe = GRPORecipe(config, output_dir)

@@ -27,17 +27,12 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Collection
-from contextlib import ExitStack
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
-import ray
-from ray.util.placement_group import remove_placement_group
-
-from gymrl.cluster.placement import plan_placement, reserve
 from gymrl.cluster.ray_calls import wait_for
-from gymrl.cluster.ray_session import start_ray
+from gymrl.cluster.session import ClusterSession
 from gymrl.config.schema.recipe import RecipeConfig
 from gymrl.experience.held_out import (
     HeldOutEpisode,
@@ -50,8 +45,7 @@ from gymrl.experience.pass_at_k import pass_at_k_metrics
 from gymrl.experience.rows import load_rows, load_validation_rows
 from gymrl.generation.server.api_key import resolve_api_key
 from gymrl.model.policy import model_folder
-from gymrl.recipes.training import RUN_STOPPING_ERRORS
-from gymrl.roles import close_reporting_failure
+from gymrl.recipes.stopping_errors import RUN_STOPPING_ERRORS
 from gymrl.roles.generation_server import start_generation_server
 from gymrl.roles.gym_shard import RayGroupRunner, start_gym_shards
 from gymrl.run.eval_checkpoint import (
@@ -67,7 +61,7 @@ from gymrl.run.eval_folder import (
     write_summary,
 )
 from gymrl.tracking.metrics_logger import WandbSink
-from nemo_gym_ext.gym_launch import PolicyEndpoint, gym_launcher
+from nemo_gym_ext.gym_launch import gym_launcher
 
 log = logging.getLogger(__name__)
 PREFIX = "eval/"
@@ -82,7 +76,7 @@ class EvalRecipe:
     def __init__(self, config: RecipeConfig, run_dir: Path):
         self.config = config
         self.run_dir = run_dir
-        self._closers = ExitStack()
+        self.cluster = ClusterSession()
         self.stop = threading.Event()
         self.stopped_by: int | None = None  # the signal that stopped the pass
 
@@ -94,28 +88,24 @@ class EvalRecipe:
         self.folder = self._folder()
         if config.env.source == "gym_launch":
             gym_launcher(Path(config.env.gym.venv))  # a missing venv fails before anything starts
-        self.actor_configs = config.gym_shards
         self.rows: list[dict[str, Any]] | None = None
         if config.env.source == "builtin":  # every agent is in the config: check the rows now
-            served = {name for actor in self.actor_configs for name in actor.agents}
+            served = {name for actor in config.gym_shards for name in actor.agents}
             self.rows = self._held_out_rows(served)
         claim_eval_folder(self.folder)
         log.info(f"eval of {self.label}: writing {self.folder}")
         started = time.monotonic()
-        start_ray(config.cluster)
-        self._on_cleanup("Ray", ray.shutdown)
-        placement = plan_placement(config, with_trainer=False)
-        group = reserve(placement, config.cluster.ray_start_timeout_s)
-        if group is not None:
-            self._on_cleanup("the placement group", lambda: remove_placement_group(group))
+        # No handlers to put back: `run_eval` installs the eval's after setup, after ray.init.
+        cluster = self.cluster
+        cluster.start(config, with_trainer=False)
         generation = start_generation_server(
             config,
             output_dir=self.folder,
             torch_threads=2,  # nothing trains: generation takes both cores of a laptop
-            placement=placement,
-            group=group,
+            placement=cluster.placement,
+            group=cluster.group,
             api_key=api_key,
-            on_cleanup=self._on_cleanup,
+            on_cleanup=cluster.on_cleanup,
             episode_deadline_s=config.env.rollout.run_timeout_s,
         )
         if self.checkpoint is not None:
@@ -128,15 +118,12 @@ class EvalRecipe:
             log.info(f"engines hold the weights of {self.checkpoint.folder} (version {version})")
         shards_by_agent = start_gym_shards(
             config,
-            self.actor_configs,
             output_dir=self.folder,
-            policy=PolicyEndpoint(
-                generation.base_url, api_key.get_secret_value(), config.policy.name
-            ),
+            policy=generation.policy,
             model_folder=model_folder(config.policy),
-            placement=placement,
-            group=group,
-            on_cleanup=self._on_cleanup,
+            placement=cluster.placement,
+            group=cluster.group,
+            on_cleanup=cluster.on_cleanup,
         )
         if self.rows is None:
             self.rows = self._held_out_rows(shards_by_agent)
@@ -155,7 +142,7 @@ class EvalRecipe:
             keep_transcripts=config.eval.transcripts,
         )
         self.episode_log = EpisodeLog(self.folder)
-        self._on_cleanup("the episode log", self.episode_log.close)
+        cluster.on_cleanup("the episode log", self.episode_log.close)
 
     @property
     def step(self) -> int:
@@ -187,7 +174,7 @@ class EvalRecipe:
             if data.val_jsonl
             else load_rows(
                 data,
-                self.actor_configs,
+                config.gym_shards,
                 sampling,
                 config.run.seed,
                 served_agents=served,
@@ -196,15 +183,12 @@ class EvalRecipe:
         )
         return load_validation_rows(
             data,
-            self.actor_configs,
+            config.gym_shards,
             train_rows,
             temperature=eval_temperature(config),
             top_p=sampling.top_p,
             served_agents=served,
         )
-
-    def _on_cleanup(self, what: str, close: Callable[[], object]) -> None:
-        self._closers.callback(close_reporting_failure, what, close)
 
     # ------------------------------------------------------------------------------ evaluate
     def install_stop_signals(self) -> None:
@@ -272,7 +256,7 @@ class EvalRecipe:
     # ------------------------------------------------------------------------------- cleanup
     def cleanup(self) -> None:
         """Close, in reverse order, whatever `setup` started; each closer best effort."""
-        self._closers.close()
+        self.cluster.close()
 
 
 def eval_temperature(config: RecipeConfig) -> float:

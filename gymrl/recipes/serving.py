@@ -11,15 +11,9 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from collections.abc import Callable
-from contextlib import ExitStack
 from pathlib import Path
 
-import ray
-from ray.util.placement_group import remove_placement_group
-
-from gymrl.cluster.placement import plan_placement, reserve
-from gymrl.cluster.ray_session import start_ray
+from gymrl.cluster.session import ClusterSession
 from gymrl.config.schema.recipe import RecipeConfig
 from gymrl.generation.server.announce import announce_policy_server
 from gymrl.generation.server.api_key import resolve_api_key
@@ -32,37 +26,26 @@ def serve_policy(config: RecipeConfig, output_dir: Path, stop: threading.Event) 
     """Start the policy server, announce it, and return once `stop` is set and it is closed."""
     api_key = resolve_api_key(config.generation.server.api_key_file)  # fails before anything starts
     output_dir.mkdir(parents=True, exist_ok=True)
-    with ExitStack() as started:
-        start_ray(config.cluster)
-        started.callback(ray.shutdown)
-        # After ray.init, which installs a SIGTERM handler that aborts the driver: a signal now
-        # only asks for the orderly stop below.
+
+    def stop_on_signals() -> None:
+        """After ray.init, which installs a SIGTERM handler that aborts the driver: a signal now
+        only asks for the orderly stop below."""
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, lambda *_: stop.set())
-        placement = plan_placement(config)
-        group = reserve(placement, config.cluster.ray_start_timeout_s)
-        if group is not None:
-            started.callback(remove_placement_group, group)
+
+    with ClusterSession() as cluster:
+        cluster.start(config, install_signals=stop_on_signals)
         server = start_generation_server(
             config,
             output_dir=output_dir,
             torch_threads=2,  # nothing else runs: generation takes both cores of a laptop
-            placement=placement,
-            group=group,
+            placement=cluster.placement,
+            group=cluster.group,
             api_key=api_key,
-            on_cleanup=lambda what, close: _push(started, close),
+            on_cleanup=cluster.on_cleanup,
             episode_deadline_s=None,  # any client may call, for as long as it likes
         )
-        announce_policy_server(
-            output_dir,
-            base_url=server.base_url,
-            model_name=config.policy.name,
-            api_key=api_key.get_secret_value(),
-        )
+        announce_policy_server(output_dir, server.policy)
         log.info("serving until interrupted (Ctrl-C or SIGTERM)")
         stop.wait()
         log.info("stopping the policy server")
-
-
-def _push(stack: ExitStack, close: Callable[[], object]) -> None:
-    stack.callback(close)

@@ -19,95 +19,41 @@ contiguity/malformed-result error (never retried), the run stops with the cause.
 from __future__ import annotations
 
 import logging
-import math
 import time
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import ExitStack
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
-import ray
-from ray.exceptions import RayActorError
-from ray.util.placement_group import remove_placement_group
+from pydantic import SecretStr
 
-from gymrl.algo.advantages import share_of_groups_with_variance
 from gymrl.algo.episode_rules import EpisodeRules
-from gymrl.algo.trajectory import Trajectory
-from gymrl.cluster.placement import plan_placement, reserve
 from gymrl.cluster.ray_calls import wait_for
-from gymrl.cluster.ray_session import ClusterUnavailableError, start_ray
+from gymrl.cluster.session import ClusterSession
 from gymrl.config.schema.recipe import RecipeConfig
-from gymrl.experience.held_out import HeldOutEpisode, HeldOutRowsRefusedError, Validator
+from gymrl.experience.held_out import HeldOutEpisode, Validator
 from gymrl.experience.ledger import TokenLedger
-from gymrl.experience.producer import (
-    DataState,
-    EveryPromptRefusedError,
-    ProducerCounts,
-    RolloutProducer,
-)
+from gymrl.experience.producer import DataState, RolloutProducer
 from gymrl.experience.rollout_group import RolloutGroup
-from gymrl.experience.rows import RowStream, UnservedAgentError, load_rows, load_validation_rows
+from gymrl.experience.rows import RowStream, load_rows, load_validation_rows
 from gymrl.generation.server.announce import announce_policy_server
-from gymrl.generation.server.api_key import ApiKeyError, resolve_api_key
-from gymrl.generation.server.divergence_watch import DivergenceCounts
-from gymrl.generation.server.sampling_rules import SamplingCounts, training_sampling_rules
-from gymrl.generation.torch.engine import EngineCounters
-from gymrl.generation.types import EngineFailedError
+from gymrl.generation.server.api_key import resolve_api_key
+from gymrl.generation.server.sampling_rules import training_sampling_rules
 from gymrl.model.policy import model_folder
-from gymrl.roles import close_reporting_failure
+from gymrl.recipes.step_metrics import EngineSnapshot, engine_metrics, step_metrics
 from gymrl.roles.generation_server import start_generation_server
 from gymrl.roles.gym_shard import RayGroupRunner, start_gym_shards
 from gymrl.roles.replay_buffer_actor import start_replay_buffer
 from gymrl.roles.trainer import start_trainer
 from gymrl.run.checkpoint import latest_verified_checkpoint
-from gymrl.run.folder import METRICS_FILENAME, RunFolderInUseError, claim_run_folder
-from gymrl.run.progress import NoProgressError, ProgressWatch, progressed, waiting
+from gymrl.run.folder import METRICS_FILENAME, RunIdentity, claim_run_folder
+from gymrl.run.progress import ProgressWatch, progressed, waiting
 from gymrl.run.stop import StopSignals
 from gymrl.tracking.metrics_logger import build_logger
 from gymrl.tracking.plot import plot_run
 from gymrl.tracking.records import read_records
-from gymrl.trainer.grpo_step import agent_off_policy_metrics
-from gymrl.trainer.parity_gate import PASSED_METRIC, ParityGateError, first_step_check
-from nemo_gym_ext.gym_launch import GymStartError, GymVenvMissingError, PolicyEndpoint, gym_launcher
-from nemo_gym_ext.metrics import per_agent_metrics
-from nemo_gym_ext.postprocess import MalformedGymResultError, NonContiguousEpisodeError
-from nemo_gym_ext.rollout import FailureBudget, RolloutBudgetExceeded, UnknownAgentError
-
-# Errors that end a run with a message a user can act on (printed without a traceback).
-RUN_STOPPING_ERRORS = (
-    ClusterUnavailableError,
-    ApiKeyError,
-    RunFolderInUseError,
-    NonContiguousEpisodeError,
-    MalformedGymResultError,
-    UnknownAgentError,
-    UnservedAgentError,
-    RolloutBudgetExceeded,
-    TimeoutError,
-    # A role's process died (killed, out of memory, its node lost): the message names the actor.
-    RayActorError,
-    GymVenvMissingError,
-    GymStartError,
-    ParityGateError,
-    EveryPromptRefusedError,
-    HeldOutRowsRefusedError,
-    NoProgressError,
-    # The torch engine stopped after a failed step: its own error, not the agents' failures.
-    EngineFailedError,
-)
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """The generation server's totals at one moment (`time.monotonic()`): the torch engine's
-    counters (None for SGLang engines), the requests whose sampling was not the run's and the
-    requests it found diverged."""
-
-    seconds: float
-    engine: EngineCounters | None
-    sampling: SamplingCounts
-    divergence: DivergenceCounts
-
+from gymrl.trainer.parity_gate import PASSED_METRIC, first_step_check
+from nemo_gym_ext.gym_launch import gym_launcher
+from nemo_gym_ext.rollout import FailureBudget
 
 log = logging.getLogger(__name__)
 
@@ -115,12 +61,14 @@ log = logging.getLogger(__name__)
 class GRPORecipe:
     """One training run in the order it happens: `setup()`, `train()`, `cleanup()`.
 
-    `setup` starts Ray, then each role (generation server, trainer, Gym shards, replay buffer),
-    resumes from a checkpoint, refits the engine to the trainer's weights and starts the rollout
-    producer; every role is put on a stack of closers the moment it exists. `cleanup` closes
-    that stack in reverse order (the producer, the logger, the buffer, the shards' agents before
-    the policy server they call, the trainer, the generation server, Ray), so it undoes exactly
-    what a setup got through, also one that failed half-way. Call it in a `finally`.
+    `setup` starts the cluster session (Ray and the placement, gymrl.cluster.session), then each
+    role (trainer, generation server, Gym shards, replay buffer), resumes from a checkpoint,
+    refits the engine to the trainer's weights and starts the rollout producer; everything is put
+    on the session's stack of closers the moment it exists. `cleanup` closes that stack in
+    reverse order (the watchdog, the producer, the logger, the buffer, the shards' agents before
+    the policy server they call, the generation server, the trainer, the placement group, Ray),
+    so it undoes exactly what a setup got through, also one that failed half-way. Call it in a
+    `finally`.
 
     Where it lives: torchtune keeps its recipe classes in recipes/*.py. Here the class lives in
     the package and recipes/grpo.py drives its three verbs, because the same entry point serves
@@ -132,7 +80,7 @@ class GRPORecipe:
         self.config = config
         self.output_dir = output_dir
         self.checkpoint_dir = output_dir / "checkpoints"
-        self._closers = ExitStack()
+        self.cluster = ClusterSession()
         # Installed by the entry point (`install_stop_signals`); tests drive the recipe without.
         self.stops = StopSignals(config.stop.step_in_progress, config.stop.deadline_s)
         self._stops_installed = False
@@ -153,74 +101,98 @@ class GRPORecipe:
 
     # --------------------------------------------------------------------------------- setup
     def setup(self) -> None:
-        """Start every role; on failure, what started so far is on the stack for `cleanup`."""
+        """Start the run, one step after the other; on failure, what started so far is on the
+        cluster session's stack for `cleanup`."""
         config = self.config
         # First: a bad key source must fail before anything starts.
-        self.policy_api_key = resolve_api_key(config.generation.server.api_key_file)
+        api_key = resolve_api_key(config.generation.server.api_key_file)
         started = time.monotonic()
+        identity = self._claim_run_folder()
+        cluster = self.cluster
+        cluster.start(config, install_signals=self.stops.install if self._stops_installed else None)
+        shards_by_agent = self._start_roles(api_key, started)
+        rows = self._load_rows(shards_by_agent)
+        self.buffer = start_replay_buffer(
+            config.grpo,
+            placement=cluster.placement,
+            group=cluster.group,
+            on_cleanup=cluster.on_cleanup,
+        )
+        data = self._resume_and_refit()
+        self.rows = RowStream(rows, data.position, seed=config.run.seed, redraw=data.pending)
+        runner = RayGroupRunner(shards_by_agent, self.generation.raise_if_engine_failed)
+        self.validator = self._validator(rows, runner)
+        self._start_logger(identity)
+        self._start_producer(runner)
+        self._start_watchdog()
+
+    def _claim_run_folder(self) -> RunIdentity:
+        """The run folder's identity; a missing Gym venv or a folder another run holds fails
+        here, before anything starts."""
+        config = self.config
         if config.env.source == "gym_launch":
-            gym_launcher(Path(config.env.gym.venv))  # a missing venv fails before anything starts
-        identity = claim_run_folder(self.output_dir, resume=config.resume)
-        start_ray(config.cluster)
-        self._on_cleanup("Ray", ray.shutdown)
-        if self._stops_installed:
-            self.stops.install()  # ray.init replaced the driver's SIGTERM handler
+            gym_launcher(Path(config.env.gym.venv))
+        return claim_run_folder(self.output_dir, resume=config.resume)
+
+    def _start_roles(self, api_key: SecretStr, started: float) -> dict[str, Any]:
+        """The trainer, the generation server (announced) and the Gym shards; the shard actor
+        serving each agent.
+
+        Every role has its bundles in the placement group already, so the order of starting is
+        free: the trainer is launched first and waited for last, so that its model loads while
+        the generation server and the Gym shards start (6 s of the embedded run's setup on 2
+        cores)."""
+        config, cluster = self.config, self.cluster
         # Async on a CPU: generation and training overlap, one core each; sync: they alternate.
         threads = 1 if config.grpo.async_enabled else 2
         folder = model_folder(config.policy)  # converts the embedded model once, here
-        placement = plan_placement(config)
-        group = reserve(placement, config.cluster.ray_start_timeout_s)
-        if group is not None:
-            self._on_cleanup("the placement group", lambda: remove_placement_group(group))
-        # Every role has its bundles in `group` already, so the order of starting is free: the
-        # trainer is launched first and waited for last, so that its model loads while the
-        # generation server and the Gym shards start (6 s of the embedded run's setup on 2 cores).
         self.trainer = start_trainer(
             config,
             self.output_dir,
             torch_threads=threads,
-            placement=placement,
-            group=group,
-            on_cleanup=self._on_cleanup,
+            placement=cluster.placement,
+            group=cluster.group,
+            on_cleanup=cluster.on_cleanup,
         )
-        generation = start_generation_server(
-            config,
-            output_dir=self.output_dir,
-            torch_threads=threads,
-            placement=placement,
-            group=group,
-            api_key=self.policy_api_key,
-            on_cleanup=self._on_cleanup,
-            episode_deadline_s=config.env.rollout.run_timeout_s,
-            sampling_rules=training_sampling_rules(config),
-        )
-        self.generation, base_url = generation.actor, generation.base_url
-        log.info(f"policy server up {time.monotonic() - started:.1f} s into setup")
-        announce_policy_server(
-            self.output_dir,
-            base_url=base_url,
-            model_name=config.policy.name,
-            api_key=self.policy_api_key.get_secret_value(),
-        )
+        self._start_generation_server(api_key, threads, started)
         shards_by_agent = start_gym_shards(
             config,
-            config.gym_shards,
             output_dir=self.output_dir,
-            policy=PolicyEndpoint(
-                base_url, self.policy_api_key.get_secret_value(), config.policy.name
-            ),
+            policy=self.generation.policy,
             model_folder=folder,
-            placement=placement,
-            group=group,
-            on_cleanup=self._on_cleanup,
+            placement=cluster.placement,
+            group=cluster.group,
+            on_cleanup=cluster.on_cleanup,
         )
         self.trainer.wait_until_started()
         log.info(
             f"{len(config.gym_shards)} Gym shard(s) up, {time.monotonic() - started:.1f} s into "
             f"setup ({config.env.source}), serving {sorted(shards_by_agent)}"
         )
-        # Every row's agent is served, checked before any episode runs.
-        rows = load_rows(
+        return shards_by_agent
+
+    def _start_generation_server(self, api_key: SecretStr, threads: int, started: float) -> None:
+        """The generation server with the run's sampling rules, announced to Gym deployments
+        started by hand (`policy_server.json`)."""
+        config, cluster = self.config, self.cluster
+        self.generation = start_generation_server(
+            config,
+            output_dir=self.output_dir,
+            torch_threads=threads,
+            placement=cluster.placement,
+            group=cluster.group,
+            api_key=api_key,
+            on_cleanup=cluster.on_cleanup,
+            episode_deadline_s=config.env.rollout.run_timeout_s,
+            sampling_rules=training_sampling_rules(config),
+        )
+        log.info(f"policy server up {time.monotonic() - started:.1f} s into setup")
+        announce_policy_server(self.output_dir, self.generation.policy)
+
+    def _load_rows(self, shards_by_agent: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """The training rows; every row's agent is served, checked before any episode runs."""
+        config = self.config
+        return load_rows(
             config.env.data,
             config.gym_shards,
             config.generation.sampling,
@@ -228,48 +200,59 @@ class GRPORecipe:
             served_agents=shards_by_agent,
             max_output_tokens=config.generation.server.max_tokens_per_turn,
         )
-        grpo = config.grpo
-        self.buffer = start_replay_buffer(
-            grpo, placement=placement, group=group, on_cleanup=self._on_cleanup
-        )
+
+    def _resume_and_refit(self) -> DataState:
+        """Load the checkpoint to resume from (if any), refit the engine to the trainer's
+        weights, and return where in the rows the run goes on."""
         self.first_step, data = self._resume()
         self.finished_step = self.saved_step = self.first_step
         self._finished_data = data
         self._refit(self.first_step)
-        self.rows = RowStream(rows, data.position, seed=config.run.seed, redraw=data.pending)
-        self.validator = (
-            Validator(
-                load_validation_rows(
-                    config.env.data,
-                    config.gym_shards,
-                    rows,
-                    temperature=grpo.val_temperature,
-                    top_p=config.generation.sampling.top_p,
-                    served_agents=shards_by_agent,
-                ),
-                RayGroupRunner(shards_by_agent, generation.raise_if_engine_failed),
-                grpo.batch_timeout_s,
-                max_refused_share=config.env.data.max_refused_held_out_share,
-            )
-            if grpo.val_at_start or grpo.val_period or grpo.val_at_end
-            else None
+        return data
+
+    def _validator(self, rows: list[dict[str, Any]], runner: RayGroupRunner) -> Validator | None:
+        """The held-out pass, built whenever a `grpo.val_*` setting asks for one."""
+        config, grpo = self.config, self.config.grpo
+        if not (grpo.val_at_start or grpo.val_period or grpo.val_at_end):
+            return None
+        held_out = load_validation_rows(
+            config.env.data,
+            config.gym_shards,
+            rows,
+            temperature=grpo.val_temperature,
+            top_p=config.generation.sampling.top_p,
+            served_agents=runner.agents,
         )
+        return Validator(
+            held_out,
+            runner,
+            grpo.batch_timeout_s,
+            max_refused_share=config.env.data.max_refused_held_out_share,
+        )
+
+    def _start_logger(self, identity: RunIdentity) -> None:
+        """The metrics logger, under the folder's W&B run id, which a resume continues."""
+        config = self.config
         self.logger = build_logger(
             config.logger,
             run_name=config.run.name,
             output_dir=self.output_dir,
             hparams=config.model_dump(mode="json"),
-            total_steps=grpo.num_steps,
+            total_steps=config.grpo.num_steps,
             first_step=self.first_step,
             run_id=identity.wandb_run_id,
         )
-        self._on_cleanup("the metrics logger", self.logger.close)
+        self.cluster.on_cleanup("the metrics logger", self.logger.close)
+
+    def _start_producer(self, runner: RayGroupRunner) -> None:
+        """The rollout producer, started once the first step's engine window opens."""
+        config = self.config
         self.episode_rules = EpisodeRules(config.loss, config.generation.server.max_tokens_per_turn)
         rollout = config.env.rollout
         self.producer = RolloutProducer(
-            grpo,
+            config.grpo,
             self.rows,
-            RayGroupRunner(shards_by_agent, generation.raise_if_engine_failed),
+            runner,
             self.buffer,
             first_step=self.first_step,
             failures=FailureBudget(
@@ -282,15 +265,16 @@ class GRPORecipe:
         )
         self._engine_seen = self._engine_snapshot()  # the first step's window starts here
         self.producer.start()
-        self._on_cleanup("the rollout producer", self.producer.stop)
-        if config.run.progress_timeout_s is not None:
-            # Closed first: cleanup's own waits must not be cut short by a tripped watch.
-            watch = ProgressWatch(config.run.progress_timeout_s)
-            watch.start()
-            self._on_cleanup("the no-progress watchdog", watch.stop)
+        self.cluster.on_cleanup("the rollout producer", self.producer.stop)
 
-    def _on_cleanup(self, what: str, close: Callable[[], object]) -> None:
-        self._closers.callback(close_reporting_failure, what, close)
+    def _start_watchdog(self) -> None:
+        """The no-progress watchdog (`run.progress_timeout_s`), closed first: cleanup's own
+        waits must not be cut short by a tripped watch."""
+        timeout_s = self.config.run.progress_timeout_s
+        if timeout_s is not None:
+            watch = ProgressWatch(timeout_s)
+            watch.start()
+            self.cluster.on_cleanup("the no-progress watchdog", watch.stop)
 
     def _resume(self) -> tuple[int, DataState]:
         """The step and data state to start from: 0 and the first row, or a checkpoint's."""
@@ -367,7 +351,7 @@ class GRPORecipe:
 
     def _set_validating(self, validating: bool) -> None:
         wait_for(
-            self.generation.set_validating.remote(validating),
+            self.generation.actor.set_validating.remote(validating),
             timeout_s=self.config.grpo.batch_timeout_s,
             what="the policy server's validation window",
         )
@@ -405,7 +389,7 @@ class GRPORecipe:
 
     def _refit(self, version: int) -> float:
         started = time.monotonic()
-        self.trainer.refit(self.generation, version)
+        self.trainer.refit(self.generation.actor, version)
         return time.monotonic() - started
 
     def _step(self, step: int) -> dict[str, float]:
@@ -441,7 +425,7 @@ class GRPORecipe:
         self.ledger.trained_groups(groups)
         self.ledger.running_totals("producer", counts.untrained_tokens)
         self.ledger.running_totals("buffer", self.buffer.evicted_tokens())
-        metrics = self._metrics(
+        metrics = step_metrics(
             step, groups, train_metrics, counts, self.config.generation.server.max_tokens_per_turn
         )
         metrics.update(self._engine_metrics())
@@ -461,9 +445,9 @@ class GRPORecipe:
     def _engine_snapshot(self) -> EngineSnapshot:
         counters, sampling, divergence = wait_for(
             [
-                self.generation.engine_counters.remote(),
-                self.generation.sampling_counts.remote(),
-                self.generation.divergence_counts.remote(),
+                self.generation.actor.engine_counters.remote(),
+                self.generation.actor.sampling_counts.remote(),
+                self.generation.actor.divergence_counts.remote(),
             ],
             timeout_s=self.config.grpo.batch_timeout_s,
             what="the engine's counters",
@@ -472,38 +456,10 @@ class GRPORecipe:
         return EngineSnapshot(time.monotonic(), counters, sampling, divergence)
 
     def _engine_metrics(self) -> dict[str, float]:
-        """How the engine spent the time since the last step, the requests whose sampling was
-        not the run's and those found diverged (docs/metrics.md)."""
+        """The engine's figures over the window since the last call (the step's), which the
+        next step's window starts from."""
         seen, self._engine_seen = self._engine_seen, self._engine_snapshot()
-        divergence, diverged_before = self._engine_seen.divergence, seen.divergence
-        metrics = {
-            "generation/divergence_detected": float(divergence.detected - diverged_before.detected),
-            "generation/divergence_stopped": float(divergence.stopped - diverged_before.stopped),
-            "generation/sampling_overridden": float(
-                self._engine_seen.sampling.overridden - seen.sampling.overridden
-            ),
-            "generation/sampling_rejected": float(
-                self._engine_seen.sampling.rejected - seen.sampling.rejected
-            ),
-        }
-        then, before = seen.seconds, seen.engine
-        now, after = self._engine_seen.seconds, self._engine_seen.engine
-        if before is None or after is None:
-            return metrics
-        steps = after.decode_steps - before.decode_steps
-        busy = after.busy_s - before.busy_s
-        generated = after.generated_tokens - before.generated_tokens
-        reused = after.reused_tokens - before.reused_tokens
-        prompt_tokens = reused + after.prefill_tokens - before.prefill_tokens
-        return metrics | {
-            "perf/engine_busy_share": busy / (now - then),
-            "perf/engine_rows_per_decode_step": (
-                (after.decode_rows - before.decode_rows) / steps if steps else math.nan
-            ),
-            "perf/engine_tokens_per_busy_s": generated / busy if busy else math.nan,
-            "perf/engine_prefix_reuse_share": reused / prompt_tokens if prompt_tokens else math.nan,
-            "perf/generated_tokens_per_s": generated / (now - then),
-        }
+        return engine_metrics(seen, self._engine_seen)
 
     def _wait_for_batch(self, step: int) -> list[RolloutGroup]:
         """The step's groups, waiting in short slices so a producer error surfaces at once."""
@@ -527,59 +483,12 @@ class GRPORecipe:
                         raise producer.fatal from None
                     raise
 
-    @staticmethod
-    def _metrics(
-        step: int,
-        groups: Sequence[RolloutGroup],
-        train_metrics: Mapping[str, float],
-        counts: ProducerCounts,
-        max_tokens_per_turn: int,
-    ) -> dict[str, float]:
-        trajectories: list[Trajectory] = [t for group in groups for t in group.trajectories]
-        episodes = [t for group in groups for t in group.episodes]  # tail segments left out
-        results = [summary for group in groups for summary in group.summaries]
-        ages = [step - t.weight_version for t in trajectories]
-        generated = sum(t.num_generated_tokens for t in trajectories)
-        own, off_policy = agent_off_policy_metrics(train_metrics)
-        metrics: dict[str, float] = {f"train/{k}": v for k, v in own.items()}
-        metrics.update({f"train/{k}": v for k, v in per_agent_metrics(results).items()})
-        metrics.update({f"train/{k}": v for k, v in off_policy.items()})
-        metrics.update({f"train/{k}": v for k, v in _infra_failure_rates(groups).items()})
-        metrics.update(_response_lengths(trajectories, max_tokens_per_turn))
-        metrics.update(
-            {
-                f"rollout/{agent}/uniform_dropped_total": float(count)
-                for agent, count in counts.uniform_dropped.items()
-            }
-        )
-        metrics.update(
-            {
-                "train/reward/mean": float(sum(t.reward for t in episodes) / len(episodes)),
-                "train/groups_with_reward_variance": share_of_groups_with_variance(
-                    [t.reward for t in episodes], [t.group_id for t in episodes]
-                ),
-                "rollout/episodes": float(len(episodes)),
-                "rollout/generated_tokens": float(generated),
-                "rollout/failures_total": float(counts.failures),
-                "rollout/prompt_too_long_total": float(counts.prompts_too_long),
-                "rollout/episode_timeouts_total": float(counts.episode_timeouts),
-                "rollout/retries_total": float(counts.retries),
-                "rollout/dropped_groups_total": float(counts.dropped_groups),
-                "rollout/uniform_over_budget_total": float(counts.uniform_over_budget),
-                "rollout/group_s/mean": _mean([group.seconds for group in groups]),
-                "async/weight_version": float(step + 1),
-                "async/trajectory_age/mean": _mean(ages),
-                "async/trajectory_age/max": float(max(ages)),
-            }
-        )
-        return metrics
-
     # ------------------------------------------------------------------------------- cleanup
     def cleanup(self) -> None:
         """Close, in reverse order, whatever `setup` started; safe after a failed setup and
         when called twice. A role that does not close cleanly is reported, not raised: it must
         not mask the error that ended the run, nor keep the roles before it from closing."""
-        self._closers.close()
+        self.cluster.close()
 
 
 def _group_deadline_s(config: RecipeConfig) -> float:
@@ -588,42 +497,3 @@ def _group_deadline_s(config: RecipeConfig) -> float:
     rollout = config.env.rollout
     attempts = rollout.max_retries + 1
     return attempts * rollout.run_timeout_s + rollout.max_retries * rollout.retry_backoff_max_s
-
-
-def _infra_failure_rates(groups: Sequence[RolloutGroup]) -> dict[str, float]:
-    """Per agent, `<agent>/infra_failure_rate`: the share of the step's groups' episodes that
-    failed after their retries (no result), whatever the baseline does with them."""
-    failed: dict[str, int] = {}
-    total: dict[str, int] = {}
-    for group in groups:
-        agent = group.trajectories[0].agent
-        failed[agent] = failed.get(agent, 0) + group.failed_episodes
-        total[agent] = total.get(agent, 0) + group.failed_episodes + len(group.episodes)
-    return {f"{agent}/infra_failure_rate": failed[agent] / total[agent] for agent in total}
-
-
-def _response_lengths(
-    trajectories: Sequence[Trajectory], max_tokens_per_turn: int
-) -> dict[str, float]:
-    """The response-length and clipped-response figures every peer logs (docs/metrics.md has
-    the crosswalk), over the step's episodes: generated tokens per episode and per model call
-    trained on, the share of episodes that hit a token limit, and the share of model calls
-    trained on that used the policy server's whole `max_tokens_per_turn`. A masked episode (no
-    tokens) counts in the episode share only: it has no calls left to measure."""
-    episodes = [t.num_generated_tokens for t in trajectories if not t.is_masked]
-    turns = [length for t in trajectories for length in t.turn_lengths]
-    metrics = {
-        "rollout/clipped_episode_share": _mean([float(t.overlong) for t in trajectories]),
-        "rollout/clipped_turn_share": _mean(
-            [float(length >= max_tokens_per_turn) for length in turns]
-        ),
-    }
-    for name, lengths in (("episode", episodes), ("turn", turns)):
-        metrics[f"rollout/{name}_generated_tokens/mean"] = _mean(lengths)
-        metrics[f"rollout/{name}_generated_tokens/min"] = float(min(lengths, default=math.nan))
-        metrics[f"rollout/{name}_generated_tokens/max"] = float(max(lengths, default=math.nan))
-    return metrics
-
-
-def _mean(values: Sequence[float]) -> float:
-    return float(sum(values) / len(values)) if values else math.nan

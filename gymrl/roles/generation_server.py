@@ -19,6 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from gymrl.cluster.placement import Placement, actor_options
 from gymrl.cluster.ray_calls import close_actor, wait_for
+from gymrl.cluster.session import OnCleanup
 from gymrl.config.schema.generation import SGLangGenerationConfig, TorchGenerationConfig
 from gymrl.config.schema.recipe import RecipeConfig
 from gymrl.generation.server.announce import policy_server_host
@@ -33,7 +34,7 @@ from gymrl.generation.types import EngineFailedError
 from gymrl.model.loading import load_tokenizer
 from gymrl.model.policy import build_policy, model_folder
 from gymrl.model.tokens import eos_token_id, policy_end_token_ids
-from gymrl.roles import OnCleanup
+from nemo_gym_ext.gym_launch import PolicyEndpoint
 from nemo_gym_ext.http_server import serve_in_thread
 
 GENERATION_CLOSE_S = 60.0  # the server lets a running engine batch finish first
@@ -264,10 +265,12 @@ def build_sglang_backend(
 
 @dataclass(frozen=True)
 class GenerationRole:
-    """The running generation server: its actor (refit verbs) and the agents' base URL."""
+    """The running generation server: its actor (refit verbs) and the endpoint its policy server
+    answers on (URL, the run's key, the model name), which agents and announcements take from
+    here: the role holds all three values, so no caller rebuilds them."""
 
     actor: Any
-    base_url: str
+    policy: PolicyEndpoint
 
     def raise_if_engine_failed(self) -> None:
         """Raise the engine's own `EngineFailedError` if a failed step stopped it: what a
@@ -322,4 +325,6 @@ def start_generation_server(
         timeout_s=start_timeout_s(config),
         what="starting the generation server",
     )
-    return GenerationRole(actor, base_url)
+    return GenerationRole(
+        actor, PolicyEndpoint(base_url, api_key.get_secret_value(), config.policy.name)
+    )

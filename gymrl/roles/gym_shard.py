@@ -18,13 +18,13 @@ import ray
 
 from gymrl.cluster.placement import Placement, actor_options
 from gymrl.cluster.ray_calls import close_actor, wait_for
+from gymrl.cluster.session import OnCleanup
 from gymrl.config.schema.env import RolloutConfig
 from gymrl.config.schema.policy import PolicyConfig
 from gymrl.config.schema.recipe import RecipeConfig
 from gymrl.generation.server.chat_template import ChatFormat, row_prompt_token_count
 from gymrl.model.loading import load_tokenizer
 from gymrl.model.tokens import decode_text
-from gymrl.roles import OnCleanup
 from gymrl.run.progress import raise_if_stalled
 from gymrl.run.stop import stops_held
 from nemo_gym_ext.config import HEAD_SERVER_URL_KEY, GymActorConfig
@@ -166,7 +166,6 @@ def shard_launch(config: RecipeConfig, output_dir: Path, index: int, count: int,
 
 def start_gym_shards(
     config: RecipeConfig,
-    actor_configs: Sequence[GymActorConfig],
     *,
     output_dir: Path,
     policy: PolicyEndpoint,
@@ -175,18 +174,19 @@ def start_gym_shards(
     group: Any,
     on_cleanup: OnCleanup,
 ) -> dict[str, Any]:
-    """Start one shard actor per entry of `actor_configs` and wait for each one's agents; the
-    shard actor serving each agent. An agent served by two shards is refused."""
+    """Start one shard actor per entry of `config.gym_shards` and wait for each one's agents;
+    the shard actor serving each agent. An agent served by two shards is refused."""
     shards_by_agent: dict[str, Any] = {}
     shard_names: dict[str, str] = {}
     launching = config.env.source == "gym_launch"
-    for index, actor in enumerate(actor_configs):
+    shards = config.gym_shards
+    for index, actor in enumerate(shards):
         shard = GymShard.options(**actor_options(placement.gym_shards, 0, group)).remote(
             actor,
             config.env.rollout,
             policy=policy,
             model_folder=model_folder,
-            launch=shard_launch(config, output_dir, index, len(actor_configs), actor.shard),
+            launch=shard_launch(config, output_dir, index, len(shards), actor.shard),
             stop_on_divergence=config.generation.server.stop_on_divergence,
             policy_config=config.policy,
         )

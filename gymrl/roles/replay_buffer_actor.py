@@ -10,9 +10,9 @@ import ray
 
 from gymrl.cluster.placement import Placement, actor_options
 from gymrl.cluster.ray_calls import close_actor, wait_for
+from gymrl.cluster.session import OnCleanup
 from gymrl.config.schema.grpo import GRPOConfig
 from gymrl.experience.replay_buffer import ReplayBuffer, RolloutGroup
-from gymrl.roles import OnCleanup
 
 CALL_MARGIN_S = 60.0  # on top of the buffer's own deadline: Ray scheduling and transfer
 

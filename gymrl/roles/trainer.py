@@ -21,6 +21,7 @@ import torch
 from gymrl.algo.trajectory import Trajectory
 from gymrl.cluster.placement import Placement, actor_options
 from gymrl.cluster.ray_calls import close_actor, wait_for
+from gymrl.cluster.session import OnCleanup
 from gymrl.config.schema.generation import RefitConfig, SGLangGenerationConfig
 from gymrl.config.schema.loss import LossConfig
 from gymrl.config.schema.policy import PolicyConfig
@@ -36,7 +37,6 @@ from gymrl.generation.sglang.refit import (
 from gymrl.generation.sglang.weight_sync import WEIGHT_SYNC_NCCL_ENV, WeightSender
 from gymrl.model.policy import build_policy
 from gymrl.model.tokens import pad_token_id
-from gymrl.roles import OnCleanup
 from gymrl.trainer.parity_gate import ParityCheck
 from gymrl.trainer.torch_trainer import TorchPolicyTrainer
 

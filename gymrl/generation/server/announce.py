@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from gymrl.config.schema.recipe import RecipeConfig
+from nemo_gym_ext.gym_launch import PolicyEndpoint
 
 ANNOUNCEMENT_FILENAME = "policy_server.json"
 
@@ -27,16 +28,14 @@ def policy_server_host(config: RecipeConfig) -> str:
     return "127.0.0.1" if config.cluster.ray_address is None else "0.0.0.0"
 
 
-def announce_policy_server(
-    output_dir: Path, *, base_url: str, model_name: str, api_key: str
-) -> Path:
+def announce_policy_server(output_dir: Path, policy: PolicyEndpoint) -> Path:
     """Write `policy_server.json` (mode 0600, created so from the start) and print the URL, the
     model name and the file's path."""
     path = output_dir / ANNOUNCEMENT_FILENAME
     announcement = {
-        "policy_base_url": base_url,
-        "policy_model_name": model_name,
-        "policy_api_key": api_key,
+        "policy_base_url": policy.base_url,
+        "policy_model_name": policy.model_name,
+        "policy_api_key": policy.api_key,
     }
     path.unlink(missing_ok=True)  # a file left by an earlier run may have other permissions
     descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -44,7 +43,8 @@ def announce_policy_server(
         json.dump(announcement, file, indent=2)
         file.write("\n")
     print(
-        f"policy server (OpenAI base URL for Gym agents): {base_url} (model {model_name!r}; "
+        f"policy server (OpenAI base URL for Gym agents): {policy.base_url} "
+        f"(model {policy.model_name!r}; "
         f"URL, model name and API key for a Gym deployment: {path})",
         flush=True,
     )

@@ -7,6 +7,7 @@ import stat
 from gymrl.config.compose import compose_raw
 from gymrl.generation.server.announce import announce_policy_server, policy_server_host
 from gymrl.preflight.validate import validate_config
+from nemo_gym_ext.gym_launch import PolicyEndpoint
 
 
 def test_announcement_holds_url_model_and_key_in_a_private_file(tmp_path, capsys):
@@ -14,7 +15,7 @@ def test_announcement_holds_url_model_and_key_in_a_private_file(tmp_path, capsys
     stale.write_text("{}")
     stale.chmod(0o644)
     path = announce_policy_server(
-        tmp_path, base_url="http://127.0.0.1:8123/v1", model_name="m", api_key="s3cr3t-key"
+        tmp_path, PolicyEndpoint("http://127.0.0.1:8123/v1", "s3cr3t-key", "m")
     )
     assert path == stale
     assert json.loads(path.read_text()) == {

@@ -19,6 +19,7 @@ import psutil
 import pytest
 import ray
 
+import gymrl.cluster.session
 import gymrl.recipes.training
 import gymrl.roles.generation_server
 import gymrl.roles.gym_shard
@@ -90,7 +91,7 @@ def _port_open(url: str) -> bool:
 # stage -> (how to make it fail: a builder that raises, or a real start-up that cannot finish;
 #           the error the caller must see)
 STAGES = {
-    "ray": (lambda mp: mp.setattr(gymrl.recipes.training, "start_ray", _raise), InjectedFailure),
+    "ray": (lambda mp: mp.setattr(gymrl.cluster.session, "start_ray", _raise), InjectedFailure),
     # Killed while its constructor still loads the model.
     "generation server": (
         lambda mp: mp.setattr(

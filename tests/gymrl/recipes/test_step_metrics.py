@@ -1,7 +1,9 @@
-"""The keys a step logs for issue 21's options, by name, against docs/metrics.md: per-agent
-trainer-engine figures, the infrastructure failure rate, dynamic sampling's counts, the overlong
-summary fields (computed from real trainer metrics and real producer counts, no Ray); and issue
-22's response lengths and clipped shares."""
+"""`gymrl.recipes.step_metrics`, the keys a step logs, by name, against docs/metrics.md: issue 21's
+per-agent trainer-engine figures, the infrastructure failure rate, dynamic sampling's counts, the
+overlong summary fields (computed from real trainer metrics and real producer counts, no Ray);
+issue 22's response lengths and clipped shares; and the engine's figures over a step's window."""
+
+import math
 
 import torch
 from metric_docs import documented_patterns
@@ -11,7 +13,10 @@ from gymrl.algo.trajectory import Trajectory
 from gymrl.config.schema.loss import OffPolicyCorrectionConfig
 from gymrl.experience.producer import ProducerCounts
 from gymrl.experience.rollout_group import RolloutGroup
-from gymrl.recipes.training import GRPORecipe
+from gymrl.generation.server.divergence_watch import DivergenceCounts
+from gymrl.generation.server.sampling_rules import SamplingCounts
+from gymrl.generation.torch.engine import EngineCounters
+from gymrl.recipes.step_metrics import EngineSnapshot, engine_metrics, step_metrics
 
 
 def _group(agent: str, rewards: list[float], failed: int) -> RolloutGroup:
@@ -52,7 +57,7 @@ def test_a_steps_new_keys_are_logged_and_documented():
     )
     groups = [_group("calc", [1.0, 0.0], failed=2), _group("guess", [0.5, 0.5], failed=0)]
     counts = ProducerCounts(0, 0, 2, uniform_dropped={"guess": 3}, uniform_over_budget=1)
-    metrics = GRPORecipe._metrics(0, groups, train_metrics, counts, max_tokens_per_turn=64)
+    metrics = step_metrics(0, groups, train_metrics, counts, max_tokens_per_turn=64)
     assert metrics["train/calc/infra_failure_rate"] == 0.5
     assert metrics["train/guess/infra_failure_rate"] == 0.0
     assert metrics["train/guess/off_policy/masked_share"] == 0.5  # ratio e^-1.3 left the band
@@ -95,7 +100,7 @@ def test_response_lengths_and_clipped_shares_are_logged_and_documented():
     call of 6, and one masked for hitting a limit (no tokens left, still clipped)."""
     masked = Trajectory([], [], [], 0.0, "calc", "calc-g", 0, overlong=True)
     group = _group_of([_episode([10, 64], overlong=True), _episode([6]), masked])
-    metrics = GRPORecipe._metrics(0, [group], {}, ProducerCounts(0, 0, 0), max_tokens_per_turn=64)
+    metrics = step_metrics(0, [group], {}, ProducerCounts(0, 0, 0), max_tokens_per_turn=64)
     lengths = {k: v for k, v in metrics.items() if "generated_tokens/" in k}
     assert lengths == {
         "rollout/episode_generated_tokens/mean": 40.0,
@@ -109,3 +114,58 @@ def test_response_lengths_and_clipped_shares_are_logged_and_documented():
     assert metrics["rollout/clipped_turn_share"] == 1 / 3
     patterns = documented_patterns()
     assert [k for k in metrics if not any(p.match(k) for p in patterns)] == []
+
+
+def test_the_engines_figures_are_the_windows_differences_and_documented():
+    """A 2 s window: 1 s busy, 3 decode steps of 2, 4 and 6 rows, 30 tokens generated, 20 of 80
+    prompt tokens from the prefix cache; one request overridden, one found diverged."""
+    seen = EngineSnapshot(
+        10.0,
+        EngineCounters(busy_s=5.0, decode_steps=7, decode_rows=9, prefill_tokens=100),
+        SamplingCounts(overridden=1),
+        DivergenceCounts(detected=2, stopped=1),
+    )
+    now = EngineSnapshot(
+        12.0,
+        EngineCounters(
+            busy_s=6.0,
+            decode_steps=10,
+            decode_rows=21,
+            prefill_tokens=160,
+            reused_tokens=20,
+            generated_tokens=30,
+        ),
+        SamplingCounts(overridden=2),
+        DivergenceCounts(detected=3, stopped=1),
+    )
+    metrics = engine_metrics(seen, now)
+    assert metrics == {
+        "generation/divergence_detected": 1.0,
+        "generation/divergence_stopped": 0.0,
+        "generation/sampling_overridden": 1.0,
+        "generation/sampling_rejected": 0.0,
+        "perf/engine_busy_share": 0.5,
+        "perf/engine_rows_per_decode_step": 4.0,
+        "perf/engine_tokens_per_busy_s": 30.0,
+        "perf/engine_prefix_reuse_share": 0.25,
+        "perf/generated_tokens_per_s": 15.0,
+    }
+    patterns = documented_patterns()
+    assert [k for k in metrics if not any(p.match(k) for p in patterns)] == []
+
+
+def test_an_idle_window_gives_nan_ratios_and_sglang_engines_no_perf_keys():
+    counters = EngineCounters(busy_s=1.0, decode_steps=2)
+    idle = engine_metrics(
+        EngineSnapshot(0.0, counters, SamplingCounts(), DivergenceCounts()),
+        EngineSnapshot(1.0, counters, SamplingCounts(), DivergenceCounts()),
+    )
+    assert idle["perf/engine_busy_share"] == 0.0
+    for key in ("rows_per_decode_step", "tokens_per_busy_s", "prefix_reuse_share"):
+        assert math.isnan(idle[f"perf/engine_{key}"])
+    sglang = engine_metrics(
+        EngineSnapshot(0.0, None, SamplingCounts(), DivergenceCounts()),
+        EngineSnapshot(1.0, None, SamplingCounts(rejected=1), DivergenceCounts()),
+    )
+    assert sglang["generation/sampling_rejected"] == 1.0
+    assert not [k for k in sglang if k.startswith("perf/")]

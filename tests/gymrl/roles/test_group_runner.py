@@ -10,7 +10,10 @@ import ray
 from gymrl.generation.types import EngineFailedError
 from gymrl.roles.generation_server import GenerationRole
 from gymrl.roles.gym_shard import RayGroupRunner
+from nemo_gym_ext.gym_launch import PolicyEndpoint
 from nemo_gym_ext.rollout import GroupOutcome
+
+UNUSED_ENDPOINT = PolicyEndpoint("http://unused/v1", "unused-key", "unused-model")
 
 
 @ray.remote(num_cpus=0)
@@ -51,7 +54,7 @@ def test_failed_episodes_with_a_failed_engine_stop_with_the_engines_error():
     server = GenerationServerStandIn.remote("the torch engine stopped after a failed step (boom)")
     runner = RayGroupRunner(
         {"agent": ShardStandIn.remote(["HTTPStatusError: 500 from the policy server"])},
-        GenerationRole(server, "http://unused/v1").raise_if_engine_failed,
+        GenerationRole(server, UNUSED_ENDPOINT).raise_if_engine_failed,
     )
     with pytest.raises(EngineFailedError, match="failed step \\(boom\\)"):
         outcome_of(runner)
@@ -60,7 +63,7 @@ def test_failed_episodes_with_a_failed_engine_stop_with_the_engines_error():
 @pytest.mark.usefixtures("local_ray")
 def test_a_serving_engine_leaves_failures_to_the_budget_and_clean_groups_ask_nothing():
     server = GenerationServerStandIn.remote(None)
-    check = GenerationRole(server, "http://unused/v1").raise_if_engine_failed
+    check = GenerationRole(server, UNUSED_ENDPOINT).raise_if_engine_failed
     failing = RayGroupRunner({"agent": ShardStandIn.remote(["the agent crashed"])}, check)
     assert outcome_of(failing).failures == ["the agent crashed"]
     clean = RayGroupRunner({"agent": ShardStandIn.remote([])}, check)
