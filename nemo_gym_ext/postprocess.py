@@ -455,7 +455,7 @@ def _withheld_turn(
 ) -> tuple[int, list[int]] | None:
     """(item index, prompt ids) of the server's withheld answer, if the episode ended on one: the
     last output item, after every trainable turn, carrying prompt ids and an empty generation
-    (`gymrl.generation.server.app._withheld_answer`)."""
+    (`gymrl.generation.server.app.withheld_answer`)."""
     output = result["response"]["output"]  # a list: _trainable_turns checked it
     index = len(output) - 1
     while index > turns[-1][0] and output[index].get("generation_token_ids") is None:
