@@ -204,7 +204,7 @@ def main() -> int:
             row, divergent, truncate, decode=decode
         ),
     }
-    kept = postprocess_gym_result(row, divergent, truncate)["full_result"]
+    kept = postprocess_gym_result(row, divergent, truncate).full_result
     assert kept["noncontiguous_dropped_turns"] == args.turns - args.divergent_turn
 
     samples: dict[str, list[float]] = {name: [] for name in cases}

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from nemo_gym_ext.config import NemoGymPostprocessConfig
@@ -44,7 +45,6 @@ DROPPED_TURNS_FIELD = "noncontiguous_dropped_turns"
 DROPPED_TOKENS_FIELD = "noncontiguous_dropped_tokens"
 SEGMENTS_FIELD = "noncontiguous_segments"
 SEGMENT_TOKENS_FIELD = "noncontiguous_segment_tokens"
-SEGMENTS_KEY = "segments"
 STOPPED_FLAG = "noncontiguous_stopped"
 WITHHELD_FLAG = "noncontiguous_withheld"
 MALFORMED_FLAG = "malformed_sample"
@@ -125,6 +125,143 @@ class MalformedGymResultError(ValueError):
     """A Gym result whose fields cannot be trained on; the message names the row and the field."""
 
 
+MessageLog = list[dict[str, Any]]
+# The fields a postprocessed result carries (`PostprocessedEpisode.full_result`): a result fed back
+# in must not keep an earlier verdict.
+_VERDICT_FIELDS = frozenset(
+    (
+        TRUNCATED_FLAG,
+        DROPPED_TURNS_FIELD,
+        MALFORMED_FLAG,
+        TURNS_FIELD,
+        GENERATED_TOKENS_FIELD,
+        LONGEST_CALL_FIELD,
+        DROPPED_TOKENS_FIELD,
+        SEGMENTS_FIELD,
+        SEGMENT_TOKENS_FIELD,
+        STOPPED_FLAG,
+        WITHHELD_FLAG,
+        *ALL_CAUSE_FIELDS,
+    )
+)
+
+
+@dataclass(frozen=True)
+class PostprocessedEpisode:
+    """One Gym result as training data: what :func:`postprocess_gym_result` returns.
+
+    Plain data that pickles, so a rollout shard (a Ray actor) hands it to the driver inside
+    `nemo_gym_ext.rollout.GroupOutcome.episodes`. The counts and flags are typed here; per-agent
+    metrics read them from :attr:`full_result`, the result with each under its `*_FIELD` /
+    `*_FLAG` name.
+    """
+
+    message_log: MessageLog
+    """The contiguous prefix trained on: user-delta entries (`{"role": "user", "token_ids"}`)
+    alternating with assistant entries (`{"role": "assistant", "token_ids",
+    "generation_logprobs"}`); empty for a masked malformed result."""
+
+    segments: list[MessageLog] | None
+    """With `split_noncontiguous_segments`, the message logs of the contiguous tail segments kept
+    after the divergences (each starts with its first turn's whole prompt as the delta; at most
+    that many, later turns dropped), empty when none was kept; None without split mode."""
+
+    result: dict[str, Any]
+    """The Gym result (a shallow copy, without the fields of an earlier pass), its `agent_ref`
+    the row's where the agent echoed none (stock Gym results do not): the row routed it."""
+
+    overlong: bool
+    """The episode hit a token limit (`nemo_gym_ext.overlong.hit_token_limit`: the result's own
+    flag or Gym's `incomplete_details`), also when the turn that hit it was dropped, so overlong
+    filtering still sees the episode."""
+
+    malformed: bool
+    """The result's token fields cannot be trained on and `on_malformed_result=mask` masked it:
+    no tokens, its reward still in its group's baseline."""
+
+    longest_call_tokens: int
+    """The most tokens one model call generated, over every call of the episode, dropped ones
+    included: what the soft overlong penalty measures."""
+
+    cause: str
+    """Why the episode's history stopped being contiguous (:func:`divergence_cause`: one of
+    `CAUSES` with a decoder, of `UNDECODED_CAUSES` without); "" for a contiguous episode. An
+    episode with a cause was truncated."""
+
+    dropped_turns: int
+    """Trainable turns truncation dropped (with split mode, those no segment kept)."""
+
+    dropped_tokens: int
+    """The generated tokens of the dropped turns, which the token ledger counts."""
+
+    stopped: bool | None
+    """Of a truncated episode whose policy server stops divergences: whether its generation ended
+    at a withheld turn that diverged (the server stopped it); None otherwise."""
+
+    withheld: bool | None
+    """Where the policy server stops divergences: whether the episode ended at a withheld turn at
+    all, so an episode the server cut short is never taken for a whole one, even where its
+    history is contiguous here (the server and the postprocessor disagree; its tokens are
+    trained, its reward is the cut-short state's); None where the server does not stop them."""
+
+    @property
+    def truncated(self) -> bool:
+        return bool(self.cause)
+
+    @property
+    def trainable_turns(self) -> int:
+        """Model calls trained on: the prefix's (its tail segments' are apart)."""
+        return _generations(self.message_log)[0]
+
+    @property
+    def generated_tokens(self) -> int:
+        """The prefix's generated tokens."""
+        return _generations(self.message_log)[1]
+
+    @property
+    def segment_tokens(self) -> int:
+        """The tail segments' generated tokens."""
+        return sum(_generations(segment)[1] for segment in self.segments or ())
+
+    @property
+    def full_result(self) -> dict[str, Any]:
+        """The result with this episode's fields under the names per-agent metrics average.
+
+        `overlong`, `noncontiguous_truncated`, `noncontiguous_dropped_turns`, `malformed_sample`,
+        `trainable_turns`, `generated_tokens` and `longest_call_tokens` are on every result, so
+        their means are rates across a batch, for stock Gym results too; `noncontiguous_withheld`
+        on every result of a run whose server stops divergences. A truncated episode's alone
+        also holds `noncontiguous_dropped_tokens`, `noncontiguous_stopped` (where the server
+        stops divergences), `noncontiguous_segments` and `noncontiguous_segment_tokens` (split
+        mode) and, for every cause the postprocessor could tell, `noncontiguous_cause/<cause>`
+        (true for its cause): their per-agent means are shares of the divergent episodes, and a
+        contiguous episode's result is the same with truncation on or off.
+        """
+        fields = {
+            **self.result,
+            OVERLONG_FLAG: self.overlong,
+            TRUNCATED_FLAG: self.truncated,
+            DROPPED_TURNS_FIELD: self.dropped_turns,
+            MALFORMED_FLAG: self.malformed,
+            TURNS_FIELD: self.trainable_turns,
+            GENERATED_TOKENS_FIELD: self.generated_tokens,
+            LONGEST_CALL_FIELD: self.longest_call_tokens,
+        }
+        if self.withheld is not None:
+            fields[WITHHELD_FLAG] = self.withheld
+        if not self.truncated:
+            return fields
+        fields[DROPPED_TOKENS_FIELD] = self.dropped_tokens
+        told = CAUSES if self.cause in CAUSES else UNDECODED_CAUSES
+        fields.update({CAUSE_FIELD_PREFIX + cause: cause == self.cause for cause in told})
+        if self.stopped is not None:
+            fields[STOPPED_FLAG] = self.stopped
+        if self.segments is not None:
+            fields[SEGMENTS_FIELD] = len(self.segments)
+            fields[SEGMENT_TOKENS_FIELD] = self.segment_tokens
+        return fields
+
+
 def postprocess_gym_result(
     row: Mapping[str, Any],
     result: Mapping[str, Any],
@@ -133,118 +270,85 @@ def postprocess_gym_result(
     vocab_size: int | None = None,
     decode: Decode | None = None,
     server_stops_divergences: bool = False,
-) -> dict[str, Any]:
-    """Return `{"message_log", "full_result", "overlong"}` for one Gym result.
-
-    `message_log` alternates user-delta entries (`{"role": "user", "token_ids"}`) and assistant
-    entries (`{"role": "assistant", "token_ids", "generation_logprobs"}`). `full_result` is a
-    shallow copy of `result` with `noncontiguous_truncated`, `noncontiguous_dropped_turns`,
-    `malformed_sample`, `trainable_turns` (model calls trained on), `generated_tokens` and
-    `longest_call_tokens` (the most tokens one model call generated, over every call of the
-    episode, dropped ones included: what the soft overlong penalty measures) (all set afresh on
-    every call, so they are rates across a batch, for stock Gym results too).
-    A truncated episode's `full_result` also holds `noncontiguous_dropped_tokens` (the generated
-    tokens of the dropped turns, which the token ledger counts) and, for every cause that can be
-    told with the given `decode` (`CAUSES` with one, `UNDECODED_CAUSES` without),
-    `noncontiguous_cause/<cause>`: true for the cause of its divergence, false for the others.
-    Only truncated episodes carry them, so their per-agent means are the shares of causes among
-    the divergent episodes, and a contiguous episode's result is the same in both modes.
-    With `split_noncontiguous_segments` the output also holds `segments`: the message logs of
-    the contiguous tail segments kept after the divergences (each starts with its first turn's
-    whole prompt as the delta; at most that many, later turns dropped), and a diverged
-    episode's `full_result` `noncontiguous_segments` (how many) and
-    `noncontiguous_segment_tokens` (their generated tokens); `noncontiguous_dropped_turns` and
-    `_tokens` then count only what no segment kept.
-    `overlong` (also set on `full_result`, for every agent) says whether the episode hit a
-    token limit (`nemo_gym_ext.overlong.hit_token_limit`: the result's own flag or Gym's
-    `incomplete_details`), kept even when the turn that hit the limit was dropped, so overlong
-    filtering still sees the episode.
+) -> PostprocessedEpisode:
+    """One Gym result as training data (:class:`PostprocessedEpisode` says what each field
+    holds), its token history checked for contiguity (see the module docstring).
 
     This is where a result enters the recipe, so it is the one place that checks what everything
     downstream relies on: a finite reward and the agent (both required even when the tokens are
-    masked, since the result still joins its agent's GRPO group and metrics). Stock Gym results
-    do not echo `agent_ref`; then the row's, which routed the episode, is stamped on
-    `full_result`.
+    masked, since the result still joins its agent's GRPO group and metrics).
 
     `vocab_size` enables the id range check; `decode` adds text to the divergence message and
-    lets the cause be decided on text.
-    `server_stops_divergences` says the policy server ran with
-    `generation.server.stop_on_divergence`: the result may then end with a *withheld turn* (the
-    server's answer to a diverged request: its prompt ids and an empty generation), which is
-    checked like a trainable turn and trains nothing, and a truncated episode's `full_result`
-    holds `noncontiguous_stopped` (whether its generation ended at a withheld turn that
-    diverged), so its per-agent mean is the share of divergent episodes the server stopped.
-    Every result of such a run holds `noncontiguous_withheld` (whether the episode ended at a
-    withheld turn at all), so an episode the server cut short is never taken for a whole one,
-    even where the postprocessor finds its history contiguous (the server and the postprocessor
-    disagree; its tokens are trained, its reward is the cut-short state's).
-    A result that hit a token limit before generating any token raises
-    :class:`nemo_gym_ext.overlong.PromptTooLongError` (the policy server refused the prompt).
-    Neither `row` nor `result` is mutated.
+    lets the cause be decided on text. `server_stops_divergences` says the policy server ran
+    with `generation.server.stop_on_divergence`: the result may then end with a *withheld turn*
+    (the server's answer to a diverged request: its prompt ids and an empty generation), which is
+    checked like a trainable turn and trains nothing. A result that hit a token limit before
+    generating any token raises :class:`nemo_gym_ext.overlong.PromptTooLongError` (the policy
+    server refused the prompt). Neither `row` nor `result` is mutated.
     """
     row_id = row_id_of(row, result)
     agent_ref = _agent_ref_of(row, result, row_id)
     agent = agent_ref["name"]
-    full_result = dict(result)
-    full_result["agent_ref"] = agent_ref
-    full_result[TRUNCATED_FLAG] = False
-    full_result[DROPPED_TURNS_FIELD] = 0
-    full_result[MALFORMED_FLAG] = False
-    full_result[TURNS_FIELD] = 0
-    full_result[GENERATED_TOKENS_FIELD] = 0
-    full_result[LONGEST_CALL_FIELD] = 0
-    # A result fed back in must not keep an earlier verdict.
-    verdicts = (
-        DROPPED_TOKENS_FIELD,
-        SEGMENTS_FIELD,
-        SEGMENT_TOKENS_FIELD,
-        STOPPED_FLAG,
-        WITHHELD_FLAG,
+    episode = PostprocessedEpisode(
+        message_log=[],
+        segments=[] if config.split_noncontiguous_segments else None,
+        result=_fresh_result(result, agent_ref),
+        overlong=hit_token_limit(result),
+        malformed=False,
+        longest_call_tokens=0,
+        cause="",
+        dropped_turns=0,
+        dropped_tokens=0,
+        stopped=None,
+        withheld=None,
     )
-    for field in (*verdicts, *ALL_CAUSE_FIELDS):
-        full_result.pop(field, None)
-    overlong = full_result[OVERLONG_FLAG] = hit_token_limit(result)
     if refused_before_generating(result):  # not a malformed result: masking must not hide it
         raise PromptTooLongError(row_id, agent)
-    # Only split mode's outputs hold tail segments (none here when nothing diverged).
-    split: dict[str, Any] = {SEGMENTS_KEY: []} if config.split_noncontiguous_segments else {}
     # A result without a usable reward cannot join a GRPO group even as a masked sample.
     _check_reward(result, agent, row_id)
     try:
         turns = _trainable_turns(result, agent, row_id)
         # Of every call, kept or not: the episode the overlong penalty judges is all of it.
-        full_result[LONGEST_CALL_FIELD] = max(len(turn[2]) for turn in turns)
+        episode = replace(episode, longest_call_tokens=max(len(turn[2]) for turn in turns))
         withheld = _withheld_turn(result, turns) if server_stops_divergences else None
         if server_stops_divergences:
-            full_result[WITHHELD_FLAG] = withheld is not None
+            episode = replace(episode, withheld=withheld is not None)
         (message_log, *tails), dropped, cause = _walk(
             turns, withheld, config, agent, row_id, vocab_size, decode
         )
     except MalformedGymResultError:
         if config.on_malformed_result == "raise":
             raise
-        full_result[MALFORMED_FLAG] = True
-        return {"message_log": [], "full_result": full_result, "overlong": overlong, **split}
-    full_result[TURNS_FIELD], full_result[GENERATED_TOKENS_FIELD] = _generations(message_log)
-    if cause:
-        full_result[TRUNCATED_FLAG] = True
-        full_result[DROPPED_TURNS_FIELD] = dropped
-        full_result[DROPPED_TOKENS_FIELD] = sum(len(t[2]) for t in turns[len(turns) - dropped :])
-        full_result.update(dict.fromkeys(_cause_fields(decode), False))
-        full_result[CAUSE_FIELD_PREFIX + cause] = True
-        if server_stops_divergences:
-            last_turn = turns[-1]
-            full_result[STOPPED_FLAG] = withheld is not None and not _extends(
-                withheld[1], last_turn[1], last_turn[2]
-            )
-        if split:
-            full_result[SEGMENTS_FIELD] = len(tails)
-            full_result[SEGMENT_TOKENS_FIELD] = sum(_generations(tail)[1] for tail in tails)
-            split = {SEGMENTS_KEY: tails}
-    return {"message_log": message_log, "full_result": full_result, "overlong": overlong, **split}
+        return replace(episode, malformed=True)
+    episode = replace(episode, message_log=message_log)
+    if not cause:
+        return episode
+    return replace(
+        episode,
+        cause=cause,
+        dropped_turns=dropped,
+        dropped_tokens=sum(len(turn[2]) for turn in turns[len(turns) - dropped :]),
+        stopped=_stopped(withheld, turns[-1]) if server_stops_divergences else None,
+        segments=tails if config.split_noncontiguous_segments else None,
+    )
 
 
-def _generations(message_log: list[dict[str, Any]]) -> tuple[int, int]:
+def _fresh_result(result: Mapping[str, Any], agent_ref: Mapping[str, Any]) -> dict[str, Any]:
+    """A shallow copy of `result` naming `agent_ref`, without a verdict of an earlier pass."""
+    fresh = {key: value for key, value in result.items() if key not in _VERDICT_FIELDS}
+    fresh["agent_ref"] = agent_ref
+    return fresh
+
+
+def _stopped(
+    withheld: tuple[int, list[int]] | None, last_turn: tuple[int, list[int], list[int], list[float]]
+) -> bool:
+    """Whether the episode ended at a withheld turn whose prompt does not extend its last
+    trainable turn: the divergence the server stopped (`noncontiguous_stopped`)."""
+    return withheld is not None and not _extends(withheld[1], last_turn[1], last_turn[2])
+
+
+def _generations(message_log: MessageLog) -> tuple[int, int]:
     """(model calls, generated tokens) of a message log."""
     generations = [entry["token_ids"] for entry in message_log if entry["role"] == "assistant"]
     return len(generations), sum(map(len, generations))
@@ -258,7 +362,7 @@ def _walk(
     row_id: str,
     vocab_size: int | None,
     decode: Decode | None,
-) -> tuple[list[list[dict[str, Any]]], int, str]:
+) -> tuple[list[MessageLog], int, str]:
     """Walk trainable turns; return the message log of each kept contiguous segment (the prefix
     first, then with `split_noncontiguous_segments` the tail segments), the number of dropped
     turns and, when the episode diverged, the first divergence's cause ("" otherwise).
@@ -270,7 +374,7 @@ def _walk(
     it is contiguous from there on by the same two comparisons. A `withheld` turn (item index,
     prompt) comes last: it diverges or not like any turn, and adds nothing to a segment.
     """
-    segments: list[list[dict[str, Any]]] = [[]]
+    segments: list[MessageLog] = [[]]
     first_cause = ""
     segment_start = 0
     previous_prompt: list[int] = []
@@ -335,11 +439,6 @@ def generated_tokens_of(result: Mapping[str, Any]) -> tuple[int, int]:
     postprocessor has none: (0, 0)."""
     kept = result.get(GENERATED_TOKENS_FIELD, 0) + result.get(SEGMENT_TOKENS_FIELD, 0)
     return int(kept), int(result.get(DROPPED_TOKENS_FIELD, 0))
-
-
-def _cause_fields(decode: Decode | None) -> list[str]:
-    causes = CAUSES if decode is not None else UNDECODED_CAUSES
-    return [CAUSE_FIELD_PREFIX + cause for cause in causes]
 
 
 def divergence_cause(
@@ -455,7 +554,7 @@ def _withheld_turn(
 ) -> tuple[int, list[int]] | None:
     """(item index, prompt ids) of the server's withheld answer, if the episode ended on one: the
     last output item, after every trainable turn, carrying prompt ids and an empty generation
-    (`gymrl.generation.server.app._withheld_answer`)."""
+    (`gymrl.generation.server.app.withheld_answer`)."""
     output = result["response"]["output"]  # a list: _trainable_turns checked it
     index = len(output) - 1
     while index > turns[-1][0] and output[index].get("generation_token_ids") is None:

@@ -28,7 +28,12 @@ from nemo_gym_ext.config import NemoGymPostprocessConfig
 from nemo_gym_ext.json_body import JSON_HEADERS, dumps_json
 from nemo_gym_ext.keep_alive import CLIENT_KEEPALIVE_EXPIRY_S
 from nemo_gym_ext.overlong import PromptTooLongError
-from nemo_gym_ext.postprocess import Decode, postprocess_gym_result, row_id_of
+from nemo_gym_ext.postprocess import (
+    Decode,
+    PostprocessedEpisode,
+    postprocess_gym_result,
+    row_id_of,
+)
 from nemo_gym_ext.result_json import loads_result
 from nemo_gym_ext.retry import backoff_s, retry_after_s
 from nemo_gym_ext.wire import agent_name_of
@@ -92,7 +97,7 @@ class GroupOutcome:
 
     row_id: str
     agent: str
-    episodes: list[dict[str, Any]] = field(default_factory=list)
+    episodes: list[PostprocessedEpisode] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     retries: int = 0
     prompt_refused: str = ""
@@ -182,7 +187,7 @@ class RolloutCollector:
 
     async def _run_episode(
         self, row: Mapping[str, Any], agent: str, outcome: GroupOutcome
-    ) -> dict[str, Any] | None:
+    ) -> PostprocessedEpisode | None:
         url = f"{self._agent_urls[agent]}/run"
         settings = self._settings
         cause, retry_after = "", None

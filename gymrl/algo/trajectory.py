@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from nemo_gym_ext.postprocess import LONGEST_CALL_FIELD
+from nemo_gym_ext.postprocess import PostprocessedEpisode
 from nemo_gym_ext.wire import agent_name_of
 
 
@@ -88,43 +88,42 @@ class Trajectory:
 
     @classmethod
     def from_postprocessed(
-        cls, out: Mapping[str, Any], *, group_id: str, weight_version: int
+        cls, out: PostprocessedEpisode, *, group_id: str, weight_version: int
     ) -> Trajectory:
         """Flatten one `postprocess_gym_result` output.
 
-        The reward and the agent are read from `full_result` (`reward`, `agent_ref.name`); the
+        The reward and the agent are read from its result (`reward`, `agent_ref.name`); the
         postprocessor has already checked both (a finite number, a name), so they are not checked
         again here.
         """
         return cls._flattened(
-            out, out["message_log"], group_id=group_id, weight_version=weight_version, segment=0
+            out, out.message_log, group_id=group_id, weight_version=weight_version, segment=0
         )
 
     @classmethod
     def segments_from_postprocessed(
-        cls, out: Mapping[str, Any], *, group_id: str, weight_version: int
+        cls, out: PostprocessedEpisode, *, group_id: str, weight_version: int
     ) -> list[Trajectory]:
-        """The tail segments split mode kept (`out["segments"]`, absent otherwise), each a
-        trajectory of its own with the episode's reward, agent and overlong flag."""
+        """The tail segments split mode kept (`out.segments`), each a trajectory of its own with
+        the episode's reward, agent and overlong flag."""
         return [
             cls._flattened(
                 out, log, group_id=group_id, weight_version=weight_version, segment=index
             )
-            for index, log in enumerate(out.get("segments", ()), start=1)
+            for index, log in enumerate(out.segments or (), start=1)
         ]
 
     @classmethod
     def _flattened(
         cls,
-        out: Mapping[str, Any],
+        out: PostprocessedEpisode,
         message_log: Sequence[Mapping[str, Any]],
         *,
         group_id: str,
         weight_version: int,
         segment: int,
     ) -> Trajectory:
-        full_result = out["full_result"]
-        agent = agent_name_of(full_result)
+        agent = agent_name_of(out.result)
         token_ids: list[int] = []
         loss_mask: list[int] = []
         logprobs: list[float] = []
@@ -155,16 +154,13 @@ class Trajectory:
             token_ids=token_ids,
             loss_mask=loss_mask,
             generation_logprobs=[float(value) for value in logprobs],
-            reward=float(full_result["reward"]),
+            reward=float(out.result["reward"]),
             agent=agent,
             group_id=group_id,
             weight_version=weight_version,
-            overlong=bool(out["overlong"]),
+            overlong=out.overlong,
             turn_lengths=tuple(turn_lengths),
-            # A mapping that did not come through the postprocessor: its own calls are all.
-            longest_call_tokens=int(
-                full_result.get(LONGEST_CALL_FIELD, max(turn_lengths, default=0))
-            ),
+            longest_call_tokens=out.longest_call_tokens,
             segment=segment,
         )
 

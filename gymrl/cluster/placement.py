@@ -228,7 +228,7 @@ def actor_options(
 
     An actor started by another actor inherits its parent's `runtime_env` field by field unless
     it sets its own; the validator makes sure the SGLang servers, which the policy server starts,
-    set the same fields as their parent whenever it has any (see `gymrl.preflight.validate`)."""
+    set the same fields as their parent whenever it has any (`gymrl.preflight.rules.cluster`)."""
     options: dict[str, Any] = {"num_gpus": role.gpus_per_actor, "num_cpus": role.cpus_per_actor}
     env = runtime_env(role.environment, env_vars)
     if env:

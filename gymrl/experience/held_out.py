@@ -36,7 +36,13 @@ from typing import Any
 from gymrl.experience.producer import GroupRunner
 from gymrl.experience.rollout_group import scalar_fields
 from nemo_gym_ext.metrics import per_agent_metrics
-from nemo_gym_ext.postprocess import OVERLONG_FLAG, TRUNCATED_FLAG, TURNS_FIELD, row_id_of
+from nemo_gym_ext.postprocess import (
+    OVERLONG_FLAG,
+    TRUNCATED_FLAG,
+    TURNS_FIELD,
+    PostprocessedEpisode,
+    row_id_of,
+)
 from nemo_gym_ext.wire import TOKEN_FIELDS, agent_name_of
 
 PREFIX = "validation/"
@@ -80,25 +86,22 @@ class HeldOutEpisode:
         cls,
         row: Mapping[str, Any],
         sample: int,
-        episode: Mapping[str, Any],
+        episode: PostprocessedEpisode,
         *,
         keep_transcript: bool = False,
     ) -> HeldOutEpisode:
-        """From a postprocessed episode (`{"message_log", "full_result", ...}`); with
-        `keep_transcript`, its output items without their token fields."""
-        result = episode["full_result"]
-        generated = sum(
-            len(m["token_ids"]) for m in episode["message_log"] if "generation_logprobs" in m
-        )
-        total = sum(len(m["token_ids"]) for m in episode["message_log"])
+        """From a postprocessed episode; with `keep_transcript`, its output items without their
+        token fields."""
+        result = episode.full_result
+        total = sum(len(entry["token_ids"]) for entry in episode.message_log)
         reasons = result.get("finish_reasons")
         return cls(
             row_id=row_id_of(row),
             agent=agent_name_of(result),
             sample=sample,
             summary=scalar_fields(result),
-            prompt_tokens=total - generated,
-            generated_tokens=generated,
+            prompt_tokens=total - episode.generated_tokens,
+            generated_tokens=episode.generated_tokens,
             finish_reasons=tuple(reasons) if isinstance(reasons, list) else None,
             transcript=_without_tokens(result["response"]["output"]) if keep_transcript else None,
         )

@@ -322,7 +322,7 @@ class RolloutProducer(threading.Thread):
         rules = self._rules.loss.episode_rules(outcome.agent)
         failed = len(outcome.failures) if rules.failed_reward is not None else 0
         baseline = bool(outcome.episodes) and len(outcome.episodes) + failed >= 2
-        results = [episode["full_result"] for episode in outcome.episodes]
+        results = [episode.full_result for episode in outcome.episodes]
         agents = [outcome.agent] * len(results)
         with self._counts_lock:
             self._retries += outcome.retries
@@ -360,7 +360,7 @@ class RolloutProducer(threading.Thread):
             trajectories,
             [
                 {
-                    **scalar_fields(episode["full_result"]),
+                    **scalar_fields(episode.full_result),
                     LENGTH_PENALTY_FIELD: trajectory.length_penalty,
                     OVERLONG_MASKED_FIELD: trajectory.overlong and trajectory.is_masked,
                 }

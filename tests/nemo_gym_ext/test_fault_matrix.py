@@ -144,7 +144,7 @@ def test_a_straggler_episode_ends_at_its_deadline_and_its_group_keeps_the_surviv
     counted (`rollout/episode_timeouts_total`)."""
     with FaultyAgent("straggle", tmp_path) as agent:
         outcome, seconds = _run_group(agent.url, episodes=4)
-    assert [e["full_result"]["reward"] for e in outcome.episodes] == [1.0, 2.0, 3.0]
+    assert [e.full_result["reward"] for e in outcome.episodes] == [1.0, 2.0, 3.0]
     assert outcome.failures == [
         f"agent {AGENT!r} row {ROW['id']!r} failed after {RETRIES + 1} attempts: TimeoutError: "
         f"agent at {agent.url}/run did not finish the episode within "

@@ -145,7 +145,7 @@ def test_result_without_agent_name_raises_a_clear_error(result):
 def test_postprocessed_batch_has_exactly_the_documented_keys(episode_builder, turn_maker):
     """Only the numeric top-level fields of a full_result become metrics; nested ones do not."""
     episode = episode_builder(turn_maker(21, 3), agent="swe", reward=1.0)
-    full = postprocess_gym_result(episode.row, episode.result, TRUNCATE)["full_result"]
+    full = postprocess_gym_result(episode.row, episode.result, TRUNCATE).full_result
     fields = (
         "reward",
         "noncontiguous_truncated",
@@ -188,7 +188,7 @@ def test_stale_flags_on_reused_dicts_do_not_leak_into_the_truncation_rate(
             result_fields=stale,
         )
         full_results.append(
-            postprocess_gym_result(episode.row, episode.result, TRUNCATE)["full_result"]
+            postprocess_gym_result(episode.row, episode.result, TRUNCATE).full_result
         )
     random.Random(0).shuffle(full_results)
     metrics = per_agent_metrics(full_results)

@@ -54,8 +54,8 @@ def test_a_gym_result_cut_at_its_limit_is_overlong_after_truncation_dropped_that
         },
     }
     out = postprocess_gym_result(episode.row, result, TRUNCATE)
-    assert out["full_result"]["noncontiguous_truncated"] is True
-    assert out["overlong"] is True and out["full_result"]["overlong"] is True
+    assert out.full_result["noncontiguous_truncated"] is True
+    assert out.overlong is True and out.full_result["overlong"] is True
     assert "overlong" not in result  # the input is not mutated
 
 
@@ -63,7 +63,7 @@ def test_every_result_carries_the_overlong_field(episode_builder, turn_maker):
     episode = episode_builder(turn_maker(10, 2))
     assert "overlong" not in episode.result
     out = postprocess_gym_result(episode.row, episode.result, TRUNCATE)
-    assert out["full_result"]["overlong"] is False
+    assert out.full_result["overlong"] is False
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,7 @@ BOTH_MODES = pytest.mark.parametrize("config", [STRICT, TRUNCATE], ids=["strict"
 
 def _assert_retained(out, episode, retained: int) -> None:
     """`message_log` holds exactly the first `retained` trainable turns, tokens untouched."""
-    log = out["message_log"]
+    log = out.message_log
     assert [entry["role"] for entry in log] == ["user", "assistant"] * retained
     for turn in range(retained):
         user, assistant = log[2 * turn], log[2 * turn + 1]
@@ -170,11 +170,11 @@ def test_truncation_keeps_exactly_the_prefix_before_the_divergent_turn(
     )
     out = postprocess_gym_result(episode.row, episode.result, TRUNCATE)
     _assert_retained(out, episode, divergent_turn)
-    full = out["full_result"]
+    full = out.full_result
     assert full["reward"] == 0.75
     assert full["noncontiguous_truncated"] is True
     assert full["noncontiguous_dropped_turns"] == 6 - divergent_turn
-    assert out["overlong"] is False
+    assert out.overlong is False
 
 
 @BOTH_MODES
@@ -185,9 +185,9 @@ def test_contiguous_episode_keeps_every_turn_and_flag_false(
     episode = episode_builder(turn_maker(6, count), reward=1.0)
     out = postprocess_gym_result(episode.row, episode.result, config)
     _assert_retained(out, episode, count)
-    assert out["full_result"]["noncontiguous_truncated"] is False
-    assert out["full_result"]["noncontiguous_dropped_turns"] == 0
-    assert out["full_result"]["reward"] == 1.0
+    assert out.full_result["noncontiguous_truncated"] is False
+    assert out.full_result["noncontiguous_dropped_turns"] == 0
+    assert out.full_result["reward"] == 1.0
 
 
 @BOTH_MODES
@@ -200,7 +200,7 @@ def test_reused_result_dict_gets_stale_flags_reset(episode_builder, turn_maker, 
             "malformed_sample": True,
         },
     )
-    full = postprocess_gym_result(episode.row, episode.result, config)["full_result"]
+    full = postprocess_gym_result(episode.row, episode.result, config).full_result
     assert full["noncontiguous_truncated"] is False
     assert full["noncontiguous_dropped_turns"] == 0
     assert full["malformed_sample"] is False
@@ -210,9 +210,9 @@ def test_reprocessing_a_truncated_full_result_is_stable(episode_builder, diverge
     """A `full_result` fed back in (a retried step) is truncated the same way, not doubled."""
     episode = episode_builder(turn_maker(8, 5), divergence=divergence_at(2))
     first = postprocess_gym_result(episode.row, episode.result, TRUNCATE)
-    again = postprocess_gym_result(episode.row, first["full_result"], TRUNCATE)
-    assert again["message_log"] == first["message_log"]
-    assert again["full_result"]["noncontiguous_dropped_turns"] == 3
+    again = postprocess_gym_result(episode.row, first.full_result, TRUNCATE)
+    assert again.message_log == first.message_log
+    assert again.full_result["noncontiguous_dropped_turns"] == 3
 
 
 def test_overlong_flag_survives_when_the_overlong_turn_was_dropped(
@@ -222,15 +222,15 @@ def test_overlong_flag_survives_when_the_overlong_turn_was_dropped(
         turn_maker(9, 4), divergence=divergence_at(2), result_fields={"overlong": True}
     )
     out = postprocess_gym_result(episode.row, episode.result, TRUNCATE)
-    assert out["full_result"]["noncontiguous_truncated"] is True
-    assert out["overlong"] is True
-    assert out["full_result"]["overlong"] is True
+    assert out.full_result["noncontiguous_truncated"] is True
+    assert out.overlong is True
+    assert out.full_result["overlong"] is True
 
 
 @BOTH_MODES
 def test_overlong_defaults_to_false(episode_builder, turn_maker, config):
     episode = episode_builder(turn_maker(10, 2))
-    assert postprocess_gym_result(episode.row, episode.result, config)["overlong"] is False
+    assert postprocess_gym_result(episode.row, episode.result, config).overlong is False
 
 
 @pytest.mark.parametrize(
@@ -250,10 +250,10 @@ def test_inputs_are_never_mutated(episode_builder, divergence_at, turn_maker, co
     except NonContiguousEpisodeError:
         assert config is STRICT and divergent
     else:
-        for entry in out["message_log"]:
+        for entry in out.message_log:
             entry["token_ids"].append(-7)
             entry.get("generation_logprobs", []).append(-7.0)
-        out["full_result"]["reward"] = -1.0
+        out.result["reward"] = -1.0
     assert episode.row == row_before
     assert episode.result == result_before
 
@@ -263,8 +263,8 @@ def test_masked_malformed_result_does_not_mutate_inputs(episode_builder, turn_ma
     episode.result["response"]["output"][episode.item_indices[1]]["generation_log_probs"][0] = 0.5
     row_before, result_before = copy.deepcopy(episode.row), copy.deepcopy(episode.result)
     out = postprocess_gym_result(episode.row, episode.result, MASK)
-    out["full_result"]["reward"] = -1.0
-    assert out["full_result"]["malformed_sample"] is True
+    out.result["reward"] = -1.0
+    assert out.full_result["malformed_sample"] is True
     assert episode.row == row_before
     assert episode.result == result_before
 
@@ -274,7 +274,7 @@ def test_empty_generations_are_skipped_and_never_diverge(episode_builder, turn_m
     episode = episode_builder(turn_maker(13, 5), empty_generation_after={0, 2, 4})
     out = postprocess_gym_result(episode.row, episode.result, config)
     _assert_retained(out, episode, 5)
-    assert out["full_result"]["noncontiguous_truncated"] is False
+    assert out.full_result["noncontiguous_truncated"] is False
 
 
 @BOTH_MODES
@@ -284,8 +284,7 @@ def test_items_without_token_fields_are_ignored(episode_builder, turn_maker, con
     assert len(with_items.result["response"]["output"]) > len(without.result["response"]["output"])
     out = postprocess_gym_result(with_items.row, with_items.result, config)
     assert (
-        out["message_log"]
-        == postprocess_gym_result(without.row, without.result, config)["message_log"]
+        out.message_log == postprocess_gym_result(without.row, without.result, config).message_log
     )
     _assert_retained(out, with_items, 4)
 
@@ -299,7 +298,7 @@ def test_divergence_in_the_dropped_tail_after_an_empty_generation(
     )
     out = postprocess_gym_result(episode.row, episode.result, TRUNCATE)
     _assert_retained(out, episode, 3)
-    assert out["full_result"]["noncontiguous_dropped_turns"] == 2
+    assert out.full_result["noncontiguous_dropped_turns"] == 2
 
 
 # --- malformed results --------------------------------------------------------------------------
@@ -435,8 +434,8 @@ def test_masked_malformed_result_trains_on_nothing_and_keeps_the_reward(well_for
     result = copy.deepcopy(well_formed.result)
     mutate(result, well_formed)
     out = postprocess_gym_result(well_formed.row, result, MASK, vocab_size=49152)
-    assert out["message_log"] == []
-    full = out["full_result"]
+    assert out.message_log == []
+    full = out.full_result
     assert full["malformed_sample"] is True
     assert full["noncontiguous_truncated"] is False
     assert full["reward"] == 0.5
@@ -457,7 +456,7 @@ def test_a_stock_result_without_agent_ref_takes_the_rows(well_formed):
     result = copy.deepcopy(well_formed.result)
     del result["agent_ref"]
     out = postprocess_gym_result(well_formed.row, result, STRICT, vocab_size=49152)
-    assert out["full_result"]["agent_ref"] == well_formed.row["agent_ref"]
+    assert out.full_result["agent_ref"] == well_formed.row["agent_ref"]
     assert "agent_ref" not in result
 
 
@@ -482,13 +481,13 @@ def test_ids_over_vocab_pass_without_a_vocab_size(episode_builder, turn_maker):
     """The upper bound needs the tokenizer's size; without it only negative ids are rejected."""
     episode = episode_builder([([5, 60_000], [70_000]), ([1], [2])])
     out = postprocess_gym_result(episode.row, episode.result, STRICT)
-    assert out["message_log"][1]["token_ids"] == [70_000]
+    assert out.message_log[1]["token_ids"] == [70_000]
 
 
 def test_last_id_of_the_vocabulary_is_accepted(episode_builder):
     episode = episode_builder([([0, 49151], [49151])])
     out = postprocess_gym_result(episode.row, episode.result, STRICT, vocab_size=49152)
-    assert out["message_log"][1]["token_ids"] == [49151]
+    assert out.message_log[1]["token_ids"] == [49151]
 
 
 @pytest.mark.parametrize(
@@ -507,7 +506,7 @@ def test_huge_but_finite_logprobs_do_not_crash(episode_builder):
     result = copy.deepcopy(episode.result)
     _item(result, episode, 0)["generation_log_probs"] = [-1e308, -1e308]
     out = postprocess_gym_result(episode.row, result, STRICT)
-    assert out["message_log"][1]["generation_logprobs"] == [-1e308, -1e308]
+    assert out.message_log[1]["generation_logprobs"] == [-1e308, -1e308]
 
 
 @pytest.mark.parametrize(
@@ -551,9 +550,9 @@ def test_errors_survive_pickling_across_processes(episode_builder, divergence_at
 
 def test_turns_and_generated_tokens_are_counted_for_any_agent(episode_builder, turn_maker):
     episode = episode_builder(turn_maker(21, 3), agent="stock", reward=1.0)
-    full = postprocess_gym_result(episode.row, episode.result, NemoGymPostprocessConfig())[
-        "full_result"
-    ]
+    full = postprocess_gym_result(
+        episode.row, episode.result, NemoGymPostprocessConfig()
+    ).full_result
     generations = [
         item["generation_token_ids"]
         for item in episode.result["response"]["output"]

@@ -293,7 +293,7 @@ def test_truncated_results_carry_the_cause_and_metrics_give_its_share(formats):
     contiguous.call(generate(qwen, "You are welcome."))
     episodes.append((contiguous.result("chat"), qwen))
     results = [
-        postprocess_gym_result(result, result, TRUNCATE, decode=decoder(chat_format))["full_result"]
+        postprocess_gym_result(result, result, TRUNCATE, decode=decoder(chat_format)).full_result
         for result, chat_format in episodes
     ]
     assert [r["noncontiguous_truncated"] for r in results] == [True, True, True, False]
@@ -332,8 +332,6 @@ def test_undecodable_ids_give_other(formats):
     first_prompt = client.turns[0][0]
     broken = [*first_prompt, -1, *client.turns[1][0][len(first_prompt) + 1 :]]
     result["response"]["output"][1]["prompt_token_ids"] = broken
-    full = postprocess_gym_result(result, result, TRUNCATE, decode=decoder(chat_format))[
-        "full_result"
-    ]
+    full = postprocess_gym_result(result, result, TRUNCATE, decode=decoder(chat_format)).full_result
     assert full["noncontiguous_cause/other"] is True
     assert full["noncontiguous_dropped_turns"] == 1

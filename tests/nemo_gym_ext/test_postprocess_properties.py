@@ -82,8 +82,8 @@ def test_default_raises_iff_the_episode_diverges(make, spec):
     result_before = copy.deepcopy(episode.result)
     if episode.divergent_turn is None:
         out = postprocess_gym_result(episode.row, episode.result, STRICT, vocab_size=49152)
-        assert len(out["message_log"]) == 2 * len(episode.prompts)
-        assert out["full_result"]["noncontiguous_truncated"] is False
+        assert len(out.message_log) == 2 * len(episode.prompts)
+        assert out.full_result["noncontiguous_truncated"] is False
     else:
         with pytest.raises(NonContiguousEpisodeError) as caught:
             postprocess_gym_result(episode.row, episode.result, STRICT, vocab_size=49152)
@@ -101,7 +101,7 @@ def test_truncation_keeps_exactly_the_turns_before_the_divergence(make, spec):
 
     total = len(episode.prompts)
     retained = total if episode.divergent_turn is None else episode.divergent_turn
-    log = out["message_log"]
+    log = out.message_log
     assert retained >= 1
     assert [entry["role"] for entry in log] == ["user", "assistant"] * retained
     for turn in range(retained):
@@ -111,7 +111,7 @@ def test_truncation_keeps_exactly_the_turns_before_the_divergence(make, spec):
     flattened = [token for entry in log for token in entry["token_ids"]]
     assert flattened == episode.prompts[retained - 1] + episode.generations[retained - 1]
 
-    full = out["full_result"]
+    full = out.full_result
     assert full["noncontiguous_truncated"] is (retained < total)
     assert full["noncontiguous_dropped_turns"] == total - retained
     assert full["reward"] == spec["reward"]

@@ -6,6 +6,8 @@ way re-rendering produces one (the history a later prompt starts from is altered
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from nemo_gym_ext.config import NemoGymPostprocessConfig, build_gym_actor_config
@@ -45,10 +47,10 @@ def test_each_contiguous_segment_after_a_divergence_is_kept_up_to_the_bound(
     out = postprocess_gym_result(episode.row, episode.result, split(segments))
     output = episode.result["response"]["output"]
     prompts = [output[i]["prompt_token_ids"] for i in episode.item_indices]
-    assert _generations(out["message_log"]) == episode.generations[:2]
+    assert _generations(out.message_log) == episode.generations[:2]
     kept = min(segments, 2)
-    tails = out["segments"]
-    assert len(tails) == kept
+    tails = out.segments
+    assert tails is not None and len(tails) == kept
     # A segment's first delta is its first turn's whole prompt; it is contiguous from there.
     assert tails[0][0]["token_ids"] == prompts[2]
     assert _generations(tails[0]) == episode.generations[2:4]
@@ -57,7 +59,7 @@ def test_each_contiguous_segment_after_a_divergence_is_kept_up_to_the_bound(
     if kept == 2:
         assert tails[1][0]["token_ids"] == prompts[4]
         assert _generations(tails[1]) == episode.generations[4:6]
-    full = out["full_result"]
+    full = out.full_result
     assert full["noncontiguous_truncated"] is True
     assert full["noncontiguous_segments"] == kept
     tail_tokens = sum(len(g) for g in episode.generations[2 : 2 + 2 * kept])
@@ -71,9 +73,9 @@ def test_each_contiguous_segment_after_a_divergence_is_kept_up_to_the_bound(
 
 def test_truncation_alone_drops_the_whole_tail_as_before(twice_divergent):
     out = postprocess_gym_result(twice_divergent.row, twice_divergent.result, TRUNCATE)
-    assert "segments" not in out
-    assert out["full_result"]["noncontiguous_dropped_turns"] == 4
-    assert "noncontiguous_segments" not in out["full_result"]
+    assert out.segments is None
+    assert out.full_result["noncontiguous_dropped_turns"] == 4
+    assert "noncontiguous_segments" not in out.full_result
 
 
 def test_a_contiguous_episode_has_no_segments_and_the_result_of_truncation(
@@ -81,8 +83,10 @@ def test_a_contiguous_episode_has_no_segments_and_the_result_of_truncation(
 ):
     episode = episode_builder(turn_maker(32, 4))
     out = postprocess_gym_result(episode.row, episode.result, split(3))
-    assert out.pop("segments") == []
-    assert out == postprocess_gym_result(episode.row, episode.result, TRUNCATE)
+    assert out.segments == []
+    assert replace(out, segments=None) == postprocess_gym_result(
+        episode.row, episode.result, TRUNCATE
+    )
 
 
 def test_split_needs_truncation_and_is_refused_where_truncation_is():

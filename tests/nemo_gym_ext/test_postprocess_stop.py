@@ -9,6 +9,7 @@ turn and everything after it with the answer the server gives instead."""
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 from metric_docs import documented_keys
@@ -55,20 +56,20 @@ def test_a_stopped_episode_trains_what_truncation_trains(diverging, config):
     stopped = postprocess_gym_result(
         diverging.row, stopped_at(diverging, 2), config, server_stops_divergences=True
     )
-    assert stopped["message_log"] == whole["message_log"]
-    full = stopped["full_result"]
+    assert stopped.message_log == whole.message_log
+    full = stopped.full_result
     assert full["noncontiguous_truncated"] is True
     assert full["noncontiguous_stopped"] is True
     assert full["noncontiguous_withheld"] is True
     assert full["noncontiguous_dropped_turns"] == 0  # the tail was never generated
     assert full["noncontiguous_dropped_tokens"] == 0
-    assert full["trainable_turns"] == whole["full_result"]["trainable_turns"] == 2
+    assert full["trainable_turns"] == whole.full_result["trainable_turns"] == 2
     causes = {k: v for k, v in full.items() if k.startswith("noncontiguous_cause/")}
     assert causes == {
-        k: v for k, v in whole["full_result"].items() if k.startswith("noncontiguous_cause/")
+        k: v for k, v in whole.full_result.items() if k.startswith("noncontiguous_cause/")
     }
     if config is SPLIT:
-        assert stopped["segments"] == []  # a withheld turn starts no segment
+        assert stopped.segments == []  # a withheld turn starts no segment
         assert full["noncontiguous_segments"] == 0
 
 
@@ -76,7 +77,7 @@ def test_a_divergence_the_server_missed_is_truncated_and_not_counted_as_stopped(
     out = postprocess_gym_result(
         diverging.row, diverging.result, TRUNCATE, server_stops_divergences=True
     )
-    full = out["full_result"]
+    full = out.full_result
     assert full["noncontiguous_truncated"] is True
     assert full["noncontiguous_stopped"] is False
     assert full["noncontiguous_withheld"] is False
@@ -89,17 +90,19 @@ def test_contiguous_episodes_and_servers_that_do_not_stop_keep_todays_results(
     contiguous = episode_builder(turn_maker(8, 3))
     for episode in (contiguous, diverging):
         today = postprocess_gym_result(episode.row, episode.result, TRUNCATE)
-        assert "noncontiguous_stopped" not in today["full_result"]
-        assert "noncontiguous_withheld" not in today["full_result"]
+        assert "noncontiguous_stopped" not in today.full_result
+        assert "noncontiguous_withheld" not in today.full_result
     stopping = postprocess_gym_result(
         contiguous.row, contiguous.result, TRUNCATE, server_stops_divergences=True
     )
-    assert stopping["full_result"].pop("noncontiguous_withheld") is False
-    assert stopping == postprocess_gym_result(contiguous.row, contiguous.result, TRUNCATE)
+    assert stopping.full_result["noncontiguous_withheld"] is False
+    assert replace(stopping, withheld=None) == postprocess_gym_result(
+        contiguous.row, contiguous.result, TRUNCATE
+    )
     # Without the server's stop, an empty generation after the last turn is ignored as before.
     ignored = postprocess_gym_result(diverging.row, stopped_at(diverging, 2), TRUNCATE)
-    assert ignored["full_result"]["noncontiguous_truncated"] is False
-    assert "noncontiguous_stopped" not in ignored["full_result"]
+    assert ignored.full_result["noncontiguous_truncated"] is False
+    assert "noncontiguous_stopped" not in ignored.full_result
 
 
 def withheld_after_the_end(episode) -> dict:
@@ -127,12 +130,11 @@ def test_a_withheld_turn_that_extends_the_history_trains_the_episode_and_is_flag
     episode = episode_builder(turn_maker(9, 3))
     result = withheld_after_the_end(episode)
     out = postprocess_gym_result(episode.row, result, TRUNCATE, server_stops_divergences=True)
-    assert out["full_result"]["noncontiguous_truncated"] is False
-    assert out["full_result"]["noncontiguous_withheld"] is True
-    assert "noncontiguous_stopped" not in out["full_result"]
+    assert out.full_result["noncontiguous_truncated"] is False
+    assert out.full_result["noncontiguous_withheld"] is True
+    assert "noncontiguous_stopped" not in out.full_result
     assert (
-        out["message_log"]
-        == postprocess_gym_result(episode.row, episode.result, TRUNCATE)["message_log"]
+        out.message_log == postprocess_gym_result(episode.row, episode.result, TRUNCATE).message_log
     )
 
 
@@ -156,9 +158,9 @@ def test_every_withheld_episode_counts_in_the_documented_withheld_share(
 ):
     contiguous = episode_builder(turn_maker(8, 3))
     results = [
-        postprocess_gym_result(episode.row, result, TRUNCATE, server_stops_divergences=True)[
-            "full_result"
-        ]
+        postprocess_gym_result(
+            episode.row, result, TRUNCATE, server_stops_divergences=True
+        ).full_result
         for episode, result in [
             (diverging, stopped_at(diverging, 2)),  # stopped at the divergence
             (contiguous, withheld_after_the_end(contiguous)),  # withheld, found contiguous

@@ -110,9 +110,9 @@ def test_a_group_is_postprocessed_training_data(policy_url, tokenizer):
     )
     assert len(outcome.episodes) == 3
     for episode in outcome.episodes:
-        roles = [entry["role"] for entry in episode["message_log"]]
+        roles = [entry["role"] for entry in episode.message_log]
         assert roles == ["user", "assistant"] * 3, "three contiguous turns"
-        assert episode["full_result"]["noncontiguous_truncated"] is False
+        assert episode.full_result["noncontiguous_truncated"] is False
 
 
 def test_text_only_agents_break_contiguity_and_truncation_keeps_the_prefix(policy_url, tokenizer):
@@ -121,9 +121,9 @@ def test_text_only_agents_break_contiguity_and_truncation_keeps_the_prefix(polic
         # Re-tokenising a random model's text breaks contiguity in most episodes (measured: 34
         # of 40 with this setup), so all 8 staying contiguous has odds below 1e-6.
         outcome = collect({AGENT: env.agent_url}, truncating, ROW, 8, tokenizer)
-        assert any(e["full_result"]["noncontiguous_truncated"] for e in outcome.episodes)
+        assert any(e.full_result["noncontiguous_truncated"] for e in outcome.episodes)
         for episode in outcome.episodes:
-            assert episode["message_log"], "a truncated episode keeps its contiguous prefix"
+            assert episode.message_log, "a truncated episode keeps its contiguous prefix"
         with pytest.raises(NonContiguousEpisodeError, match="guess_number_agent"):
             collect({AGENT: env.agent_url}, NemoGymPostprocessConfig(), ROW, 8, tokenizer)
 

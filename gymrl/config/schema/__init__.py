@@ -21,5 +21,6 @@ The one deliberately untyped subtree is `env.nemo_gym`: Gym's own global config,
 Its recipe-only keys are typed by `nemo_gym_ext.config.NemoGymPostprocessConfig`.
 
 Checks that span fields (GPU counts, parallelism, truncation compatibility) live in
-`gymrl.preflight.validate`, where each issue is reported with its key, value and fix.
+`gymrl.preflight.rules`, a module per group of this package, run by `gymrl.preflight.validate`,
+which reports each issue with its key, value and fix.
 """

@@ -12,7 +12,7 @@ class RoleEnvironmentConfig(Strict):
     """The interpreter or container one role's Ray actors run in. The roles' pinned environments
     conflict with each other (SGLang's and Megatron's torch and transformers), so one Ray cluster
     runs each role in its own; `gymrl.cluster.placement.actor_options` turns this into the actors'
-    Ray `runtime_env`. Rules spanning fields are in `gymrl.preflight.validate`."""
+    Ray `runtime_env`. Rules spanning fields are in `gymrl.preflight.rules.cluster`."""
 
     python: str | None = Field(
         default=None,

@@ -2,8 +2,9 @@
 that key's name, and the typed Gym shards the validator builds once.
 
 Checks that span groups (GPU counts, parallelism, router replay or token-capture receipt mode
-with truncation) are made by `gymrl.preflight.validate`, which reports each with its key, value
-and fix (the Gym shards' own, by `nemo_gym_ext.config.build_all_gym_actor_configs`)."""
+with truncation) are made by `gymrl.preflight.rules` (run by `gymrl.preflight.validate`), which
+reports each with its key, value and fix (the Gym shards' own, by
+`nemo_gym_ext.config.build_all_gym_actor_configs`)."""
 
 from __future__ import annotations
 

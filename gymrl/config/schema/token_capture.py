@@ -1,5 +1,5 @@
 """`token_capture.*`: NeMo-RL's token-capture receipt mode, which this recipe refuses
-(`gymrl.preflight.validate`)."""
+(`gymrl.preflight.rules.token_capture`)."""
 
 from __future__ import annotations
 

@@ -37,7 +37,8 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Depends, FastAPI, Header, Request
@@ -225,11 +226,14 @@ async def await_generation(
 
 
 # ---------------------------------------------------------------------------------------------
-# The app
+# The steps of a chat completion, each usable without HTTP
 # ---------------------------------------------------------------------------------------------
 
 
-class _ApiError(Exception):
+class ApiError(Exception):
+    """A refusal in OpenAI's error shape, raised by a step and answered by the app: a step says
+    what is wrong and the status, the app alone writes the answer."""
+
     def __init__(self, status: int, message: str, *, error_type: str, param: str | None = None):
         super().__init__(message)
         self.status = status
@@ -238,12 +242,214 @@ class _ApiError(Exception):
         self.param = param
 
 
+def check_model(body: PolicyServerRequest, model_name: str) -> None:
+    """A request naming another model is a 404, so a client pointed at the wrong server learns it
+    at once; one naming none is served (OpenAI requires the field, vLLM does not)."""
+    if body.model is not None and body.model != model_name:
+        raise ApiError(
+            404,
+            f"model {body.model!r} is not served here; this server serves {model_name!r} "
+            "(set the client's `model` to it)",
+            error_type="not_found_error",
+            param="model",
+        )
+
+
+def resolve_sampling(body: PolicyServerRequest, parity: SamplingParity | None) -> Sampling:
+    """The temperature and top-p to generate at: the run's rules decide with `parity` (a training
+    run's server; a refused mismatch is a 400 naming the field), else the request, OpenAI's
+    defaults (1.0) filling what it leaves out."""
+    if parity is None:
+        return Sampling(
+            1.0 if body.temperature is None else body.temperature,
+            1.0 if body.top_p is None else body.top_p,
+        )
+    try:
+        return parity.resolve(body.temperature, body.top_p)
+    except SamplingMismatchError as error:
+        raise ApiError(
+            400, str(error), error_type="invalid_request_error", param=error.param
+        ) from error
+
+
+def max_new_tokens(
+    body: PolicyServerRequest, prompt_len: int, default_max_tokens: int, max_context_tokens: int
+) -> int:
+    """What the request asks for (`max_tokens`, else `max_completion_tokens`, else the server's
+    default), clamped to the room the prompt leaves in the context, as vLLM does: a long ask ends
+    at the context with `finish_reason: "length"`. A prompt that leaves no room is a 400 whose
+    message holds "maximum context length", which Gym's `vllm_model` adapter turns into the end
+    of the episode."""
+    room = max_context_tokens - prompt_len
+    if room < 1:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {max_context_tokens} tokens, but the prompt "
+            f"is {prompt_len} tokens long, which leaves no room to generate; shorten the "
+            "conversation or raise the server's max_context_tokens",
+            error_type="invalid_request_error",
+            param="messages",
+        )
+    requested = body.max_tokens or body.max_completion_tokens or default_max_tokens
+    return min(requested, room)
+
+
+def engine_error(error: Exception) -> ApiError:
+    """The answer to a generation that raised `error`: a timeout is a 504; an engine that cannot
+    take requests now a 503 (clients retry after Retry-After); an engine stopped for good a 500
+    without Retry-After (every retry would fail alike, `GET /health` names it); anything else a
+    500 naming the exception."""
+    if isinstance(error, GenerationTimeoutError):
+        return ApiError(504, str(error), error_type="timeout_error")
+    if isinstance(error, EngineUnavailableError):
+        return ApiError(503, str(error), error_type="service_unavailable_error")
+    if isinstance(error, EngineFailedError):
+        return ApiError(500, str(error), error_type="server_error")
+    return ApiError(
+        500, f"engine.generate failed: {type(error).__name__}: {error}", error_type="server_error"
+    )
+
+
+@dataclass(frozen=True)
+class ChatCompletions:
+    """`POST /v1/chat/completions` over the server's settings, as the steps :meth:`answer` runs:
+    check the model, resolve the sampling, render (and check for divergence), withhold or
+    generate, respond. Each step is a method or a function of its own, so a test can run one
+    without HTTP; the app only reads the body and hands it here.
+
+    With `sampling_parity` (a training run's server) each request's sampling is resolved against
+    the run's (:func:`resolve_sampling`). With `divergence_watch` each answer is remembered and
+    each request checked against them (`gymrl.generation.server.divergence_watch`); when the
+    watch stops divergences, a diverged request is answered without generating
+    (:func:`withheld_answer`)."""
+
+    engine: RequestScheduler
+    chat_format: ChatFormat
+    model_name: str
+    honor_prompt_token_ids: bool
+    default_max_tokens: int
+    max_context_tokens: int
+    request_timeout_s: float
+    sampling_parity: SamplingParity | None
+    divergence_watch: DivergenceWatch | None
+
+    def __post_init__(self) -> None:
+        for name, value, minimum in (
+            ("default_max_tokens", self.default_max_tokens, 1),
+            ("max_context_tokens", self.max_context_tokens, 2),
+        ):
+            if value < minimum:
+                raise ValueError(f"{name}={value} must be >= {minimum}")
+        if self.request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s={self.request_timeout_s} must be > 0 seconds")
+
+    async def answer(self, body: PolicyServerRequest, render_pool: Executor) -> ChatCompletion:
+        """The answer to `body`; rendering and parsing run on `render_pool` (off the event loop,
+        and one worker, so the tokenizer is only ever used from one thread). A refusal is an
+        :class:`ApiError`."""
+        check_model(body, self.model_name)
+        sampling = resolve_sampling(body, self.sampling_parity)
+        loop = asyncio.get_running_loop()
+        prompt, verdict = await loop.run_in_executor(render_pool, self.render, body)
+        if self.withholds(verdict):
+            return withheld_answer(prompt, self.model_name)
+        output = await self.generate(self.generation_request(body, prompt, sampling))
+        return await loop.run_in_executor(render_pool, self.respond, body, prompt, output)
+
+    def render(self, body: PolicyServerRequest) -> tuple[PromptTokens, Verdict]:
+        """The prompt's ids with the model's chat template, and the divergence watch's verdict on
+        them (`UNKNOWN` without a watch); what the template refuses is a 400 naming the field."""
+        try:
+            prompt = build_prompt_token_ids(
+                body.messages,
+                body.tools,
+                self.chat_format,
+                honor_prompt_token_ids=self.honor_prompt_token_ids,
+            )
+        except ChatFormatError as error:
+            raise ApiError(
+                400, str(error), error_type="invalid_request_error", param=error.param
+            ) from error
+        if self.divergence_watch is None:
+            return prompt, Verdict.UNKNOWN
+        return prompt, self.divergence_watch.check(body.messages, prompt.token_ids)
+
+    def withholds(self, verdict: Verdict) -> bool:
+        """Whether a request with this verdict is answered without generating."""
+        watch = self.divergence_watch
+        return verdict is Verdict.DIVERGED and watch is not None and watch.stop
+
+    def generation_request(
+        self, body: PolicyServerRequest, prompt: PromptTokens, sampling: Sampling
+    ) -> GenerationRequest:
+        """What the engine generates: the prompt's ids, at `sampling`, up to the clamped
+        :func:`max_new_tokens`, stopping at the end of the assistant turn."""
+        return GenerationRequest(
+            prompt_token_ids=prompt.token_ids,
+            params=SamplingParams(
+                max_new_tokens=max_new_tokens(
+                    body, len(prompt.token_ids), self.default_max_tokens, self.max_context_tokens
+                ),
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                stop_token_ids=self.chat_format.stop_token_ids,
+                seed=body.seed,
+            ),
+        )
+
+    async def generate(self, request: GenerationRequest) -> GenerationOutput:
+        """The engine's output within `request_timeout_s`; a failure is :func:`engine_error`'s
+        answer."""
+        try:
+            return await await_generation(
+                self.engine.submit(request), timeout_s=self.request_timeout_s
+            )
+        except Exception as error:
+            raise engine_error(error) from error
+
+    def respond(
+        self, body: PolicyServerRequest, prompt: PromptTokens, output: GenerationOutput
+    ) -> ChatCompletion:
+        """The OpenAI answer to `output`, remembered by the divergence watch (if any) so that the
+        next turn of the conversation can be checked against it."""
+        answer = _build_response(body, prompt, output, self.chat_format, self.model_name)
+        if self.divergence_watch is not None:
+            self.divergence_watch.remember(
+                answer.choices[0].message, prompt.token_ids, output.token_ids
+            )
+        return answer
+
+
+# ---------------------------------------------------------------------------------------------
+# The app
+# ---------------------------------------------------------------------------------------------
+
+
 _RETRY_LATER = {503: retry_after_header()}  # "not now", said with when to come back
 
 
 def _error_response(status: int, message: str, error_type: str, param: str | None) -> JSONResponse:
     body = {"error": {"message": message, "type": error_type, "param": param, "code": status}}
     return JSONResponse(body, status_code=status, headers=_RETRY_LATER.get(status))
+
+
+async def _on_api_error(_request: Request, error: ApiError) -> JSONResponse:
+    return _error_response(error.status, error.message, error.error_type, error.param)
+
+
+async def _on_http_error(_request: Request, error: HTTPException) -> JSONResponse:
+    """FastAPI's own refusals (a body that is not JSON, an unknown route) in OpenAI's shape."""
+    error_type = "invalid_request_error" if error.status_code < 500 else "server_error"
+    param = "body" if error.status_code == 400 else None
+    return _error_response(
+        error.status_code, f"request {param or 'route'}: {error.detail}", error_type, param
+    )
+
+
+async def _on_invalid_request(_request: Request, error: RequestValidationError) -> JSONResponse:
+    return _error_response(
+        400, describe_validation_errors(error.errors()), "invalid_request_error", None
+    )
 
 
 def create_policy_server_app(
@@ -259,27 +465,21 @@ def create_policy_server_app(
     sampling_parity: SamplingParity | None = None,
     divergence_watch: DivergenceWatch | None = None,
 ) -> FastAPI:
-    """An OpenAI-compatible policy server over `engine` (see the module docstring). Its render
-    worker stops with the app's lifespan, so serve it with lifespan on
-    (`nemo_gym_ext.http_server.serve_in_thread` does). With `sampling_parity` (a training run's
-    server) each request's sampling is resolved against the run's; without it, a request is
-    sampled as it asks, OpenAI's defaults filling what it leaves out. With `divergence_watch`
-    each answer is remembered and each request checked against them
-    (`gymrl.generation.server.divergence_watch`); when the watch stops divergences, a diverged
-    request
-    is answered without generating (:func:`_withheld_answer`)."""
-    for name, value, minimum in (
-        ("default_max_tokens", default_max_tokens, 1),
-        ("max_context_tokens", max_context_tokens, 2),
-    ):
-        if value < minimum:
-            raise ValueError(f"{name}={value} must be >= {minimum}")
-    if request_timeout_s <= 0:
-        raise ValueError(f"request_timeout_s={request_timeout_s} must be > 0 seconds")
-
-    async def generate(request: GenerationRequest) -> GenerationOutput:
-        return await await_generation(engine.submit(request), timeout_s=request_timeout_s)
-
+    """An OpenAI-compatible policy server over `engine` (see the module docstring): the routes,
+    wired to :class:`ChatCompletions` (whose docstring says what `sampling_parity` and
+    `divergence_watch` do). Its render worker stops with the app's lifespan, so serve it with
+    lifespan on (`nemo_gym_ext.http_server.serve_in_thread` does)."""
+    completions = ChatCompletions(
+        engine=engine,
+        chat_format=chat_format,
+        model_name=model_name,
+        honor_prompt_token_ids=honor_prompt_token_ids,
+        default_max_tokens=default_max_tokens,
+        max_context_tokens=max_context_tokens,
+        request_timeout_s=request_timeout_s,
+        sampling_parity=sampling_parity,
+        divergence_watch=divergence_watch,
+    )
     # One worker: rendering and tokenising stay off the event loop, and the tokenizer is only ever
     # used from one thread.
     render_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-server-render")
@@ -298,25 +498,9 @@ def create_policy_server_app(
 
     dependencies = [] if api_key is None else [Depends(_bearer_check(api_key))]
     app = FastAPI(title=f"policy model server ({model_name})", lifespan=lifespan)
-
-    @app.exception_handler(_ApiError)
-    async def _on_api_error(_request: Request, error: _ApiError) -> JSONResponse:
-        return _error_response(error.status, error.message, error.error_type, error.param)
-
-    @app.exception_handler(HTTPException)
-    async def _on_http_error(_request: Request, error: HTTPException) -> JSONResponse:
-        # FastAPI's own refusals (a body that is not JSON, an unknown route) in OpenAI's shape.
-        error_type = "invalid_request_error" if error.status_code < 500 else "server_error"
-        param = "body" if error.status_code == 400 else None
-        return _error_response(
-            error.status_code, f"request {param or 'route'}: {error.detail}", error_type, param
-        )
-
-    @app.exception_handler(RequestValidationError)
-    async def _on_invalid_request(_request: Request, error: RequestValidationError) -> JSONResponse:
-        return _error_response(
-            400, describe_validation_errors(error.errors()), "invalid_request_error", None
-        )
+    app.exception_handler(ApiError)(_on_api_error)
+    app.exception_handler(HTTPException)(_on_http_error)
+    app.exception_handler(RequestValidationError)(_on_invalid_request)
 
     @app.get("/health")
     async def health() -> Response:
@@ -325,10 +509,10 @@ def create_policy_server_app(
         and readiness probes poll it without an API key."""
         failure = engine.failure()
         if failure is not None:
-            raise _ApiError(503, str(failure), error_type="service_unavailable_error")
+            raise ApiError(503, str(failure), error_type="service_unavailable_error")
         if serving.is_set():
             return Response(status_code=200)
-        raise _ApiError(
+        raise ApiError(
             503, "the policy server is shutting down", error_type="service_unavailable_error"
         )
 
@@ -342,73 +526,7 @@ def create_policy_server_app(
     @app.post("/v1/chat/completions", response_model=ChatCompletion, dependencies=dependencies)
     async def chat_completions(http_request: Request) -> Response:
         body = await read_json_body(http_request, PolicyServerRequest)
-        if body.model is not None and body.model != model_name:
-            raise _ApiError(
-                404,
-                f"model {body.model!r} is not served here; this server serves {model_name!r} "
-                "(set the client's `model` to it)",
-                error_type="not_found_error",
-                param="model",
-            )
-        sampling = _sampling_of(body, sampling_parity)
-        loop = asyncio.get_running_loop()
-
-        def render() -> tuple[PromptTokens, Verdict]:
-            prompt = build_prompt_token_ids(
-                body.messages,
-                body.tools,
-                chat_format,
-                honor_prompt_token_ids=honor_prompt_token_ids,
-            )
-            if divergence_watch is None:
-                return prompt, Verdict.UNKNOWN
-            return prompt, divergence_watch.check(body.messages, prompt.token_ids)
-
-        try:
-            prompt, verdict = await loop.run_in_executor(render_pool, render)
-        except ChatFormatError as error:
-            raise _ApiError(
-                400, str(error), error_type="invalid_request_error", param=error.param
-            ) from error
-        if verdict is Verdict.DIVERGED and divergence_watch and divergence_watch.stop:
-            withheld = _withheld_answer(prompt, model_name)
-            return Response(content=withheld.model_dump_json(), media_type="application/json")
-        request = GenerationRequest(
-            prompt_token_ids=prompt.token_ids,
-            params=SamplingParams(
-                max_new_tokens=_max_new_tokens(
-                    body, len(prompt.token_ids), default_max_tokens, max_context_tokens
-                ),
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                stop_token_ids=chat_format.stop_token_ids,
-                seed=body.seed,
-            ),
-        )
-        try:
-            output = await generate(request)
-        except GenerationTimeoutError as error:
-            raise _ApiError(504, str(error), error_type="timeout_error") from error
-        except EngineUnavailableError as error:
-            raise _ApiError(503, str(error), error_type="service_unavailable_error") from error
-        except EngineFailedError as error:  # for good: no Retry-After
-            raise _ApiError(500, str(error), error_type="server_error") from error
-        except Exception as error:
-            raise _ApiError(
-                500,
-                f"engine.generate failed: {type(error).__name__}: {error}",
-                error_type="server_error",
-            ) from error
-
-        def respond() -> ChatCompletion:
-            answer = _build_response(body, prompt, output, chat_format, model_name)
-            if divergence_watch is not None:
-                divergence_watch.remember(
-                    answer.choices[0].message, prompt.token_ids, output.token_ids
-                )
-            return answer
-
-        answer = await loop.run_in_executor(render_pool, respond)
+        answer = await completions.answer(body, render_pool)
         return Response(content=answer.model_dump_json(), media_type="application/json")
 
     return app
@@ -419,7 +537,7 @@ def _bearer_check(api_key: SecretStr):
 
     async def check(authorization: str | None = Header(default=None)) -> None:
         if authorization is None or not secrets.compare_digest(authorization.encode(), expected):
-            raise _ApiError(
+            raise ApiError(
                 401,
                 "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the "
                 "key this server was started with",
@@ -427,37 +545,6 @@ def _bearer_check(api_key: SecretStr):
             )
 
     return check
-
-
-def _sampling_of(body: PolicyServerRequest, parity: SamplingParity | None) -> Sampling:
-    if parity is None:
-        return Sampling(
-            1.0 if body.temperature is None else body.temperature,
-            1.0 if body.top_p is None else body.top_p,
-        )
-    try:
-        return parity.resolve(body.temperature, body.top_p)
-    except SamplingMismatchError as error:
-        raise _ApiError(
-            400, str(error), error_type="invalid_request_error", param=error.param
-        ) from error
-
-
-def _max_new_tokens(
-    body: PolicyServerRequest, prompt_len: int, default_max_tokens: int, max_context_tokens: int
-) -> int:
-    room = max_context_tokens - prompt_len
-    if room < 1:
-        raise _ApiError(
-            400,
-            f"This model's maximum context length is {max_context_tokens} tokens, but the prompt "
-            f"is {prompt_len} tokens long, which leaves no room to generate; shorten the "
-            "conversation or raise the server's max_context_tokens",
-            error_type="invalid_request_error",
-            param="messages",
-        )
-    requested = body.max_tokens or body.max_completion_tokens or default_max_tokens
-    return min(requested, room)
 
 
 def _build_response(
@@ -501,7 +588,7 @@ def _build_response(
     )
 
 
-def _withheld_answer(prompt: PromptTokens, model_name: str) -> ChatCompletion:
+def withheld_answer(prompt: PromptTokens, model_name: str) -> ChatCompletion:
     """The answer to a request whose prompt diverged while the server stops divergences: no
     text, no tool calls, nothing generated, `finish_reason: "content_filter"` (OpenAI's reason
     for output the server withheld). Clients end the episode on it: an answer without tool

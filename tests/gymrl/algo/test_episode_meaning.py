@@ -58,8 +58,8 @@ def test_the_overlong_penalty_sees_the_episodes_longest_call_wherever_it_lies(sp
         truncate_noncontiguous_episodes=True, split_noncontiguous_segments=split
     )
     out = postprocess_gym_result(ROW, _result(long_call_at), config)
-    assert out["full_result"]["noncontiguous_truncated"] is True
-    assert out["full_result"]["longest_call_tokens"] == 15
+    assert out.full_result["noncontiguous_truncated"] is True
+    assert out.full_result["longest_call_tokens"] == 15
     assert "train/<agent>/longest_call_tokens/<red>" in documented_keys()
     rules = EpisodeRules(
         LossConfig(episodes=EpisodeRulesConfig(overlong_penalty_buffer_tokens=4)), LIMIT

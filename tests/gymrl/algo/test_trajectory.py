@@ -1,5 +1,7 @@
 """Trajectory flattening from real postprocessor output, and the padded batch built from it."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -72,11 +74,12 @@ def test_overlong_flag_is_carried():
 
 
 def test_missing_agent_and_unknown_role_are_clear_errors():
+    out = _postprocessed(_result())
     with pytest.raises(ValueError, match=r"agent_ref\.name"):
         Trajectory.from_postprocessed(
-            {"message_log": [], "full_result": {"reward": 1.0}}, group_id="g", weight_version=0
+            replace(out, result={"reward": 1.0}), group_id="g", weight_version=0
         )
-    out = {"message_log": [{"role": "tool", "token_ids": [1]}], "full_result": {**ROW, "reward": 1}}
+    out = replace(out, message_log=[{"role": "tool", "token_ids": [1]}])
     with pytest.raises(ValueError, match=r"message_log\[0\]\.role is 'tool'"):
         Trajectory.from_postprocessed(out, group_id="g", weight_version=0)
 

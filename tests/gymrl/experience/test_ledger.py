@@ -66,7 +66,7 @@ def group_of(results, group_id, *, version=0, rules=MASK_OVERLONG, config=TRUNCA
         head = Trajectory.from_postprocessed(e, group_id=group_id, weight_version=version)
         tails = Trajectory.segments_from_postprocessed(e, group_id=group_id, weight_version=version)
         trajectories += [rules.shape(t) for t in (head, *tails)]
-    summaries = [scalar_fields(e["full_result"]) for e in episodes]
+    summaries = [scalar_fields(e.full_result) for e in episodes]
     return RolloutGroup.of(trajectories, summaries, seconds=1.0)
 
 
@@ -105,7 +105,7 @@ def test_a_steps_tokens_add_up_by_cause_per_agent_and_overall():
     ledger = TokenLedger()
     ledger.trained_groups([trained])
     ledger.running_totals("buffer", buffer.evicted_tokens())
-    ledger.validation_pass([scalar_fields(validation["full_result"])])
+    ledger.validation_pass([scalar_fields(validation.full_result)])
     metrics = ledger.take()
 
     calc = {cause: metrics[f"ledger/calc/untrained_tokens/{cause}"] for cause in UNTRAINED_CAUSES}

@@ -18,6 +18,8 @@ from gymrl.experience.producer import ProducerCounts, RolloutProducer
 from gymrl.experience.replay_buffer import ReplayBuffer
 from gymrl.experience.rows import RowStream
 from gymrl.run.progress import ProgressWatch
+from nemo_gym_ext.config import NemoGymPostprocessConfig
+from nemo_gym_ext.postprocess import postprocess_gym_result
 from nemo_gym_ext.rollout import (
     FailureBudget,
     GroupOutcome,
@@ -31,15 +33,21 @@ RULES = EpisodeRules(LossConfig(), default_limit_tokens=LIMIT)
 GROUP_DEADLINE_S = 60.0  # what the no-progress watchdog would report as a group's deadline
 
 
-def _episode(reward=1.0, agent=AGENT):
-    return {
-        "full_result": {"reward": reward, "agent_ref": {"name": agent}, "turns": 1},
-        "message_log": [
-            {"role": "user", "token_ids": [1, 2]},
-            {"role": "assistant", "token_ids": [3], "generation_logprobs": [-0.5]},
-        ],
-        "overlong": False,
+def _episode(reward=1.0, agent=AGENT, *, generated=1, overlong=False):
+    """A postprocessed episode of one model call: 2 prompt tokens, then `generated` tokens."""
+    call = {
+        "type": "message",
+        "prompt_token_ids": [1, 2],
+        "generation_token_ids": [3] * generated,
+        "generation_log_probs": [-0.5] * generated,
     }
+    result = {
+        "agent_ref": {"name": agent},
+        "reward": reward,
+        "overlong": overlong,
+        "response": {"output": [call]},
+    }
+    return postprocess_gym_result(result, result, NemoGymPostprocessConfig())
 
 
 def _rows(n=64, agent=AGENT):
@@ -213,7 +221,13 @@ def test_a_group_without_a_baseline_is_dropped_and_replaced(started):
     producer = started(grpo, runner, buffer)
     _settled(runner, 3)
     assert buffer.stats()["put"] == 2
-    assert producer.counts() == ProducerCounts(retries=0, dropped_groups=1, failures=2)
+    # The dropped group's one episode generated 1 token, which no step trains.
+    assert producer.counts() == ProducerCounts(
+        retries=0,
+        dropped_groups=1,
+        failures=2,
+        untrained_tokens={(AGENT, "failed_or_masked"): 1},
+    )
     assert producer.fatal is None
 
 
@@ -228,8 +242,14 @@ def test_retries_are_summed_and_each_group_carries_its_summaries_and_time(starte
     assert [group.group_id for group in groups] == ["r0#1", "r1#2"]
     assert groups[0].summaries[0] == {
         "reward": 0.0,
-        "turns": 1,
         "agent_ref": {"name": AGENT},
+        "overlong": False,
+        "noncontiguous_truncated": False,
+        "noncontiguous_dropped_turns": 0,
+        "malformed_sample": False,
+        "trainable_turns": 1,
+        "generated_tokens": 1,
+        "longest_call_tokens": 1,
         "length_penalty": 0.0,
         "overlong_masked": False,
     }
@@ -485,16 +505,7 @@ def test_without_dynamic_sampling_uniform_groups_reach_the_step(started):
 
 
 def _outcome_with_rewards(row, rewards, *, overlong=False, generated=1, failures=()):
-    episodes = []
-    for reward in rewards:
-        episode = _episode(reward)
-        episode["overlong"] = overlong
-        episode["message_log"][1] = {
-            "role": "assistant",
-            "token_ids": [3] * generated,
-            "generation_logprobs": [-0.5] * generated,
-        }
-        episodes.append(episode)
+    episodes = [_episode(reward, generated=generated, overlong=overlong) for reward in rewards]
     return GroupOutcome(row["id"], AGENT, episodes=episodes, failures=list(failures))
 
 

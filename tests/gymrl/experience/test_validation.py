@@ -19,7 +19,8 @@ from gymrl.experience.held_out import (
     ledger_metrics,
     standard_error,
 )
-from nemo_gym_ext.postprocess import NonContiguousEpisodeError
+from nemo_gym_ext.config import NemoGymPostprocessConfig
+from nemo_gym_ext.postprocess import NonContiguousEpisodeError, postprocess_gym_result
 from nemo_gym_ext.rollout import GroupOutcome
 
 
@@ -61,20 +62,23 @@ def _scored(row):
     result = {
         "agent_ref": row["agent_ref"],
         "reward": float(row["reward_if_run"]),
-        "noncontiguous_truncated": False,
         "overlong": row["id"].endswith("-0"),
         "num_turns": 2,
-        "trainable_turns": 1,
         "text": "not a scalar",
         "finish_reasons": ["length" if row["id"].endswith("-0") else "stop", "stop"],
-        "response": {"output": [{"type": "message", "generation_token_ids": [5, 6]}]},
+        # One model call: a prompt of 3 tokens, then 2 generated ones.
+        "response": {
+            "output": [
+                {
+                    "type": "message",
+                    "prompt_token_ids": [1, 2, 3],
+                    "generation_token_ids": [5, 6],
+                    "generation_log_probs": [-0.1, -0.2],
+                }
+            ]
+        },
     }
-    # The postprocessor's message log: a prompt delta of 3 tokens, then 2 generated ones.
-    message_log = [
-        {"role": "user", "token_ids": [1, 2, 3]},
-        {"role": "assistant", "token_ids": [5, 6], "generation_logprobs": [-0.1, -0.2]},
-    ]
-    episode = {"full_result": result, "message_log": message_log}
+    episode = postprocess_gym_result(row, result, NemoGymPostprocessConfig())
     return GroupOutcome(row["id"], row["agent_ref"]["name"], episodes=[episode])
 
 

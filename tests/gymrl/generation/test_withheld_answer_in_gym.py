@@ -109,12 +109,10 @@ def test_gym_keeps_the_withheld_answers_bundle_and_truncation_sees_it_stopped(
         decode=partial(decode_text, tokenizer, skip_special_tokens=False),
         server_stops_divergences=True,
     )
-    full = done["full_result"]
+    full = done.full_result
     assert full["noncontiguous_truncated"] is True
     assert full["noncontiguous_stopped"] is True
     causes = [k for k, v in full.items() if k.startswith("noncontiguous_cause/") and v]
     assert causes == ["noncontiguous_cause/no_token_ids"], full
-    generated = [
-        entry["token_ids"] for entry in done["message_log"] if entry["role"] == "assistant"
-    ]
+    generated = [entry["token_ids"] for entry in done.message_log if entry["role"] == "assistant"]
     assert generated == [engine_reply]

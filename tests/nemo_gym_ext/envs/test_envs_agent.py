@@ -237,6 +237,6 @@ def test_results_are_training_data_for_the_postprocessor(start_env, run):
     result = run(environment, row)
 
     processed = postprocess_gym_result(row, result, NemoGymPostprocessConfig())
-    assistant_turns = [entry for entry in processed["message_log"] if entry["role"] == "assistant"]
+    assistant_turns = [entry for entry in processed.message_log if entry["role"] == "assistant"]
     assert len(assistant_turns) == result["num_turns"]
-    assert processed["full_result"]["reward"] == 1.0
+    assert processed.full_result["reward"] == 1.0

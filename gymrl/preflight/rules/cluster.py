@@ -1,0 +1,114 @@
+"""Rules on `cluster.roles` (`gymrl.config.schema.cluster`): what Ray's `runtime_env` can run
+(`gymrl.cluster.placement.runtime_env`).
+
+An interpreter is found by its absolute path on every node (a relative one would resolve against
+each worker's directory); Ray runs an image alone, so a role has an interpreter or an image. A
+role's environment only makes sense for a role with actors of its own: a torch engine runs inside
+the policy server. The SGLang servers are started by the policy server, and Ray hands a child
+actor every `runtime_env` field of its parent that it does not set itself: they must set the same
+field, or they would run in the policy server's environment (or in a mix of an interpreter and an
+image)."""
+
+from __future__ import annotations
+
+from pathlib import PurePosixPath
+
+from gymrl.config.schema.cluster import RoleEnvironmentConfig
+from gymrl.config.schema.generation import TorchGenerationConfig
+from gymrl.config.schema.recipe import RecipeConfig
+from nemo_gym_ext.config_errors import ConfigIssue
+
+
+def role_environments(config: RecipeConfig) -> list[ConfigIssue]:
+    """Each role's environment on its own, role by role."""
+    roles = config.cluster.roles
+    return [
+        issue
+        for role in type(roles).model_fields
+        for check in (_absolute_interpreter, _no_hook_beside_an_image, _interpreter_or_image)
+        for issue in check(f"cluster.roles.{role}", getattr(roles, role))
+    ]
+
+
+def torch_engine_has_no_generation_role(config: RecipeConfig) -> list[ConfigIssue]:
+    generation = config.cluster.roles.generation
+    if not isinstance(config.generation, TorchGenerationConfig) or generation.kind is None:
+        return []
+    return [
+        ConfigIssue(
+            f"cluster.roles.generation.{generation.kind}",
+            generation.python or generation.image,
+            "generation=torch has no generation actors: the torch engine runs inside the "
+            "policy server",
+            f"set cluster.roles.policy_server.{generation.kind} instead, or select "
+            "generation=sglang",
+        )
+    ]
+
+
+def sglang_servers_set_the_policy_servers_field(config: RecipeConfig) -> list[ConfigIssue]:
+    roles = config.cluster.roles
+    generation, server = roles.generation, roles.policy_server
+    if (
+        isinstance(config.generation, TorchGenerationConfig)
+        or server.kind is None
+        or generation.kind == server.kind
+    ):
+        return []
+    outcome = (
+        "in the policy server's environment"
+        if generation.kind is None
+        else "with both an interpreter and an image"
+    )
+    return [
+        ConfigIssue(
+            f"cluster.roles.generation.{server.kind}",
+            None,
+            f"required when cluster.roles.policy_server.{server.kind} is set: the SGLang "
+            "servers, which the policy server starts, inherit every runtime_env field they "
+            f"do not set themselves, so they would run {outcome}",
+            f"give the SGLang environment as cluster.roles.generation.{server.kind} (and "
+            f"nothing else there), or set cluster.roles.policy_server.{server.kind}=null",
+        )
+    ]
+
+
+def _absolute_interpreter(key: str, environment: RoleEnvironmentConfig) -> list[ConfigIssue]:
+    if environment.python is None or PurePosixPath(environment.python).is_absolute():
+        return []
+    return [
+        ConfigIssue(
+            f"{key}.python",
+            environment.python,
+            "must be an absolute path: Ray starts the role's workers with it on every "
+            "node, from their own working directories",
+            "give the absolute path of the environment's interpreter, e.g. "
+            "/opt/envs/sglang/bin/python",
+        )
+    ]
+
+
+def _no_hook_beside_an_image(key: str, environment: RoleEnvironmentConfig) -> list[ConfigIssue]:
+    if environment.setup_hook is None or environment.image is None:
+        return []
+    return [
+        ConfigIssue(
+            f"{key}.setup_hook",
+            environment.setup_hook,
+            "Ray takes nothing but env_vars next to an image (runtime_env image_uri)",
+            f"run the hook from the image's own startup, or set {key}.image to null",
+        )
+    ]
+
+
+def _interpreter_or_image(key: str, environment: RoleEnvironmentConfig) -> list[ConfigIssue]:
+    if environment.python is None or environment.image is None:
+        return []
+    return [
+        ConfigIssue(
+            f"{key}.image",
+            environment.image,
+            f"exclusive with {key}.python: Ray runs an image with the image's own interpreter",
+            f"set one of {key}.python and {key}.image to null",
+        )
+    ]
