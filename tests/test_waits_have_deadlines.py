@@ -155,7 +155,7 @@ ALLOWED = {
 KNOWN_UNBOUNDED = {
     (
         "gymrl/generation/server/app.py",
-        "create_policy_server_app.chat_completions",
+        "ChatCompletions.answer",
         "loop.run_in_executor",
     ): "NOT bounded: rendering a prompt, and the answer, on the one render worker has no "
     "deadline; issue 42 item 5",
