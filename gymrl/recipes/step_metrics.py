@@ -92,6 +92,7 @@ def engine_metrics(seen: EngineSnapshot, now: EngineSnapshot) -> dict[str, float
     metrics = {
         "generation/divergence_detected": float(divergence.detected - diverged_before.detected),
         "generation/divergence_stopped": float(divergence.stopped - diverged_before.stopped),
+        "generation/divergence_unchecked": float(divergence.unchecked - diverged_before.unchecked),
         "generation/sampling_overridden": float(now.sampling.overridden - seen.sampling.overridden),
         "generation/sampling_rejected": float(now.sampling.rejected - seen.sampling.rejected),
     }

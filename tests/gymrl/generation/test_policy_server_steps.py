@@ -191,8 +191,12 @@ def test_render_refuses_sent_back_ids_outside_the_vocabulary_naming_the_field(ch
 
 
 def test_only_a_watch_that_stops_divergences_withholds_a_diverged_request(chat_format):
-    stopping = completions(chat_format, divergence_watch=DivergenceWatch(capacity=4, stop=True, marks_last_s=None))
-    counting = completions(chat_format, divergence_watch=DivergenceWatch(capacity=4, stop=False, marks_last_s=None))
+    stopping = completions(
+        chat_format, divergence_watch=DivergenceWatch(capacity=4, stop=True, marks_last_s=None)
+    )
+    counting = completions(
+        chat_format, divergence_watch=DivergenceWatch(capacity=4, stop=False, marks_last_s=None)
+    )
     assert stopping.withholds(Verdict.DIVERGED)
     assert not stopping.withholds(Verdict.UNKNOWN)
     assert not counting.withholds(Verdict.DIVERGED)

@@ -123,7 +123,7 @@ def test_the_engines_figures_are_the_windows_differences_and_documented():
         10.0,
         EngineCounters(busy_s=5.0, decode_steps=7, decode_rows=9, prefill_tokens=100),
         SamplingCounts(overridden=1),
-        DivergenceCounts(detected=2, stopped=1),
+        DivergenceCounts(detected=2, stopped=1, unchecked=4),
     )
     now = EngineSnapshot(
         12.0,
@@ -136,12 +136,13 @@ def test_the_engines_figures_are_the_windows_differences_and_documented():
             generated_tokens=30,
         ),
         SamplingCounts(overridden=2),
-        DivergenceCounts(detected=3, stopped=1),
+        DivergenceCounts(detected=3, stopped=1, unchecked=6),
     )
     metrics = engine_metrics(seen, now)
     assert metrics == {
         "generation/divergence_detected": 1.0,
         "generation/divergence_stopped": 0.0,
+        "generation/divergence_unchecked": 2.0,
         "generation/sampling_overridden": 1.0,
         "generation/sampling_rejected": 0.0,
         "perf/engine_busy_share": 0.5,
