@@ -20,7 +20,7 @@ run serves; `--max-batch-size` overrides the batch, as `generation.max_batch_siz
 `--loop` and `--http` choose uvicorn's event loop and HTTP parser for the server (default: what
 every server of the project gets, uvicorn's "auto": uvloop and httptools where they import).
 
-`tests/gymrl/generation/test_policy_server_load.py` runs this script for one round of 256 clients
+`tests/gymrl/generation/server/test_app_load.py` runs this script for one round of 256 clients
 on a tiny model, so the checks themselves are tested.
 """
 

@@ -1,7 +1,7 @@
 """The real SGLang 0.5.23 server on this CPU against the torch engine, side by side.
 
 For each thread count (1 and 2): one real server (SmolLM2-135M-Instruct, float32, started by the
-project's launcher with the CPU `generation.launch` of `tests/gymrl/generation/real_sglang.py`,
+project's launcher with the CPU `generation.launch` of `tests/support/real_sglang.py`,
 from `make sglang-venv`'s venv), its start-up time (process start to `/health_generate` 200),
 then the same batch of greedy requests through `SGLangEngine` and through the torch engine
 (`torch.set_num_threads` to the same count), in turn, `--repeats` times; then `--refits` refits of
@@ -22,9 +22,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gymrl" / "generation"))
-
-from real_sglang import cpu_generation, start_cpu_server  # a test helper, through sys.path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the test helper's root
 
 from gymrl.generation.sglang.engine import SGLangEngine
 from gymrl.generation.sglang.weight_sync import WeightSender
@@ -32,6 +30,7 @@ from gymrl.generation.torch.engine import TorchGenerationEngine
 from gymrl.generation.types import GenerationRequest, SamplingParams
 from gymrl.model.loading import ensure_smollm2_checkpoint, load_pretrained, load_tokenizer
 from gymrl.model.tokens import model_end_token_ids
+from tests.support.real_sglang import cpu_generation, start_cpu_server  # a test helper
 
 QUESTIONS = ["Name three colours.", "Describe a cat.", "Why is the sky blue?", "Count to ten."]
 

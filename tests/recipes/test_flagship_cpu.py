@@ -20,16 +20,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.real_sglang import KERNEL_STANDIN, VENV
+
 pytestmark = [pytest.mark.slow, pytest.mark.megatron, pytest.mark.sglang_cpu]
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "gymrl" / "generation"))
-
-from real_sglang import KERNEL_STANDIN, VENV  # noqa: E402  (a test helper, through sys.path)
 
 MEGATRON_VENV = Path(os.environ.get("MEGATRON_VENV", ROOT / ".venv-megatron"))
 GYM_VENV = ROOT / ".venv-gym"
-SHIM_FOLDER = ROOT / "tests" / "gymrl" / "trainer"  # megatron_on_cpu, the trainer's setup hook
+SHIM_FOLDER = ROOT / "tests" / "support" / "megatron_cpu_shim"  # the trainer's setup hook
 
 
 def test_the_flagships_code_path_trains_three_steps_on_this_cpu(tmp_path):

@@ -8,7 +8,8 @@ import re
 from pathlib import Path
 
 import pytest
-from test_smoke_run import documented_patterns, read_metrics, run_recipe
+
+from tests.recipes.test_smoke_run import documented_patterns, read_metrics, run_recipe
 
 pytestmark = pytest.mark.slow
 

@@ -22,13 +22,11 @@ from gymrl.generation.types import GenerationRequest, SamplingParams
 from gymrl.model.loading import load_pretrained
 from gymrl.model.tokens import model_end_token_ids
 from gymrl.run.checkpoint import MODEL_FILE
+from tests.support.real_sglang import KERNEL_STANDIN, VENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang_cpu]
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "gymrl" / "generation"))
-
-from real_sglang import KERNEL_STANDIN, VENV  # noqa: E402  (a test helper, through sys.path)
 
 
 def test_the_real_server_serves_a_training_run_refit_every_step(tmp_path, smollm2_dir, tokenizer):

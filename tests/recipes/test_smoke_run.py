@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from metric_docs import documented_patterns
+
+from tests.support.metric_docs import documented_patterns
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from run_processes import MARKER, marked_processes, wait_for_first_step
+
+from tests.recipes.recipe_runs import MARKER, marked_processes, wait_for_first_step
 
 pytestmark = pytest.mark.slow
 

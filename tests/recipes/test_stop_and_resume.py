@@ -16,10 +16,10 @@ import uuid
 from pathlib import Path
 
 import pytest
-from run_processes import MARKER, logged_steps, marked_processes, wait_for_first_step
 
 from gymrl.generation.server.api_key import API_KEY_ENV
 from gymrl.run.checkpoint import latest_verified_checkpoint, verify_checkpoint
+from tests.recipes.recipe_runs import MARKER, logged_steps, marked_processes, wait_for_first_step
 
 pytestmark = pytest.mark.slow
 

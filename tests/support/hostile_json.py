@@ -1,5 +1,4 @@
-"""Hypothesis strategies for hostile JSON, shared by the fuzzing tests of every HTTP server
-(tests/ is on sys.path through its conftest, so test modules import this by name)."""
+"""Hypothesis strategies for hostile JSON, shared by the fuzzing tests of every HTTP server."""
 
 import json
 

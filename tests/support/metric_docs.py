@@ -8,7 +8,7 @@ Shared by the tests that hold the recipe to its documentation: the keys a run lo
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PLACEHOLDERS = {
     "<agent>": r"[A-Za-z0-9_.-]+",
     "<field>": r"[A-Za-z0-9_.-]+",

@@ -19,7 +19,7 @@ from gymrl.config.schema.policy import PolicyConfig
 from gymrl.generation.sglang.servers import SGLangServerProcess, server_command
 from nemo_gym_ext.ports import free_port
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("SGLANG_VENV", REPO / ".venv-sglang"))
 KERNEL_STANDIN = Path(__file__).with_name("sgl_kernel_cpu_standin")
 

@@ -1,9 +1,9 @@
 """The keys of SGLang's answers that the project's client reads, by route, as dotted paths.
 
-One list for the two tests that hold the client to them: the contract test
-(`test_sglang_contract.py`) checks that the pinned wheel's server makes each of them and that the
-client's modules read no other, and the differential test (`test_sglang_cpu.py`) that the
-stand-in answers each one the real server does.
+One list for the two tests that hold the client to them (in tests/gymrl/generation/sglang/): the
+contract test (`test_contract.py`) checks that the pinned wheel's server makes each of them and
+that the client's modules read no other, and the differential test (`test_real_server.py`) that
+the stand-in answers each one the real server does.
 """
 
 from __future__ import annotations

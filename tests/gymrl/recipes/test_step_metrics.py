@@ -4,7 +4,6 @@ summary fields (computed from real trainer metrics and real producer counts, no 
 22's response lengths and clipped shares."""
 
 import torch
-from metric_docs import documented_patterns
 
 from gymrl.algo.loss import grpo_loss
 from gymrl.algo.trajectory import Trajectory
@@ -12,6 +11,7 @@ from gymrl.config.schema.loss import OffPolicyCorrectionConfig
 from gymrl.experience.producer import ProducerCounts
 from gymrl.experience.rollout_group import RolloutGroup
 from gymrl.recipes.training import GRPORecipe
+from tests.support.metric_docs import documented_patterns
 
 
 def _group(agent: str, rewards: list[float], failed: int) -> RolloutGroup:

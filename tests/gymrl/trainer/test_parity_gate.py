@@ -8,7 +8,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-from fixed_trajectories import fixed_trajectory
 
 from gymrl.algo.loss import sequence_logprobs
 from gymrl.algo.trajectory import Trajectory
@@ -25,6 +24,7 @@ from gymrl.trainer.parity_gate import (
     parity_problems,
 )
 from gymrl.trainer.torch_trainer import TorchPolicyTrainer
+from tests.gymrl.trainer.fixed_trajectories import fixed_trajectory
 
 GATE = ParityGateConfig(
     float32=ParityToleranceConfig(logprob_diff_mean=1e-4, logprob_diff_max=1e-3, ratio_std=1e-4),

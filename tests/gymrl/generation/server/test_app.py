@@ -20,7 +20,6 @@ import httpx
 import pytest
 import torch
 from pydantic import SecretStr
-from sglang_standin import make_standin
 
 from gymrl.config.schema.generation import TorchGenerationConfig
 from gymrl.generation.server.app import create_policy_server_app
@@ -38,6 +37,7 @@ from gymrl.generation.types import EngineFailedError, GenerationOutput, Generati
 from gymrl.model.loading import build_tiny_llama
 from nemo_gym_ext.http_server import serve_in_thread
 from nemo_gym_ext.json_body import OFF_LOOP_BODY_BYTES
+from tests.support.sglang_standin import make_standin
 
 MODEL = "smollm2-policy"
 KEY = "test-key"

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from hostile_json import HUGE_INTS, JSON_VALUES, PATHOLOGICAL_BODIES, encode
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from pydantic import SecretStr
@@ -22,6 +21,7 @@ from gymrl.generation.server.app import create_policy_server_app
 from gymrl.generation.torch.engine import TorchGenerationEngine
 from gymrl.model.loading import build_tiny_llama
 from nemo_gym_ext.http_server import serve_in_thread
+from tests.support.hostile_json import HUGE_INTS, JSON_VALUES, PATHOLOGICAL_BODIES, encode
 
 MODEL, KEY = "tiny", "fuzz-key"
 VALID = {

@@ -1,5 +1,5 @@
 """`DivergenceWatch` on its own: what it remembers, what it calls a divergence, what it forgets.
-The policy server's use of it over HTTP is tested in test_policy_server.py."""
+The policy server's use of it over HTTP is tested in test_app.py."""
 
 from __future__ import annotations
 

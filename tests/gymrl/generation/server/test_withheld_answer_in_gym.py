@@ -16,7 +16,12 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-from test_policy_server import (
+
+from gymrl.generation.server.divergence_watch import DivergenceWatch
+from gymrl.model.tokens import decode_text
+from nemo_gym_ext.config import NemoGymPostprocessConfig
+from nemo_gym_ext.postprocess import postprocess_gym_result
+from tests.gymrl.generation.server.test_app import (
     USER_ONLY,
     ScriptedEngine,
     char_level_reply,
@@ -24,14 +29,9 @@ from test_policy_server import (
     served,
 )
 
-from gymrl.generation.server.divergence_watch import DivergenceWatch
-from gymrl.model.tokens import decode_text
-from nemo_gym_ext.config import NemoGymPostprocessConfig
-from nemo_gym_ext.postprocess import postprocess_gym_result
-
 pytestmark = pytest.mark.slow
 
-GYM_PYTHON = Path(__file__).resolve().parents[3] / ".venv-gym" / "bin" / "python"
+GYM_PYTHON = Path(__file__).resolve().parents[4] / ".venv-gym" / "bin" / "python"
 
 # What Gym's vllm_model adapter does with a chat completion when it returns token information
 # (responses_api_models/vllm_model/app.py: the message validated as the training variant, the

@@ -1,9 +1,9 @@
 """The SGLang HTTP contract, read from the pinned wheel's own source.
 
-The SGLang client and the stand-in the CPU tests run against (`sglang_standin.py`) were written
-from the project's reading of SGLang, so they agree with each other whatever SGLang does. This
-test downloads `sglang==<pin>` (the pin of pyproject.toml) without dependencies, never installs
-or imports it, and parses with `ast`:
+The SGLang client and the stand-in the CPU tests run against (`tests/support/sglang_standin/`)
+were written from the project's reading of SGLang, so they agree with each other whatever SGLang
+does. This test downloads `sglang==<pin>` (the pin of pyproject.toml) without dependencies, never
+installs or imports it, and parses with `ast`:
 
 * the route table of `sglang/srt/entrypoints/http_server.py` (path, methods, the request type
   each handler takes),
@@ -51,10 +51,7 @@ import httpx
 import pytest
 import torch
 from pydantic import BaseModel
-from real_sglang import cpu_generation
 from safetensors.torch import save_file
-from sglang_answers import CLIENT_READS
-from sglang_standin import make_standin
 
 from gymrl.config.schema.generation import SGLangGenerationConfig, SGLangLaunchConfig
 from gymrl.config.schema.policy import PolicyConfig
@@ -69,10 +66,13 @@ from gymrl.generation.sglang.servers import server_command
 from gymrl.generation.sglang.weight_sync import FLATTENED_BUCKET, WeightSender
 from gymrl.generation.types import GenerationRequest, SamplingParams
 from nemo_gym_ext.http_server import serve_in_thread
+from tests.support.real_sglang import cpu_generation
+from tests.support.sglang_answers import CLIENT_READS
+from tests.support.sglang_standin import make_standin
 
 pytestmark = pytest.mark.registry
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 CACHE = Path("~/.cache/gym-grpo-recipes/sglang-wheel").expanduser()
 CLIENT_MODULES = (
     "sglang_engine.py",

@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file
-from sglang_standin import WEIGHT_OFFSET, make_standin
 
 from gymrl.config.schema.generation import SGLangGenerationConfig, SGLangLaunchConfig
 from gymrl.config.schema.policy import PolicyConfig
@@ -36,6 +35,7 @@ from gymrl.generation.sglang.servers import (
 from gymrl.generation.types import GenerationRequest, SamplingParams
 from nemo_gym_ext.http_server import serve_in_thread
 from nemo_gym_ext.ports import free_port
+from tests.support.sglang_standin import WEIGHT_OFFSET, make_standin
 
 
 @pytest.fixture
@@ -565,7 +565,7 @@ def _running(pid: int) -> bool:
 def test_server_dies_with_the_process_that_started_it(tmp_path):
     """kill -9 of the owner (as `ray.kill` or a crashed worker does) takes its server along,
     although the server runs in its own process group and nobody calls stop()."""
-    repo = Path(__file__).resolve().parents[3]
+    repo = Path(__file__).resolve().parents[4]
     env = os.environ | {
         "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])
     }

@@ -21,9 +21,6 @@ import httpx
 import pytest
 import torch
 from pydantic import SecretStr
-from real_sglang import VENV, cpu_generation, start_cpu_server
-from sglang_answers import CLIENT_READS, lookup
-from sglang_standin import make_standin
 
 from gymrl.generation.server.app import create_policy_server_app
 from gymrl.generation.sglang.engine import SGLangEngine, SGLangError
@@ -39,6 +36,9 @@ from gymrl.model.loading import load_pretrained
 from gymrl.model.tokens import model_end_token_ids
 from nemo_gym_ext.envs.registry import make_rows, start_builtin_environment
 from nemo_gym_ext.http_server import serve_in_thread
+from tests.support.real_sglang import VENV, cpu_generation, start_cpu_server
+from tests.support.sglang_answers import CLIENT_READS, lookup
+from tests.support.sglang_standin import make_standin
 
 pytestmark = pytest.mark.sglang_cpu
 

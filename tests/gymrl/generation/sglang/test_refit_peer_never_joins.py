@@ -8,10 +8,10 @@ import threading
 import time
 
 import pytest
-import sglang_standin
 import torch
 
 from gymrl.generation.sglang.weight_sync import WeightSender, WeightSyncError
+from tests.support.sglang_standin import app as sglang_standin
 
 TIMEOUT_S = 3.0
 

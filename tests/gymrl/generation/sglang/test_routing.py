@@ -1,11 +1,10 @@
 """Cache-aware routing: the rule on its own, and multi-turn episodes against stand-in servers."""
 
-from sglang_standin import make_standin
-
 from gymrl.generation.sglang.engine import SGLangEngine
 from gymrl.generation.sglang.routing import BLOCK_TOKENS, PrefixRouter, Routing
 from gymrl.generation.types import GenerationRequest, SamplingParams
 from nemo_gym_ext.http_server import serve_in_thread
+from tests.support.sglang_standin import make_standin
 
 
 def _prompt(seed: int, blocks: int) -> list[int]:

@@ -11,7 +11,6 @@ import time
 
 import pytest
 import torch
-from sglang_standin import WEIGHT_OFFSET
 
 from gymrl.generation.sglang import weight_sync
 from gymrl.generation.sglang.engine import SGLangEngine
@@ -23,6 +22,7 @@ from gymrl.generation.sglang.refit_checks.read_back import (
 )
 from gymrl.generation.sglang.weight_sync import WeightSender, WeightSyncError, buckets
 from gymrl.generation.types import GenerationRequest, SamplingParams
+from tests.support.sglang_standin import WEIGHT_OFFSET
 
 
 def _state_dict() -> dict[str, torch.Tensor]:

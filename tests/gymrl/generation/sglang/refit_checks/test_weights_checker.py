@@ -8,7 +8,6 @@ import pytest
 import torch
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from sglang_standin import make_standin
 
 from gymrl.config.schema.generation import RefitConfig, SGLangGenerationConfig
 from gymrl.generation.sglang.engine import SGLangEngine
@@ -23,6 +22,7 @@ from gymrl.generation.sglang.refit_checks.weights_checker import (
 from gymrl.generation.sglang.weight_sync import WeightSender
 from gymrl.generation.types import GenerationRequest, SamplingParams
 from nemo_gym_ext.http_server import serve_in_thread
+from tests.support.sglang_standin import make_standin
 
 RENAMED = "model.layers.0.self_attn.qkv_proj.weight"  # what the server's model calls q_proj
 # The first refit: snapshot, a compare proving it can run, snapshot, randomise, refit, compare.
