@@ -1,16 +1,44 @@
-"""What a test sees of a recipe run in a subprocess: the steps it has logged so far, and every
-process it started (found by a marker in their environment, which Ray workers inherit), so a
-test can tell that nothing is left behind."""
+"""A recipe run in a subprocess, as the tests start and watch it: the command (`python
+recipes/grpo.py` run as a user runs it, its output in one folder), its metrics, the steps it has
+logged so far, and every process it started (found by a marker in their environment, which Ray
+workers inherit), so a test can tell that nothing is left behind."""
 
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import psutil
 
+ROOT = Path(__file__).resolve().parents[2]
 # The environment variable a test sets to a fresh value for the run it starts.
 MARKER = "GYMRL_RUN_UNDER_TEST"
+
+
+def recipe_command(out: Path, *overrides: str) -> list[str]:
+    """`recipes/grpo.py` with `overrides`, run from the repository root: the run folder and Hydra's
+    are `out`, and the progress bar is off (its redraws would fill the captured stderr)."""
+    return [
+        sys.executable,
+        "recipes/grpo.py",
+        *overrides,
+        f"run.output_dir={out}",
+        f"hydra.run.dir={out}",
+        "logger.progress_bar=false",
+    ]
+
+
+def run_recipe(out: Path, *overrides: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+    """The run of `recipe_command` to its end, its output captured."""
+    return subprocess.run(
+        recipe_command(out, *overrides), cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def read_metrics(out: Path) -> list[dict]:
+    """Every record of `out/metrics.jsonl`, once the run has ended."""
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def logged_steps(out: Path) -> list[int]:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.recipes.test_smoke_run import read_metrics, run_recipe
+from tests.recipes.recipe_runs import read_metrics, run_recipe
 
 pytestmark = pytest.mark.slow
 

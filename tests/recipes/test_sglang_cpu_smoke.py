@@ -7,10 +7,7 @@ they started with.
 Marked `slow` and `sglang_cpu`: `.ci/run` builds the venv before the slow suite.
 """
 
-import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,35 +19,25 @@ from gymrl.generation.types import GenerationRequest, SamplingParams
 from gymrl.model.loading import load_pretrained
 from gymrl.model.tokens import model_end_token_ids
 from gymrl.run.checkpoint import MODEL_FILE
+from tests.recipes.recipe_runs import read_metrics, run_recipe
 from tests.support.real_sglang import KERNEL_STANDIN, VENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang_cpu]
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_real_server_serves_a_training_run_refit_every_step(tmp_path, smollm2_dir, tokenizer):
     if not (VENV / "bin" / "python").is_file():
         pytest.fail(f"no SGLang venv at {VENV}: run `make sglang-venv` (or set SGLANG_VENV)")
-    done = subprocess.run(
-        [
-            sys.executable,
-            "recipes/grpo.py",
-            "+experiment=sglang_cpu_smoke",
-            f"generation.launch.python={VENV / 'bin' / 'python'}",
-            f"+generation.launch.env.PYTHONPATH={KERNEL_STANDIN}",
-            "logger.wandb.mode=disabled",
-            f"run.output_dir={tmp_path}",
-            f"hydra.run.dir={tmp_path}",
-            "logger.progress_bar=false",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+    done = run_recipe(
+        tmp_path,
+        "+experiment=sglang_cpu_smoke",
+        f"generation.launch.python={VENV / 'bin' / 'python'}",
+        f"+generation.launch.env.PYTHONPATH={KERNEL_STANDIN}",
+        "logger.wandb.mode=disabled",
         timeout=1200,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(tmp_path)
     assert [record["step"] for record in records] == [1, 2]
     assert records[0]["parity/passed"] == 1  # the real server's log-probs are the trainer's
     for record in records:

@@ -21,7 +21,7 @@ from gymrl.generation.server.chat_template import (
 )
 from gymrl.generation.server.parsers import GenerationParser
 from nemo_gym_ext.wire import ChatMessage, FunctionSpec, ToolSpec
-from tests.gymrl.generation.server.test_app import ScriptedEngine, completion, served
+from tests.gymrl.generation.server.scripted_server import ScriptedEngine, completion, served
 
 ADD_TOOL = ToolSpec(
     function=FunctionSpec(

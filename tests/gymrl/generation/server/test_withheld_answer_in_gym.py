@@ -21,7 +21,7 @@ from gymrl.generation.server.divergence_watch import DivergenceWatch
 from gymrl.model.tokens import decode_text
 from nemo_gym_ext.config import NemoGymPostprocessConfig
 from nemo_gym_ext.postprocess import postprocess_gym_result
-from tests.gymrl.generation.server.test_app import (
+from tests.gymrl.generation.server.scripted_server import (
     USER_ONLY,
     ScriptedEngine,
     char_level_reply,
