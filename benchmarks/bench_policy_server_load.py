@@ -217,14 +217,12 @@ def serve_policy(
         )
     else:
         model = load_pretrained(checkpoint, dtype=torch.float32)
-    engine = TorchGenerationEngine(
+    engine = TorchGenerationEngine.from_config(
         model,
-        max_batch_size=max_batch_size,
-        eos_token_ids=[eos_token_id(tokenizer)],
+        GENERATION.model_copy(update={"max_batch_size": max_batch_size}),
         seed=0,
         compute_dtype="auto",
-        prefill_token_budget=GENERATION.prefill_token_budget,
-        prefix_cache_tokens=GENERATION.prefix_cache_tokens,
+        eos_token_ids=[eos_token_id(tokenizer)],
     )
     # SmolLM2's format as conf/policy/smollm2_135m.yaml configures it.
     chat_format = ChatFormat(

@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the test helper's root
 
+from gymrl.config.schema.generation import TorchGenerationConfig
 from gymrl.generation.sglang.engine import SGLangEngine
 from gymrl.generation.sglang.weight_sync import WeightSender
 from gymrl.generation.torch.engine import TorchGenerationEngine
@@ -82,13 +83,14 @@ def main() -> None:
 
 def _compare(url: str, folder: Path, requests, threads: int, repeats: int) -> None:
     model = load_pretrained(folder, torch.float32)
-    local = TorchGenerationEngine(
+    local = TorchGenerationEngine.from_config(
         model,
-        max_batch_size=len(requests),
-        eos_token_ids=model_end_token_ids(folder),  # where the server stops too: same tokens
-        prefill_token_budget=512,
-        prefix_cache_tokens=0,
+        TorchGenerationConfig(
+            max_batch_size=len(requests), prefix_cache_tokens=0, decode_path="transformers"
+        ),
+        seed=0,
         compute_dtype="float32",
+        eos_token_ids=model_end_token_ids(folder),  # where the server stops too: same tokens
     )
     served = SGLangEngine([url], request_timeout_s=600.0, refit_timeout_s=600.0)
     try:

@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_model
 
+from gymrl.config.schema.generation import TorchGenerationConfig
 from gymrl.generation.torch.engine import TorchGenerationEngine
 from gymrl.generation.types import GenerationRequest, SamplingParams
 from gymrl.model.loading import load_pretrained
@@ -71,13 +72,12 @@ def _greedy(
         )["input_ids"]
         for question in ("What is 17 + 25?", "What is 6 times 7?", "What is 100 - 58?")
     ]
-    engine = TorchGenerationEngine(
+    engine = TorchGenerationEngine.from_config(
         model,
-        max_batch_size=3,
-        eos_token_ids=model_end_token_ids(folder),
-        prefill_token_budget=512,
-        prefix_cache_tokens=0,
+        TorchGenerationConfig(max_batch_size=3, prefix_cache_tokens=0, decode_path="transformers"),
+        seed=0,
         compute_dtype="float32",
+        eos_token_ids=model_end_token_ids(folder),
     )
     try:
         outputs = engine.generate(

@@ -213,18 +213,14 @@ def test_earlier_token_ids_are_kept_only_when_honoured(tokenizer, chat_format, h
         assert prompt[: len(earlier)] != earlier
 
 
-def _tiny_torch_engine(tokenizer, **settings):
+def _tiny_torch_engine(tokenizer, **generation):
+    """The torch engine on a tiny random Llama, decoding through the model's own forward unless a
+    test asks for the fused step (tests count the forward's calls)."""
     model = build_tiny_llama(
         tokenizer, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, seed=0
     )
-    return TorchGenerationEngine(
-        model,
-        seed=0,
-        compute_dtype="float32",
-        prefill_token_budget=TorchGenerationConfig().prefill_token_budget,
-        prefix_cache_tokens=TorchGenerationConfig().prefix_cache_tokens,
-        **settings,
-    )
+    config = TorchGenerationConfig(**({"decode_path": "transformers"} | generation))
+    return TorchGenerationEngine.from_config(model, config, seed=0, compute_dtype="float32")
 
 
 def test_concurrent_requests_decode_together_and_each_gets_its_own_answer(tokenizer, chat_format):
@@ -356,17 +352,7 @@ def test_engine_failure_is_a_500_with_the_cause(tokenizer, chat_format):
 
 
 def test_real_torch_engine_two_turns_stay_contiguous(tokenizer, chat_format):
-    model = build_tiny_llama(
-        tokenizer, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, seed=0
-    )
-    engine = TorchGenerationEngine(
-        model,
-        max_batch_size=4,
-        seed=0,
-        compute_dtype="float32",
-        prefill_token_budget=TorchGenerationConfig().prefill_token_budget,
-        prefix_cache_tokens=TorchGenerationConfig().prefix_cache_tokens,
-    )
+    engine = _tiny_torch_engine(tokenizer, max_batch_size=4)
     with served(engine, chat_format, default_max_tokens=6) as client:
         first = completion(client, USER_ONLY, seed=1)
         assert first.status_code == 200, first.text

@@ -22,6 +22,7 @@ import pytest
 import torch
 from pydantic import SecretStr
 
+from gymrl.config.schema.generation import TorchGenerationConfig
 from gymrl.generation.server.app import create_policy_server_app
 from gymrl.generation.sglang.engine import SGLangEngine, SGLangError
 from gymrl.generation.sglang.refit_checks.weights_checker import (
@@ -107,13 +108,12 @@ def test_ids_and_logprobs_match_the_torch_engine_on_the_same_weights(real_server
     with real_server.engine() as engine:
         [served] = engine.generate([_greedy(prompt, 12)])
     model = load_pretrained(real_server.folder, torch.float32)
-    torch_engine = TorchGenerationEngine(
+    torch_engine = TorchGenerationEngine.from_config(
         model,
-        max_batch_size=1,
-        eos_token_ids=model_end_token_ids(real_server.folder),
-        prefill_token_budget=512,
-        prefix_cache_tokens=0,
+        TorchGenerationConfig(max_batch_size=1, prefix_cache_tokens=0, decode_path="transformers"),
+        seed=0,
         compute_dtype="float32",
+        eos_token_ids=model_end_token_ids(real_server.folder),
     )
     try:
         [local] = torch_engine.generate([_greedy(prompt, 12)])

@@ -59,15 +59,17 @@ def prompts(tokenizer) -> list[list[int]]:
     return [tokenizer.encode(text) for text in TEXTS]
 
 
-def make_engine(model, **overrides) -> TorchGenerationEngine:
-    settings = {
-        "max_batch_size": 3,
-        "eos_token_ids": (),
-        "compute_dtype": "float32",
-        "prefill_token_budget": TorchGenerationConfig().prefill_token_budget,
-        "prefix_cache_tokens": TorchGenerationConfig().prefix_cache_tokens,
-    } | overrides
-    return TorchGenerationEngine(model, **settings)
+def make_engine(
+    model, *, seed=0, compute_dtype="float32", eos_token_ids=(), **generation
+) -> TorchGenerationEngine:
+    """Batches of 3 through the model's own forward (the fused step is test_llama_decode.py's),
+    unless `generation` (fields of `TorchGenerationConfig`) says otherwise."""
+    config = TorchGenerationConfig(
+        **({"max_batch_size": 3, "decode_path": "transformers"} | generation)
+    )
+    return TorchGenerationEngine.from_config(
+        model, config, seed=seed, compute_dtype=compute_dtype, eos_token_ids=eos_token_ids
+    )
 
 
 def request(prompt, **params) -> GenerationRequest:

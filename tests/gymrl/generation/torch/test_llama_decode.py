@@ -53,15 +53,13 @@ def prompts(tokenizer) -> list[list[int]]:
     return [tokenizer.encode(text) for text in TEXTS]
 
 
-def make_engine(model, decode_path: str = "fused", **overrides) -> TorchGenerationEngine:
-    settings = {
-        "max_batch_size": 3,
-        "compute_dtype": "float32",
-        "prefill_token_budget": TorchGenerationConfig().prefill_token_budget,
-        "prefix_cache_tokens": TorchGenerationConfig().prefix_cache_tokens,
-        "decode_path": decode_path,
-    } | overrides
-    return TorchGenerationEngine(model, **settings)
+def make_engine(
+    model, decode_path: str = "fused", *, compute_dtype="float32", **generation
+) -> TorchGenerationEngine:
+    config = TorchGenerationConfig(
+        **({"max_batch_size": 3, "decode_path": decode_path} | generation)
+    )
+    return TorchGenerationEngine.from_config(model, config, seed=0, compute_dtype=compute_dtype)
 
 
 def requests_for(prompts, temperature: float, **params) -> list[GenerationRequest]:
