@@ -11,14 +11,14 @@ import statistics
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from gymrl.config.schema.generation import TorchGenerationConfig
 from gymrl.config.schema.grpo import ParityGateConfig
 from gymrl.generation.torch.engine import TorchGenerationEngine
 from gymrl.generation.torch.llama_decode import unsupported_reason
 from gymrl.generation.types import GenerationOutput, GenerationRequest, SamplingParams
-from gymrl.model.loading import load_pretrained
+from gymrl.model.loading import build_tiny_llama, load_pretrained
 from gymrl.model.precision import body_autocast
 
 TEXTS = [
@@ -31,21 +31,19 @@ TEXTS = [
 
 
 def gqa_llama(tokenizer, seed: int, **overrides) -> LlamaForCausalLM:
-    """A tiny random Llama whose 4 query heads share 2 key/value heads (as SmolLM2's 9 share 3)."""
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
+    """A tiny random Llama whose 4 query heads share 2 key/value heads (as SmolLM2's 9 share 3),
+    over the tokenizer's vocabulary but none of its special ids."""
+    return build_tiny_llama(
+        len(tokenizer),
         hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
         intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        seed=seed,
         max_position_embeddings=4096,
-        tie_word_embeddings=True,
         **overrides,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return LlamaForCausalLM(config).eval()
+    ).eval()
 
 
 @pytest.fixture(scope="module")
