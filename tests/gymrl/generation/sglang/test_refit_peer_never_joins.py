@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from gymrl.generation.sglang.weight_sync import WeightSender, WeightSyncError
-from tests.support.sglang_standin import app as sglang_standin
+from tests.support.sglang_standin import refit as standin_refit
 
 TIMEOUT_S = 3.0
 
 
 def test_a_peer_that_never_joins_fails_the_refit_by_its_deadline_naming_it(standins, monkeypatch):
-    joined = sglang_standin.join_weight_update_group
+    joined = standin_refit.join_weight_update_group
     released = threading.Event()
 
     def join_unless_second(**kwargs):
@@ -27,7 +27,7 @@ def test_a_peer_that_never_joins_fails_the_refit_by_its_deadline_naming_it(stand
         # The first server joins, and waits for the group as long as the trainer does.
         return joined(**{**kwargs, "timeout_s": TIMEOUT_S})
 
-    monkeypatch.setattr(sglang_standin, "join_weight_update_group", join_unless_second)
+    monkeypatch.setattr(standin_refit, "join_weight_update_group", join_unless_second)
     (url_a, _), (url_b, _) = standins(2)
     sender = WeightSender(
         [url_a, url_b],
