@@ -74,12 +74,13 @@ pytestmark = pytest.mark.registry
 
 ROOT = Path(__file__).resolve().parents[4]
 CACHE = Path("~/.cache/gym-grpo-recipes/sglang-wheel").expanduser()
+CLIENT_FOLDER = ROOT / "gymrl" / "generation" / "sglang"
 CLIENT_MODULES = (
-    "sglang_engine.py",
-    "sglang_servers.py",
+    "engine.py",
+    "servers.py",
     "weight_sync.py",
-    "verify_read_back.py",
-    "verify_weights_checker.py",
+    "refit_checks/read_back.py",
+    "refit_checks/weights_checker.py",
 )
 # Fields every io_struct request inherits for SGLang's own IPC; a client never sends them.
 _IPC_FIELDS = {"rid", "http_worker_ipc"}
@@ -530,7 +531,7 @@ def test_the_project_calls_only_what_the_pinned_wheel_serves(contract, readers, 
     called = {path for path, _ in calls} | {"/health_generate"}
     routes, _, _ = contract
     for module in CLIENT_MODULES:
-        text = (ROOT / "gymrl" / "generation" / module).read_text()
+        text = (CLIENT_FOLDER / module).read_text()
         for node in ast.walk(ast.parse(text)):
             if (
                 isinstance(node, ast.Constant)
@@ -872,7 +873,7 @@ def client_read_keys() -> set[str]:
     `x.get("key")`."""
     keys = set()
     for module in CLIENT_MODULES:
-        for node in ast.walk(ast.parse((ROOT / "gymrl" / "generation" / module).read_text())):
+        for node in ast.walk(ast.parse((CLIENT_FOLDER / module).read_text())):
             if (
                 isinstance(node, ast.Subscript)
                 and isinstance(node.ctx, ast.Load)
