@@ -2,8 +2,8 @@
 `sglang_cpu` tests and `benchmarks/bench_sglang_cpu.py`.
 
 The server runs from the venv `make sglang-venv` builds (`SGLANG_VENV`, default `.venv-sglang`)
-with the CPU `generation.launch` below, and with the test-only `sgl_kernel` stand-in
-(`sgl_kernel_cpu_standin/`) on its PYTHONPATH.
+with `generation=sglang_cpu`, the CPU experiments' own generation config, and with the test-only
+`sgl_kernel` stand-in (`sgl_kernel_cpu_standin/`) on its PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
-from gymrl.config.schema.generation import RefitConfig, SGLangGenerationConfig, SGLangLaunchConfig
+from gymrl.config.compose import compose_raw
+from gymrl.config.schema.generation import SGLangGenerationConfig
 from gymrl.config.schema.policy import PolicyConfig
 from gymrl.generation.sglang.servers import SGLangServerProcess, server_command
 from nemo_gym_ext.ports import free_port
@@ -24,25 +24,22 @@ VENV = Path(os.environ.get("SGLANG_VENV", REPO / ".venv-sglang"))
 KERNEL_STANDIN = Path(__file__).with_name("sgl_kernel_cpu_standin")
 
 
-def cpu_generation(cpu_threads: int = 1, **overrides: Any) -> SGLangGenerationConfig:
-    """The SGLang config the real server runs with on this CPU (float32 comes from the policy)."""
-    launch = SGLangLaunchConfig(
-        python=str(VENV / "bin" / "python"),
-        device="cpu",
-        cpu_threads=cpu_threads,
-        attention_backend="torch_native",
-        cuda_graphs=False,
-        max_total_tokens=4096,
-        skip_server_warmup=True,
+def cpu_generation(cpu_threads: int = 1) -> SGLangGenerationConfig:
+    """`generation=sglang_cpu` (conf/generation/sglang_cpu.yaml; float32 comes from the policy)
+    from this venv, on `cpu_threads`, with the tests' own deadlines and bucket: a server that is
+    not healthy in 5 minutes or a refit call unanswered in one fails the test sooner than a run's
+    deadlines would, and refits go in 64 MiB buckets (as benchmarks/README.md measured them)."""
+    raw = compose_raw(
+        [
+            "generation=sglang_cpu",
+            f"generation.launch.python={VENV / 'bin' / 'python'}",
+            f"generation.launch.cpu_threads={cpu_threads}",
+            "generation.server_start_timeout_s=300",
+            "generation.refit.timeout_s=60",
+            f"generation.refit.bucket_bytes={64 << 20}",
+        ]
     )
-    fields: dict[str, Any] = dict(
-        mem_fraction_static=0.3,
-        max_running_requests=8,
-        server_start_timeout_s=300.0,
-        launch=launch,
-        refit=RefitConfig(verify_weights=False, timeout_s=60.0, bucket_bytes=64 << 20),
-    )
-    return SGLangGenerationConfig(**(fields | overrides))
+    return SGLangGenerationConfig.model_validate(raw["generation"])
 
 
 @contextmanager
