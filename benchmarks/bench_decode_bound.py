@@ -43,6 +43,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 from transformers import PreTrainedModel
 
+from gymrl.config.schema.generation import TorchGenerationConfig
 from gymrl.generation.torch.engine import TorchGenerationEngine, _DecodeBatch
 from gymrl.generation.torch.llama_decode import LlamaDecoder
 from gymrl.generation.types import GenerationRequest, SamplingParams
@@ -116,14 +117,12 @@ def cache_tensors(batch: _DecodeBatch) -> list[torch.Tensor]:
 
 def new_engine(model: PreTrainedModel, batch_size: int, path: str) -> TorchGenerationEngine:
     """An engine on `model` (shared: the fused path's weight layout serves both paths)."""
-    return TorchGenerationEngine(
-        model,
+    generation = TorchGenerationConfig(
         max_batch_size=batch_size,
-        compute_dtype="bfloat16",
-        prefill_token_budget=512,
         prefix_cache_tokens=0,
         decode_path=path,  # type: ignore[arg-type]
     )
+    return TorchGenerationEngine.from_config(model, generation, seed=0, compute_dtype="bfloat16")
 
 
 def prefilled_batch(

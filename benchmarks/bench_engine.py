@@ -151,17 +151,19 @@ def main() -> None:
     rows = []
     for batch_size in args.batch_sizes:
         prompts = chat_prompts(tokenizer, batch_size)
-        engine = TorchGenerationEngine(
-            copy.deepcopy(model),  # the engine owns its model (bfloat16 rounds its weights)
+        generation = TorchGenerationConfig(
             max_batch_size=batch_size,
-            eos_token_ids=stop_ids,
-            seed=args.seed,
-            compute_dtype=args.compute_dtype,
-            prefill_token_budget=TorchGenerationConfig().prefill_token_budget,
             # Off: the repeats send the same prompts, which the cache would answer from memory;
             # this measures the engine's own prefill and decoding against `generate`'s.
             prefix_cache_tokens=0,
             decode_path=args.decode_path,
+        )
+        engine = TorchGenerationEngine.from_config(
+            copy.deepcopy(model),  # the engine owns its model (bfloat16 rounds its weights)
+            generation,
+            seed=args.seed,
+            compute_dtype=args.compute_dtype,
+            eos_token_ids=stop_ids,
         )
         contenders: dict[str, Callable[[], int]] = {
             "generate": lambda p=prompts: run_generate(model, p, args.new_tokens, stop_ids),

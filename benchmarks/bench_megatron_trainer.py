@@ -6,9 +6,10 @@ Both train SmolLM2-135M-Instruct in fp32 on the batch of `bench_trainer.py --bat
 with the same loss and learning rate:
 the torch trainer (`gymrl.trainer.torch_trainer`, packing off) and the Megatron trainer
 (`gymrl.trainer.megatron`, TP 1, one rank over gloo, Megatron's local layers) through the test
-tree's device shim (`tests/gymrl/trainer/megatron_on_cpu.py`; megatron-core needs CUDA where no
-config reaches). Each trainer lives in a process of its own, so each peak is its own; the steps
-alternate between the two after one warm-up step each, so a busy machine slows both alike.
+tree's device shim (`tests/support/megatron_cpu_shim/megatron_on_cpu.py`; megatron-core needs
+CUDA where no config reaches). Each trainer lives in a process of its own, so each peak is its
+own; the steps alternate between the two after one warm-up step each, so a busy machine slows
+both alike.
 
 Runs in the Megatron venv (`make megatron-venv`):
 
@@ -94,12 +95,11 @@ def _build(trainer: str):
         )
     import os
 
-    sys.path.insert(0, str(REPO / "tests" / "gymrl" / "trainer"))
-    import megatron_on_cpu
-
+    sys.path.insert(0, str(REPO))  # the device shim is a test helper
     from gymrl.trainer.megatron.distributed import distributed_env
     from gymrl.trainer.megatron.worker import MegatronPolicyTrainer
     from nemo_gym_ext.ports import free_port
+    from tests.support.megatron_cpu_shim import megatron_on_cpu
 
     megatron_on_cpu.prepare_process()
     os.environ.update(distributed_env(0, 1, "127.0.0.1", free_port()))

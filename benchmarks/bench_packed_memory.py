@@ -32,27 +32,27 @@ VOCAB = 49152
 def one_step(tokens: int, mask: str) -> None:
     """One train step on one episode of `tokens` tokens; prints seconds and peak MiB."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from gymrl.algo.trajectory import Trajectory
     from gymrl.config.schema.loss import LossConfig
     from gymrl.config.schema.trainer import TorchTrainerConfig
+    from gymrl.model.loading import build_tiny_llama
     from gymrl.trainer.prefix_packing import PrefixTree
     from gymrl.trainer.torch_trainer import TorchPolicyTrainer
 
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
+    model = build_tiny_llama(
+        VOCAB,
         hidden_size=64,
+        num_layers=2,
+        num_heads=4,
         intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
+        seed=0,
         max_position_embeddings=tokens,
+        tie_word_embeddings=False,  # an output layer of its own, as measured
     )
-    model = LlamaForCausalLM(config)
     model.set_attn_implementation("sdpa")
+    torch.manual_seed(0)  # the episode's ids
     if mask == "dense":
         PrefixTree.is_chain = lambda self: False  # the trainer as it was: the mask, always
     trainer = TorchPolicyTrainer(

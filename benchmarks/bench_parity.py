@@ -56,15 +56,12 @@ def figures_for(
     policy, temperature = config.policy, config.generation.sampling.temperature
     engine_model, tokenizer = build_policy(policy, seed=0)
     trainer_model, _ = build_policy(policy, seed=0)
-    engine = TorchGenerationEngine(
+    engine = TorchGenerationEngine.from_config(
         engine_model,
-        max_batch_size=16,
-        eos_token_ids=[eos_token_id(tokenizer)],
+        config.generation,
         seed=0,
         compute_dtype=policy.compute_dtype,
-        prefill_token_budget=config.generation.prefill_token_budget,
-        prefix_cache_tokens=config.generation.prefix_cache_tokens,
-        decode_path=config.generation.decode_path,
+        eos_token_ids=[eos_token_id(tokenizer)],
     )
     texts = [
         tokenizer.apply_chat_template(

@@ -20,7 +20,7 @@ run serves; `--max-batch-size` overrides the batch, as `generation.max_batch_siz
 `--loop` and `--http` choose uvicorn's event loop and HTTP parser for the server (default: what
 every server of the project gets, uvicorn's "auto": uvloop and httptools where they import).
 
-`tests/gymrl/generation/test_policy_server_load.py` runs this script for one round of 256 clients
+`tests/gymrl/generation/server/test_app_load.py` runs this script for one round of 256 clients
 on a tiny model, so the checks themselves are tested.
 """
 
@@ -217,14 +217,12 @@ def serve_policy(
         )
     else:
         model = load_pretrained(checkpoint, dtype=torch.float32)
-    engine = TorchGenerationEngine(
+    engine = TorchGenerationEngine.from_config(
         model,
-        max_batch_size=max_batch_size,
-        eos_token_ids=[eos_token_id(tokenizer)],
+        GENERATION.model_copy(update={"max_batch_size": max_batch_size}),
         seed=0,
         compute_dtype="auto",
-        prefill_token_budget=GENERATION.prefill_token_budget,
-        prefix_cache_tokens=GENERATION.prefix_cache_tokens,
+        eos_token_ids=[eos_token_id(tokenizer)],
     )
     # SmolLM2's format as conf/policy/smollm2_135m.yaml configures it.
     chat_format = ChatFormat(

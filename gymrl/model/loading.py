@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from importlib.metadata import PackageNotFoundError, files
 from pathlib import Path
+from typing import Any
 
 import torch
 from filelock import FileLock
@@ -86,7 +87,7 @@ def load_pretrained(path: str | os.PathLike[str], dtype: torch.dtype) -> PreTrai
 
 
 def build_tiny_llama(
-    tokenizer: PreTrainedTokenizerBase,
+    vocabulary: PreTrainedTokenizerBase | int,
     *,
     hidden_size: int,
     num_layers: int,
@@ -95,21 +96,31 @@ def build_tiny_llama(
     seed: int,
     dtype: torch.dtype = torch.float32,
     num_kv_heads: int | None = None,
+    **config_fields: Any,
 ) -> LlamaForCausalLM:
-    """A randomly initialised Llama sharing `tokenizer`'s vocabulary, for tests and smoke runs;
-    `num_kv_heads` below `num_heads` gives grouped-query attention (default: as many)."""
+    """A randomly initialised Llama, for tests, benchmarks and smoke runs, the one way the project
+    builds one. `vocabulary` is a tokenizer, whose vocabulary and special tokens the model shares,
+    or a bare vocabulary size (a toy policy over ids, with `LlamaConfig`'s own special ids);
+    `num_kv_heads` below `num_heads` gives grouped-query attention (default: as many);
+    `config_fields` are further `LlamaConfig` fields, over the context and tied embeddings set
+    here (a test's shorter context, wider initial weights, biases), so a test keeps the exact
+    model its tolerances were measured on."""
+    tokens: dict[str, Any] = {"vocab_size": vocabulary}
+    if not isinstance(vocabulary, int):
+        tokens = {
+            "vocab_size": len(vocabulary),
+            "bos_token_id": single_token_id(vocabulary.bos_token_id),
+            "eos_token_id": eos_token_id(vocabulary),
+            "pad_token_id": eos_token_id(vocabulary),
+        }
     config = LlamaConfig(
-        vocab_size=len(tokenizer),
+        **tokens,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads or num_heads,
-        max_position_embeddings=8192,
-        bos_token_id=single_token_id(tokenizer.bos_token_id),
-        eos_token_id=eos_token_id(tokenizer),
-        pad_token_id=eos_token_id(tokenizer),
-        tie_word_embeddings=True,
+        **({"max_position_embeddings": 8192, "tie_word_embeddings": True} | config_fields),
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -218,15 +218,12 @@ def build_torch_backend(
     model, tokenizer = build_policy(config.policy, config.run.seed)
     # transformers' `to` is typed as unbound (see gymrl.model.loading.build_tiny_llama).
     model.to(placement.generation.device)  # pyright: ignore[reportArgumentType]
-    engine = TorchGenerationEngine(
+    engine = TorchGenerationEngine.from_config(
         model,
-        max_batch_size=generation.max_batch_size,
-        eos_token_ids=[eos_token_id(tokenizer), *end_ids],
+        generation,
         seed=config.run.seed,
         compute_dtype=config.policy.compute_dtype,
-        prefill_token_budget=generation.prefill_token_budget,
-        prefix_cache_tokens=generation.prefix_cache_tokens,
-        decode_path=generation.decode_path,
+        eos_token_ids=[eos_token_id(tokenizer), *end_ids],
     )
     started.callback(engine.close)
     return EngineBackend(engine, tokenizer, local=engine)

@@ -21,7 +21,8 @@
 #               not installed; the GPU tests build tiny random models with this tokenizer
 # Without Transformer Engine the Megatron checks use Megatron's local layers
 # (trainer.transformer_impl=local) and import Bridge through bridge_without_te.py beside this
-# (tests/gymrl/trainer/megatron_on_cpu.py's import_megatron, in every process a test starts).
+# (tests/support/megatron_cpu_shim/megatron_on_cpu.py's import_megatron, in every process a test
+# starts).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 WHEELS=${WHEELS:?set WHEELS to the folder of wheels}
@@ -62,7 +63,7 @@ run() {  # run() NAME TIMEOUT MARKER PYTHONPATH PYTEST_ARGS...: one pytest run, 
 }
 
 run torch 120 gpu "$PWD:$SITE/base" \
-  tests/gymrl/generation/test_torch_engine.py tests/gymrl/trainer/test_torch_trainer.py
+  tests/gymrl/generation/torch/test_engine.py tests/gymrl/trainer/test_torch_trainer.py
 # The refit into the real SGLang server (test_megatron_refit_sglang.py) is left out: its module
 # imports the SGLang client's packages, which the base wheels do not hold.
 run megatron 360 "megatron and not slow" "$PWD:$SITE/megatron:$SITE/base" \

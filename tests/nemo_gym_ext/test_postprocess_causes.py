@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import pytest
-from metric_docs import documented_patterns
 
 from gymrl.generation.server.chat_template import ChatFormat, build_prompt_token_ids
 from gymrl.generation.server.parsers import GenerationParser
@@ -30,7 +29,8 @@ from nemo_gym_ext.postprocess import (
 )
 from nemo_gym_ext.wire import ChatMessage, FunctionSpec, ToolSpec
 from tests.conftest import MODEL_CACHE_DIR
-from tests.gymrl.generation.template_families import (
+from tests.support.metric_docs import documented_patterns
+from tests.support.template_families import (
     cached_tokenizer,
     save_llama3_tokenizer,
     save_qwen3_tokenizer,

@@ -12,11 +12,11 @@ import copy
 from dataclasses import replace
 
 import pytest
-from metric_docs import documented_keys
 
 from nemo_gym_ext.config import NemoGymPostprocessConfig
 from nemo_gym_ext.metrics import per_agent_metrics
 from nemo_gym_ext.postprocess import NonContiguousEpisodeError, postprocess_gym_result
+from tests.support.metric_docs import documented_keys
 
 TRUNCATE = NemoGymPostprocessConfig(truncate_noncontiguous_episodes=True)
 SPLIT = NemoGymPostprocessConfig(

@@ -41,13 +41,8 @@ def policy_url(tokenizer, chat_format):
     model = build_tiny_llama(
         tokenizer, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, seed=0
     )
-    engine = TorchGenerationEngine(
-        model,
-        max_batch_size=8,
-        seed=0,
-        compute_dtype="float32",
-        prefill_token_budget=TorchGenerationConfig().prefill_token_budget,
-        prefix_cache_tokens=TorchGenerationConfig().prefix_cache_tokens,
+    engine = TorchGenerationEngine.from_config(
+        model, TorchGenerationConfig(max_batch_size=8), seed=0, compute_dtype="float32"
     )
     app = create_policy_server_app(
         engine,

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from metric_docs import documented_patterns
 
 from gymrl.run.checkpoint import TrainerState, capture_rng_state, save_checkpoint
+from tests.support.metric_docs import documented_patterns
 
 ROOT = Path(__file__).resolve().parents[2]
 AGENTS = ("calculator_agent", "guess_number_agent")

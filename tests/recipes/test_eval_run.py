@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from test_smoke_run import read_metrics, run_recipe
+
+from tests.recipes.recipe_runs import read_metrics, run_recipe
 
 pytestmark = pytest.mark.slow
 

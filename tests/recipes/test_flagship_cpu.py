@@ -10,26 +10,24 @@ for the three venvs: `.ci/run` runs it after `make megatron-venv` with
 `python -m pytest -m 'slow and megatron'`.
 """
 
-import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.recipes.recipe_runs import read_metrics, recipe_command
+from tests.support.real_sglang import KERNEL_STANDIN, VENV
+
 pytestmark = [pytest.mark.slow, pytest.mark.megatron, pytest.mark.sglang_cpu]
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "gymrl" / "generation"))
-
-from real_sglang import KERNEL_STANDIN, VENV  # noqa: E402  (a test helper, through sys.path)
 
 MEGATRON_VENV = Path(os.environ.get("MEGATRON_VENV", ROOT / ".venv-megatron"))
 GYM_VENV = ROOT / ".venv-gym"
-SHIM_FOLDER = ROOT / "tests" / "gymrl" / "trainer"  # megatron_on_cpu, the trainer's setup hook
+SHIM_FOLDER = ROOT / "tests" / "support" / "megatron_cpu_shim"  # the trainer's setup hook
 
 
 def test_the_flagships_code_path_trains_three_steps_on_this_cpu(tmp_path):
@@ -45,18 +43,14 @@ def test_the_flagships_code_path_trains_three_steps_on_this_cpu(tmp_path):
         pytest.fail("NeMo-Gym's venv is missing: run `make gym-venv` first")
     path = [str(SHIM_FOLDER), str(ROOT), os.environ.get("PYTHONPATH", "")]
     done = subprocess.run(
-        [
-            sys.executable,
-            "recipes/grpo.py",
+        recipe_command(
+            tmp_path,
             "+experiment=flagship_cpu",
             f"generation.launch.python={VENV / 'bin' / 'python'}",
             f"+generation.launch.env.PYTHONPATH={KERNEL_STANDIN}",
             f"cluster.roles.trainer.python={MEGATRON_VENV / 'bin' / 'python'}",
             "logger.wandb.mode=disabled",
-            f"run.output_dir={tmp_path}",
-            f"hydra.run.dir={tmp_path}",
-            "logger.progress_bar=false",
-        ],
+        ),
         cwd=ROOT,
         env=os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, path))},
         capture_output=True,
@@ -64,7 +58,7 @@ def test_the_flagships_code_path_trains_three_steps_on_this_cpu(tmp_path):
         timeout=2400,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-6000:]
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(tmp_path)
     assert [record["step"] for record in records] == [1, 2, 3]
     assert records[0]["parity/passed"] == 1  # the real server's log-probs are Megatron's
     for record in records:

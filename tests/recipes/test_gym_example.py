@@ -8,7 +8,9 @@ import re
 from pathlib import Path
 
 import pytest
-from test_smoke_run import documented_patterns, read_metrics, run_recipe
+
+from tests.recipes.recipe_runs import read_metrics, run_recipe
+from tests.support.metric_docs import documented_patterns
 
 pytestmark = pytest.mark.slow
 

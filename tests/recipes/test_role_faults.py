@@ -8,13 +8,18 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
 import pytest
-from run_processes import MARKER, marked_processes, wait_for_first_step
+
+from tests.recipes.recipe_runs import (
+    MARKER,
+    marked_processes,
+    recipe_command,
+    wait_for_first_step,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -41,16 +46,9 @@ def test_a_killed_role_stops_the_run_naming_the_cause(tmp_path, actor, cause):
     marker = uuid.uuid4().hex
     env = {**os.environ, MARKER: marker, "PYTHONPATH": str(ROOT)}
     out = tmp_path / "run"
-    command = [
-        sys.executable,
-        "recipes/grpo.py",
-        "+experiment=smoke",
-        "grpo.num_steps=50",
-        "checkpoint.every_n_steps=0",
-        f"run.output_dir={out}",
-        f"hydra.run.dir={out}",
-        "logger.progress_bar=false",
-    ]
+    command = recipe_command(
+        out, "+experiment=smoke", "grpo.num_steps=50", "checkpoint.every_n_steps=0"
+    )
     stderr = tmp_path / "stderr.txt"
     with stderr.open("w") as err_file:
         run = subprocess.Popen(

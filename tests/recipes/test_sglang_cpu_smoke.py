@@ -7,52 +7,38 @@ they started with.
 Marked `slow` and `sglang_cpu`: `.ci/run` builds the venv before the slow suite.
 """
 
-import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_model
 
+from gymrl.config.schema.generation import TorchGenerationConfig
 from gymrl.generation.torch.engine import TorchGenerationEngine
 from gymrl.generation.types import GenerationRequest, SamplingParams
 from gymrl.model.loading import load_pretrained
 from gymrl.model.tokens import model_end_token_ids
 from gymrl.run.checkpoint import MODEL_FILE
+from tests.recipes.recipe_runs import read_metrics, run_recipe
+from tests.support.real_sglang import KERNEL_STANDIN, VENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang_cpu]
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "gymrl" / "generation"))
-
-from real_sglang import KERNEL_STANDIN, VENV  # noqa: E402  (a test helper, through sys.path)
 
 
 def test_the_real_server_serves_a_training_run_refit_every_step(tmp_path, smollm2_dir, tokenizer):
     if not (VENV / "bin" / "python").is_file():
         pytest.fail(f"no SGLang venv at {VENV}: run `make sglang-venv` (or set SGLANG_VENV)")
-    done = subprocess.run(
-        [
-            sys.executable,
-            "recipes/grpo.py",
-            "+experiment=sglang_cpu_smoke",
-            f"generation.launch.python={VENV / 'bin' / 'python'}",
-            f"+generation.launch.env.PYTHONPATH={KERNEL_STANDIN}",
-            "logger.wandb.mode=disabled",
-            f"run.output_dir={tmp_path}",
-            f"hydra.run.dir={tmp_path}",
-            "logger.progress_bar=false",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+    done = run_recipe(
+        tmp_path,
+        "+experiment=sglang_cpu_smoke",
+        f"generation.launch.python={VENV / 'bin' / 'python'}",
+        f"+generation.launch.env.PYTHONPATH={KERNEL_STANDIN}",
+        "logger.wandb.mode=disabled",
         timeout=1200,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(tmp_path)
     assert [record["step"] for record in records] == [1, 2]
     assert records[0]["parity/passed"] == 1  # the real server's log-probs are the trainer's
     for record in records:
@@ -86,13 +72,12 @@ def _greedy(
         )["input_ids"]
         for question in ("What is 17 + 25?", "What is 6 times 7?", "What is 100 - 58?")
     ]
-    engine = TorchGenerationEngine(
+    engine = TorchGenerationEngine.from_config(
         model,
-        max_batch_size=3,
-        eos_token_ids=model_end_token_ids(folder),
-        prefill_token_budget=512,
-        prefix_cache_tokens=0,
+        TorchGenerationConfig(max_batch_size=3, prefix_cache_tokens=0, decode_path="transformers"),
+        seed=0,
         compute_dtype="float32",
+        eos_token_ids=model_end_token_ids(folder),
     )
     try:
         outputs = engine.generate(

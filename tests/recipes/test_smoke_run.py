@@ -5,39 +5,18 @@ run logs must be documented in docs/metrics.md. Each run takes minutes on two co
 module is `slow` (`python -m pytest -m slow`, which .ci/run runs after `make test`).
 """
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from metric_docs import documented_patterns
+
+from tests.recipes.recipe_runs import read_metrics, run_recipe
+from tests.support.metric_docs import documented_patterns
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def run_recipe(tmp_path: Path, *overrides: str, timeout: int = 300):
-    return subprocess.run(
-        [
-            sys.executable,
-            "recipes/grpo.py",
-            *overrides,
-            f"run.output_dir={tmp_path}",
-            f"hydra.run.dir={tmp_path}",
-            "logger.progress_bar=false",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def read_metrics(tmp_path: Path) -> list[dict]:
-    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
 
 
 @pytest.fixture(scope="module")

@@ -2,17 +2,22 @@
 collection stops making progress ends with a message that names each role's wait, instead of
 idling until the longest deadline. Minutes per case on two cores, so `slow`."""
 
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
 import pytest
-from run_processes import MARKER, marked_processes, wait_for_first_step
+
+from tests.recipes.recipe_runs import (
+    MARKER,
+    marked_processes,
+    read_metrics,
+    recipe_command,
+    wait_for_first_step,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -28,19 +33,15 @@ def test_a_frozen_gym_shard_trips_the_watchdog_naming_what_each_role_waited_on(t
     marker = uuid.uuid4().hex
     env = {**os.environ, MARKER: marker, "PYTHONPATH": str(ROOT)}
     out = tmp_path / "run"
-    command = [
-        sys.executable,
-        "recipes/grpo.py",
+    command = recipe_command(
+        out,
         "+experiment=smoke",
         "grpo.num_steps=50",
         "grpo.val_period=0",
         "grpo.val_at_end=false",
         "checkpoint.every_n_steps=0",
         f"run.progress_timeout_s={PROGRESS_TIMEOUT_S}",
-        f"run.output_dir={out}",
-        f"hydra.run.dir={out}",
-        "logger.progress_bar=false",
-    ]
+    )
     stderr = tmp_path / "stderr.txt"
     with stderr.open("w") as err_file:
         run = subprocess.Popen(
@@ -80,9 +81,8 @@ def test_a_run_longer_than_its_data_goes_on_into_the_next_pass(tmp_path, async_e
     for a collector that was never restarted. Sync and async."""
     started = time.monotonic()
     done = subprocess.run(
-        [
-            sys.executable,
-            "recipes/grpo.py",
+        recipe_command(
+            tmp_path,
             "+experiment=smoke",
             "env.data.num_builtin_rows_per_agent=2",
             "grpo.num_prompts_per_step=4",
@@ -90,10 +90,7 @@ def test_a_run_longer_than_its_data_goes_on_into_the_next_pass(tmp_path, async_e
             "grpo.val_period=0",
             "grpo.val_at_end=false",
             "checkpoint.every_n_steps=0",
-            f"run.output_dir={tmp_path}",
-            f"hydra.run.dir={tmp_path}",
-            "logger.progress_bar=false",
-        ],
+        ),
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,
@@ -103,5 +100,5 @@ def test_a_run_longer_than_its_data_goes_on_into_the_next_pass(tmp_path, async_e
     mode = "async" if async_enabled else "sync"
     print(f"3 passes over 4 rows ({mode}): {time.monotonic() - started:.1f} s")
     assert done.returncode == 0, done.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(tmp_path)
     assert [record["step"] for record in records] == [1, 2, 3]

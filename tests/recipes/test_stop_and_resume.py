@@ -10,16 +10,21 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
 import pytest
-from run_processes import MARKER, logged_steps, marked_processes, wait_for_first_step
 
 from gymrl.generation.server.api_key import API_KEY_ENV
 from gymrl.run.checkpoint import latest_verified_checkpoint, verify_checkpoint
+from tests.recipes.recipe_runs import (
+    MARKER,
+    logged_steps,
+    marked_processes,
+    recipe_command,
+    wait_for_first_step,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -28,16 +33,8 @@ STOP_DEADLINE_S = 240  # stop.deadline_s (120) + a checkpoint + closing every ac
 
 
 def _command(out: Path, *overrides: str) -> list[str]:
-    return [
-        sys.executable,
-        "recipes/grpo.py",
-        "+experiment=smoke",
-        "checkpoint.every_n_steps=0",  # only the stop saves
-        f"run.output_dir={out}",
-        f"hydra.run.dir={out}",
-        "logger.progress_bar=false",
-        *overrides,
-    ]
+    # Only the stop saves a checkpoint.
+    return recipe_command(out, "+experiment=smoke", "checkpoint.every_n_steps=0", *overrides)
 
 
 def test_sigterm_keeps_the_step_in_progress_and_resume_continues(tmp_path):

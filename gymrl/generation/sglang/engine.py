@@ -2,9 +2,9 @@
 
 The servers are `gymrl.generation.sglang.servers`; nothing here imports SGLang (its pinned
 environment is not the recipe's). The client is tested against the real server on a CPU
-(`tests/gymrl/generation/test_sglang_cpu.py`) and, in the default suite, against a stand-in
-(`tests/gymrl/generation/sglang_standin.py`) whose routes and request fields the contract test
-checks against the pinned wheel's own source (`test_sglang_contract.py`). Every answer's
+(`tests/gymrl/generation/sglang/test_real_server.py`) and, in the default suite, against a
+stand-in (`tests/support/sglang_standin/`) whose routes and request fields the contract test
+(`test_contract.py` beside the first) checks against the pinned wheel's own source. Every answer's
 `meta_info.weight_version` must be one the engine's servers hold (the servers start at version
 0, `--weight-version 0`): a server that restarted or missed a refit stops generation.
 

@@ -41,6 +41,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
 
+from gymrl.config.schema.generation import TorchGenerationConfig
 from gymrl.generation.torch.llama_decode import LlamaDecoder, unsupported_reason
 from gymrl.generation.torch.prefix_cache import CachedPrefix, PrefixCache, plan_prefill
 from gymrl.generation.types import (
@@ -412,13 +413,12 @@ class TorchGenerationEngine:
         model: PreTrainedModel,
         *,
         max_batch_size: int,
-        eos_token_ids: Iterable[int] = (),
-        seed: int = 0,
+        eos_token_ids: Iterable[int],
+        seed: int,
         prefill_token_budget: int,
         prefix_cache_tokens: int,
-        weight_version: int = 0,
         compute_dtype: ComputeDtype,
-        decode_path: DecodePath = "transformers",
+        decode_path: DecodePath,
     ) -> None:
         """`eos_token_ids` end every request (on top of each request's own stop tokens); `seed`
         seeds the generator that draws a seed for every request that brings none;
@@ -428,8 +428,9 @@ class TorchGenerationEngine:
         `policy.compute_dtype` (`gymrl.model.precision`: the body under autocast, logits in the
         weights' dtype); `decode_path` is `generation.decode_path`: `fused` decodes through
         `gymrl.generation.torch.llama_decode` (Llama models only; another model is refused), `auto`
-        does where the model allows and says so, `transformers` (this constructor's default, the
-        reference the fused step is tested against) calls the model itself at every step."""
+        does where the model allows and says so, `transformers` (the reference the fused step is
+        tested against) calls the model itself at every step. The weights are version 0 until
+        `update_weights`."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if prefill_token_budget < 1:
@@ -469,7 +470,7 @@ class TorchGenerationEngine:
         parameters = inspect.signature(model.forward).parameters
         self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
         self._seed_source = torch.Generator().manual_seed(seed)
-        self._version = weight_version
+        self._version = 0
         # `_model_lock` guards the model (a decode step, a refit). `_schedule` guards the queue,
         # the count of rows admitted and not yet answered, and the refits waiting for them to
         # drain; it is never held while taking `_model_lock`.
@@ -483,6 +484,30 @@ class TorchGenerationEngine:
         self._loop: threading.Thread | None = None
         self._counters = EngineCounters()  # replaced whole under `_schedule`, read from any thread
         self._timeline: list[EngineStep] | None = None  # recorded only when asked for
+
+    @classmethod
+    def from_config(
+        cls,
+        model: PreTrainedModel,
+        generation: TorchGenerationConfig,
+        *,
+        seed: int,
+        compute_dtype: ComputeDtype,
+        eos_token_ids: Iterable[int] = (),
+    ) -> TorchGenerationEngine:
+        """An engine on `model` with `generation`'s batch size, prefill budget, prefix cache and
+        decode path; `seed` (`run.seed`) and `compute_dtype` (`policy.compute_dtype`) live
+        outside `generation.*`, so the caller hands them over."""
+        return cls(
+            model,
+            max_batch_size=generation.max_batch_size,
+            eos_token_ids=eos_token_ids,
+            seed=seed,
+            prefill_token_budget=generation.prefill_token_budget,
+            prefix_cache_tokens=generation.prefix_cache_tokens,
+            compute_dtype=compute_dtype,
+            decode_path=generation.decode_path,
+        )
 
     def _fused_decoder(self, model: PreTrainedModel, path: DecodePath) -> LlamaDecoder | None:
         """The fused decode step `path` asks for, if any; `fused` refuses a model it cannot

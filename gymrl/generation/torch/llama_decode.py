@@ -28,7 +28,7 @@ matrix products in the compute dtype, the rotary embedding in float32 as under a
 float32 the log-probabilities match the model's own step to 1e-6; in bfloat16 attention sums in
 another order than SDPA's kernel (scores rounded to bfloat16 before the softmax), a difference of
 the size of bfloat16 rounding itself, checked against the parity gate's tolerance on SmolLM2
-(tests/gymrl/generation/test_llama_decode.py). Models this does not cover
+(tests/gymrl/generation/torch/test_llama_decode.py). Models this does not cover
 (`unsupported_reason`) decode through the model itself.
 """
 

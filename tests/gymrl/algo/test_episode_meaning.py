@@ -10,7 +10,6 @@ split episode once per segment are refused with split mode."""
 from __future__ import annotations
 
 import pytest
-from metric_docs import documented_keys
 
 from gymrl.algo.episode_rules import EpisodeRules
 from gymrl.algo.trajectory import Trajectory
@@ -20,6 +19,7 @@ from gymrl.preflight.validate import validate_config
 from nemo_gym_ext.config import NemoGymPostprocessConfig
 from nemo_gym_ext.config_errors import ConfigError
 from nemo_gym_ext.postprocess import postprocess_gym_result
+from tests.support.metric_docs import documented_keys
 
 LIMIT = 16
 ROW = {"id": "r0", "agent_ref": {"type": "responses_api_agents", "name": "calc"}}

@@ -6,11 +6,11 @@ import os
 from pathlib import Path
 
 import ray
-from setup_hook_probe import MARK
 
 from gymrl.cluster.placement import actor_options, plan_placement
 from gymrl.config.compose import compose_raw
 from gymrl.preflight.validate import validate_config
+from tests.gymrl.cluster.setup_hook_probe import MARK
 
 
 class Probe:

@@ -4,7 +4,6 @@ postprocessor, episode rules, replay buffer and rollout producer (no Ray, no ser
 from __future__ import annotations
 
 import pytest
-from metric_docs import documented_patterns
 
 from gymrl.algo.episode_rules import EpisodeRules
 from gymrl.algo.trajectory import Trajectory
@@ -19,6 +18,7 @@ from nemo_gym_ext.config import NemoGymPostprocessConfig
 from nemo_gym_ext.postprocess import postprocess_gym_result
 from nemo_gym_ext.rollout import FailureBudget, GroupOutcome
 from tests.gymrl.experience.test_producer import FakeRunner, _buffer, _grpo, _settled
+from tests.support.metric_docs import documented_patterns
 
 TRUNCATE = NemoGymPostprocessConfig(
     truncate_noncontiguous_episodes=True, on_malformed_result="mask"

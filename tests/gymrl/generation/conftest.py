@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from sglang_standin import make_standin
 
 from nemo_gym_ext.http_server import serve_in_thread
+from tests.support.sglang_standin import make_standin
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ issue 22's response lengths and clipped shares; and the engine's figures over a 
 import math
 
 import torch
-from metric_docs import documented_patterns
 
 from gymrl.algo.loss import grpo_loss
 from gymrl.algo.trajectory import Trajectory
@@ -17,6 +16,7 @@ from gymrl.generation.server.divergence_watch import DivergenceCounts
 from gymrl.generation.server.sampling_rules import SamplingCounts
 from gymrl.generation.torch.engine import EngineCounters
 from gymrl.recipes.step_metrics import EngineSnapshot, engine_metrics, step_metrics
+from tests.support.metric_docs import documented_patterns
 
 
 def _group(agent: str, rewards: list[float], failed: int) -> RolloutGroup:

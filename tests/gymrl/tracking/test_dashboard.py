@@ -4,10 +4,10 @@ import json
 import re
 
 import pytest
-from metric_docs import documented_keys, documented_patterns
 
 from gymrl.tracking.dashboard import SECTIONS, build_workspace
 from gymrl.tracking.metrics_logger import STEP_KEY
+from tests.support.metric_docs import documented_keys, documented_patterns
 
 # Concrete stand-ins for the placeholders. `<field>` stands for each field some row spells out
 # (`train/<agent>/reward/<red>` -> reward), so a panel pattern naming a field that no row names

@@ -26,7 +26,7 @@ def megatron_runtime():
             "megatron-core / megatron-bridge are not installed: `make megatron-venv`, then "
             ".venv-megatron/bin/python -m pytest -m megatron"
         )
-    import megatron_on_cpu
+    from tests.support.megatron_cpu_shim import megatron_on_cpu
 
     megatron_on_cpu.prepare_process()
     yield "cuda" if torch.cuda.is_available() else "cpu"

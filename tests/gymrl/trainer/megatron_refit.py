@@ -21,7 +21,7 @@ from gymrl.algo.trajectory import Trajectory
 from gymrl.generation.sglang.engine import SGLangEngine
 from gymrl.generation.types import GenerationRequest, SamplingParams
 from gymrl.model.tokens import model_end_token_ids
-from tests.gymrl.generation.real_sglang import cpu_generation
+from tests.support.real_sglang import cpu_generation
 
 GREEDY_TOKENS = 12
 TIMEOUT_S = 120.0
@@ -46,11 +46,10 @@ def _refit(trainer: Any, engine: SGLangEngine, url: str, version: int) -> tuple[
 
 def refit_run(rank: int, folder: str, url: str, prompt: list[int], port: int, out: str) -> None:
     """Rank 0 of the trainer (a `multiprocessing` spawn target); saves what it saw to `out`."""
-    import megatron_on_cpu
-    from megatron_setup import tiny_config
-
     from gymrl.trainer.megatron.distributed import distributed_env
     from gymrl.trainer.megatron.worker import MegatronPolicyTrainer
+    from tests.gymrl.trainer.megatron_setup import tiny_config
+    from tests.support.megatron_cpu_shim import megatron_on_cpu
 
     megatron_on_cpu.prepare_process()
     torch.set_num_threads(1)

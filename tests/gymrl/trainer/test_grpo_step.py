@@ -5,12 +5,12 @@ import math
 
 import pytest
 import torch
-from fixed_trajectories import fixed_trajectory
 
 from gymrl.algo.loss import grpo_loss
 from gymrl.algo.trajectory import Trajectory, collate
 from gymrl.config.schema.loss import LossConfig, OffPolicyCorrectionConfig
 from gymrl.trainer.grpo_step import loss_normalizer, micro_batch_loss, reduce_loss_metrics
+from tests.gymrl.trainer.fixed_trajectories import fixed_trajectory
 
 
 def test_loss_normalizer_counts_tokens_or_sequences():

@@ -14,7 +14,7 @@ import copy
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from gymrl.algo.advantages import grpo_advantages
 from gymrl.algo.episode_rules import EpisodeRules
@@ -22,6 +22,7 @@ from gymrl.algo.loss import finish_agent_statistics
 from gymrl.algo.trajectory import Trajectory
 from gymrl.config.schema.loss import EpisodeRulesConfig, LossConfig, OffPolicyCorrectionConfig
 from gymrl.config.schema.trainer import TorchOptimizerConfig, TorchTrainerConfig
+from gymrl.model.loading import build_tiny_llama
 from gymrl.model.precision import ComputeDtype
 from gymrl.trainer.torch_trainer import TorchPolicyTrainer
 
@@ -31,19 +32,16 @@ GROUPS, GROUP_SIZE, STEPS = 4, 8, 8
 
 
 def _toy_policy() -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=16,
+    return build_tiny_llama(
+        16,
         hidden_size=32,
+        num_layers=1,
+        num_heads=2,
         intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
+        seed=0,
         max_position_embeddings=16,
         pad_token_id=0,
-        tie_word_embeddings=True,
     )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config)
 
 
 def _next_token_logprobs(model: LlamaForCausalLM) -> torch.Tensor:

@@ -12,8 +12,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-from fixed_trajectories import fixed_trajectory
-from megatron_setup import DEVICE, megatron_batch, tensor_parallel_run, tiny_config
 
 from gymrl.config.schema.grpo import ParityGateConfig
 from gymrl.trainer.megatron.arguments import (
@@ -26,6 +24,13 @@ from gymrl.trainer.megatron.arguments import (
 from gymrl.trainer.megatron.distributed import distributed_env
 from gymrl.trainer.megatron.worker import MegatronPolicyTrainer
 from gymrl.trainer.parity_gate import ParityCheck, ParityGateError
+from tests.gymrl.trainer.fixed_trajectories import fixed_trajectory
+from tests.gymrl.trainer.megatron_setup import (
+    DEVICE,
+    megatron_batch,
+    tensor_parallel_run,
+    tiny_config,
+)
 
 pytestmark = pytest.mark.megatron
 
@@ -290,10 +295,12 @@ def test_megatron_trainer_group_on_ray_with_two_ranks(tp1_run, tiny_llama):
     ranks = plan_placement(config).trainer
     assert len(ranks.bundle_of_actor) == 2
     # Every actor prepares its process as this one did (megatron_on_cpu.prepare_process).
-    path = [os.path.dirname(__file__), os.getcwd(), os.environ.get("PYTHONPATH", "")]
+    path = [os.getcwd(), os.environ.get("PYTHONPATH", "")]
     runtime_env = {
         "env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, path))},
-        "worker_process_setup_hook": "megatron_on_cpu.prepare_process",
+        "worker_process_setup_hook": (
+            "tests.support.megatron_cpu_shim.megatron_on_cpu.prepare_process"
+        ),
     }
     ray.init(num_gpus=2, num_cpus=4, include_dashboard=False, runtime_env=runtime_env)
     try:

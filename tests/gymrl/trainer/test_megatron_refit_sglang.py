@@ -11,10 +11,10 @@ from __future__ import annotations
 import multiprocessing
 
 import pytest
-from megatron_refit import refit_run
 
 from nemo_gym_ext.ports import free_port
-from tests.gymrl.generation.real_sglang import VENV, start_cpu_server
+from tests.gymrl.trainer.megatron_refit import refit_run
+from tests.support.real_sglang import VENV, start_cpu_server
 
 pytestmark = pytest.mark.megatron
 

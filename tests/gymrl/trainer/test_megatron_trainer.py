@@ -7,7 +7,6 @@ import random
 
 import pytest
 import torch
-from fixed_trajectories import fixed_trajectory
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -37,6 +36,7 @@ from gymrl.trainer.megatron.batches import (
 )
 from gymrl.trainer.megatron.distributed import distributed_env
 from gymrl.trainer.megatron.worker import MegatronPolicyTrainer
+from tests.gymrl.trainer.fixed_trajectories import fixed_trajectory
 
 
 def _replace(config, **sections):

@@ -9,11 +9,12 @@ import dataclasses
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from gymrl.algo.trajectory import Trajectory, collate
 from gymrl.config.schema.loss import LossConfig
 from gymrl.config.schema.trainer import TorchOptimizerConfig, TorchTrainerConfig
+from gymrl.model.loading import build_tiny_llama
 from gymrl.trainer.prefix_packing import PrefixTree, pack_prefix_tree
 from gymrl.trainer.torch_trainer import TorchPolicyTrainer
 
@@ -23,21 +24,18 @@ SYSTEM = list(range(3, 13))
 def _model(attn_implementation: str = "sdpa") -> LlamaForCausalLM:
     # Large initial weights: attention is far from uniform and rotary positions matter, so a
     # wrong mask or position moves the log-probabilities well past the tolerances below.
-    config = LlamaConfig(
-        vocab_size=64,
+    model = build_tiny_llama(
+        64,
         hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
         intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        seed=0,
         max_position_embeddings=64,
         initializer_range=0.3,
         pad_token_id=0,
-        tie_word_embeddings=True,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(config)
     model.set_attn_implementation(attn_implementation)
     return model
 

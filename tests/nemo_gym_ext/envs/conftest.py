@@ -10,10 +10,16 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from scripted_policy_server import API_KEY, PolicyServer, Script, ScriptedPolicy, run_row
 
 from nemo_gym_ext.envs.registry import BuiltinEnvironment, start_builtin_environment
 from nemo_gym_ext.http_server import serve_in_thread
+from tests.nemo_gym_ext.envs.scripted_policy_server import (
+    API_KEY,
+    PolicyServer,
+    Script,
+    ScriptedPolicy,
+    run_row,
+)
 
 
 @pytest.fixture(scope="session")

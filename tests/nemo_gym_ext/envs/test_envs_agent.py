@@ -1,12 +1,20 @@
 """The shared agent loop against a scripted policy server, over real HTTP on loopback."""
 
 import pytest
-from scripted_policy_server import API_KEY, LOGPROB, Reply, call, run_row, scripted, text
 
 from nemo_gym_ext.config import NemoGymPostprocessConfig
 from nemo_gym_ext.envs.registry import make_rows
 from nemo_gym_ext.postprocess import postprocess_gym_result
 from nemo_gym_ext.wire import TOKEN_FIELDS, items_to_chat_messages
+from tests.nemo_gym_ext.envs.scripted_policy_server import (
+    API_KEY,
+    LOGPROB,
+    Reply,
+    call,
+    run_row,
+    scripted,
+    text,
+)
 
 
 def calculator_row(**create_params) -> dict:

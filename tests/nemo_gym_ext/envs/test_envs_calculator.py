@@ -2,7 +2,6 @@
 
 import httpx
 import pytest
-from scripted_policy_server import call, scripted, text
 
 from nemo_gym_ext.envs.calculator import CALCULATOR
 from nemo_gym_ext.envs.registry import make_rows
@@ -10,6 +9,7 @@ from nemo_gym_ext.envs.resources import make_resources_app
 from nemo_gym_ext.envs.tools import evaluate_expression
 from nemo_gym_ext.http_server import serve_in_thread
 from nemo_gym_ext.wire import Row
+from tests.nemo_gym_ext.envs.scripted_policy_server import call, scripted, text
 
 
 def row_with_answer(expected_answer: str) -> dict:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from hostile_json import JSON_VALUES, PATHOLOGICAL_BODIES, encode
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -19,6 +18,7 @@ from nemo_gym_ext.envs.agent import AgentOptions, ToolAgent, make_agent_app
 from nemo_gym_ext.envs.registry import ENVIRONMENTS, make_rows
 from nemo_gym_ext.envs.resources import make_resources_app
 from nemo_gym_ext.http_server import serve_in_thread
+from tests.support.hostile_json import JSON_VALUES, PATHOLOGICAL_BODIES, encode
 
 FUZZ = settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]

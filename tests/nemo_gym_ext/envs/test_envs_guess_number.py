@@ -3,10 +3,9 @@
 import json
 import re
 
-from scripted_policy_server import Reply, call, scripted, text
-
 from nemo_gym_ext.envs.registry import make_rows
 from nemo_gym_ext.wire import Row
+from tests.nemo_gym_ext.envs.scripted_policy_server import Reply, call, scripted, text
 
 
 def guess_row(secret: int, low: int = 1, high: int = 8) -> dict:

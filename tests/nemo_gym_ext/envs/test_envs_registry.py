@@ -3,10 +3,16 @@
 import httpx
 import pytest
 from pydantic import ValidationError
-from scripted_policy_server import API_KEY, ScriptedPolicy, run_row, scripted, text
 
 from nemo_gym_ext.envs.agent import AgentOptions
 from nemo_gym_ext.envs.registry import ENVIRONMENTS, make_rows, start_builtin_environment
+from tests.nemo_gym_ext.envs.scripted_policy_server import (
+    API_KEY,
+    ScriptedPolicy,
+    run_row,
+    scripted,
+    text,
+)
 
 
 def test_both_environments_are_registered_with_distinct_tools():
