@@ -17,15 +17,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
+
+from bench_roles import start_benchmark_generation
 
 from gymrl.cluster.ray_calls import wait_for
 from gymrl.cluster.session import ClusterSession
 from gymrl.config.compose import compose_raw
-from gymrl.generation.server.api_key import resolve_api_key
 from gymrl.model.policy import build_policy
 from gymrl.preflight.validate import validate_config
-from gymrl.roles.generation_server import start_generation_server
 from gymrl.roles.trainer import start_trainer
 
 
@@ -40,17 +39,8 @@ def main() -> None:
         parser.error("the object-store refit is the torch engine's: run with generation=torch")
     with ClusterSession() as cluster:
         cluster.start(config)
-        output_dir = Path("outputs/bench_object_store_refit").resolve()
-        output_dir.mkdir(parents=True, exist_ok=True)
-        generation = start_generation_server(
-            config,
-            output_dir=output_dir,
-            torch_threads=args.threads,
-            placement=cluster.placement,
-            group=cluster.group,
-            api_key=resolve_api_key(None),
-            on_cleanup=cluster.on_cleanup,
-            episode_deadline_s=config.env.rollout.run_timeout_s,
+        output_dir, generation = start_benchmark_generation(
+            config, cluster, name="bench_object_store_refit", threads=args.threads
         )
         trainer = start_trainer(
             config,

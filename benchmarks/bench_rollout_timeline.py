@@ -23,17 +23,16 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from bench_roles import start_benchmark_generation
 from matplotlib.ticker import MaxNLocator
 
 from gymrl.cluster.ray_calls import wait_for
 from gymrl.cluster.session import ClusterSession
 from gymrl.config.compose import compose_raw
 from gymrl.experience.rows import RowStream, load_rows
-from gymrl.generation.server.api_key import resolve_api_key
 from gymrl.generation.torch.engine import EngineCounters, EngineStep
 from gymrl.model.policy import model_folder
 from gymrl.preflight.validate import validate_config
-from gymrl.roles.generation_server import start_generation_server
 from gymrl.roles.gym_shard import RayGroupRunner, start_gym_shards
 from nemo_gym_ext.wire import agent_name_of
 
@@ -50,17 +49,8 @@ def main() -> None:
         parser.error("the engine timeline is the torch engine's: run with generation=torch")
     with ClusterSession() as cluster:
         cluster.start(config)
-        output_dir = Path("outputs/bench_rollout_timeline").resolve()
-        output_dir.mkdir(parents=True, exist_ok=True)
-        generation = start_generation_server(
-            config,
-            output_dir=output_dir,
-            torch_threads=args.threads,
-            placement=cluster.placement,
-            group=cluster.group,
-            api_key=resolve_api_key(None),
-            on_cleanup=cluster.on_cleanup,
-            episode_deadline_s=config.env.rollout.run_timeout_s,
+        output_dir, generation = start_benchmark_generation(
+            config, cluster, name="bench_rollout_timeline", threads=args.threads
         )
         shards = start_gym_shards(
             config,
