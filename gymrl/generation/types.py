@@ -64,6 +64,16 @@ class EngineUnavailableError(RuntimeError):
     503, which clients may retry."""
 
 
+class UnsupportedRequestError(ValueError):
+    """A request the engine cannot honour as asked (`param` names the request field): the
+    policy server answers 400 naming it, which clients do not retry, instead of a 500 that an
+    agent retries and charges to the rollout failure budget."""
+
+    def __init__(self, message: str, *, param: str):
+        super().__init__(message)
+        self.param = param
+
+
 class EngineFailedError(RuntimeError):
     """The engine stopped for good because one of its own steps failed (the cause is chained):
     every request after it fails the same way, so the policy server answers 500 and `GET

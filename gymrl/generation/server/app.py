@@ -62,6 +62,7 @@ from gymrl.generation.types import (
     GenerationRequest,
     RequestScheduler,
     SamplingParams,
+    UnsupportedRequestError,
 )
 from nemo_gym_ext.http_server import describe_validation_errors
 from nemo_gym_ext.json_body import read_json_body
@@ -298,13 +299,16 @@ def engine_error(error: Exception) -> ApiError:
     """The answer to a generation that raised `error`: a timeout is a 504; an engine that cannot
     take requests now a 503 (clients retry after Retry-After); an engine stopped for good a 500
     without Retry-After (every retry would fail alike, `GET /health` names it); anything else a
-    500 naming the exception."""
+    500 naming the exception; a request the engine cannot honour (a seed SGLang would ignore) a
+    400 naming the field, which clients do not retry."""
     if isinstance(error, GenerationTimeoutError):
         return ApiError(504, str(error), error_type="timeout_error")
     if isinstance(error, EngineUnavailableError):
         return ApiError(503, str(error), error_type="service_unavailable_error")
     if isinstance(error, EngineFailedError):
         return ApiError(500, str(error), error_type="server_error")
+    if isinstance(error, UnsupportedRequestError):
+        return ApiError(400, str(error), error_type="invalid_request_error", param=error.param)
     return ApiError(
         500, f"engine.generate failed: {type(error).__name__}: {error}", error_type="server_error"
     )

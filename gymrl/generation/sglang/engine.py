@@ -87,6 +87,7 @@ from gymrl.generation.types import (
     FinishReason,
     GenerationOutput,
     GenerationRequest,
+    UnsupportedRequestError,
 )
 from gymrl.run.atomic import atomic_folder
 from nemo_gym_ext.keep_alive import CLIENT_KEEPALIVE_EXPIRY_S
@@ -398,10 +399,11 @@ class SGLangEngine:
     def _validate(self, index: int, request: GenerationRequest) -> None:
         _check_request(index, request)
         if request.params.seed is not None and not self._honours_seeds:
-            raise ValueError(
-                f"requests[{index}].params.seed={request.params.seed}: the SGLang servers ignore "
-                "a request's seed unless started with --enable-deterministic-inference; set "
-                "generation.launch.deterministic_inference=true, or send no seed"
+            raise UnsupportedRequestError(
+                f"seed={request.params.seed}: the SGLang servers ignore a request's seed unless "
+                "started with --enable-deterministic-inference; send no seed, or set "
+                "generation.launch.deterministic_inference=true on the server",
+                param="seed",
             )
 
     def _acquire(self, prompt: Sequence[int]) -> int:

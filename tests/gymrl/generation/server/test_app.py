@@ -448,6 +448,25 @@ def test_sglang_requests_are_not_held_back_by_a_long_generation(chat_format):
     assert [len(body["input_ids"]) > 0 for kind, body in state.events] == [True, True]
 
 
+def test_a_seed_sglang_would_ignore_is_a_400_naming_seed_not_a_500(chat_format):
+    """SGLang without deterministic inference ignores a request's seed: the policy server says
+    so with a 400 naming `seed` (clients do not retry it), not a 500 an agent retries and
+    charges to the failure budget; without a seed the same server answers."""
+    app, state = make_standin(context_length=4096)
+    with (
+        serve_in_thread(app) as sglang,
+        SGLangEngine([sglang.url], request_timeout_s=20.0, refit_timeout_s=20.0) as engine,
+        served(engine, chat_format) as client,
+    ):
+        seeded = completion(client, USER_ONLY, max_tokens=3, seed=7)
+        plain = completion(client, USER_ONLY, max_tokens=3)
+    assert seeded.status_code == 400, seeded.text
+    assert seeded.json()["error"]["param"] == "seed"
+    assert "deterministic_inference=true" in error_message(seeded)
+    assert plain.status_code == 200, plain.text
+    assert len(state.events) == 1  # the seeded request never reached the server
+
+
 def test_bodies_are_parsed_in_one_pass_and_refusals_name_the_field(tokenizer, chat_format):
     """Lone surrogates and broken JSON are refused by pydantic-core's parser, naming the field;
     a body past `OFF_LOOP_BODY_BYTES` (parsed on a worker thread) is answered like any other."""

@@ -29,6 +29,7 @@ from gymrl.generation.types import (
     EngineUnavailableError,
     GenerationOutput,
     GenerationRequest,
+    UnsupportedRequestError,
 )
 
 MODEL = "smollm2-policy"
@@ -140,6 +141,12 @@ def test_engine_exceptions_map_to_statuses(exception, status, error_type, messag
         message,
         None,
     )
+
+
+def test_a_request_the_engine_cannot_honour_is_a_400_naming_the_field():
+    error = engine_error(UnsupportedRequestError("seed=3: ignored here", param="seed"))
+    assert (error.status, error.error_type, error.param) == (400, "invalid_request_error", "seed")
+    assert error.message == "seed=3: ignored here"
 
 
 def test_generate_maps_a_refused_submit_and_a_deadline_and_cancels_the_late_generation(

@@ -32,7 +32,7 @@ from gymrl.generation.sglang.servers import (
     server_command,
     server_environment,
 )
-from gymrl.generation.types import GenerationRequest, SamplingParams
+from gymrl.generation.types import GenerationRequest, SamplingParams, UnsupportedRequestError
 from nemo_gym_ext.http_server import serve_in_thread
 from nemo_gym_ext.ports import free_port
 from tests.support.sglang_standin import WEIGHT_OFFSET, make_standin
@@ -447,8 +447,9 @@ def test_sampling_seeds_need_deterministic_inference(standin):
     assert "--enable-deterministic-inference" in command
     url, state = standin()
     with SGLangEngine.from_config(SGLangGenerationConfig(), [url]) as engine:
-        with pytest.raises(ValueError, match=r"deterministic_inference=true, or send no seed"):
+        with pytest.raises(UnsupportedRequestError, match=r"deterministic_inference=true") as no:
             engine.generate([_request([1, 2], seed=3)])
+        assert no.value.param == "seed"
         assert state.events == []
     with SGLangEngine.from_config(deterministic, [url]) as engine:
         engine.generate([_request([1, 2], seed=3)])
