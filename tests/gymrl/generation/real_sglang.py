@@ -3,7 +3,8 @@
 
 The server runs from the venv `make sglang-venv` builds (`SGLANG_VENV`, default `.venv-sglang`)
 with the CPU `generation.launch` below, and with the test-only `sgl_kernel` stand-in
-(`sgl_kernel_cpu_standin/`) on its PYTHONPATH.
+(`sgl_kernel_cpu_standin/`, with the MoE path's CPU stand-ins `sglang_moe_on_cpu.py`) on its
+PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -60,17 +61,28 @@ def kernel_standin_on_path() -> Iterator[None]:
 
 
 def start_cpu_server(
-    folder: Path, log_path: Path, *, context_length: int, cpu_threads: int = 1
+    folder: Path,
+    log_path: Path,
+    *,
+    context_length: int,
+    cpu_threads: int = 1,
+    routed_experts: bool = False,
+    **generation_overrides: Any,
 ) -> SGLangServerProcess:
-    """A healthy real server of the model in `folder` on a free loopback port; stop it."""
+    """A healthy real server of the model in `folder` on a free loopback port; stop it.
+    `routed_experts`: launched for router replay (each answer can carry each token's experts);
+    `generation_overrides`: fields of :func:`cpu_generation`'s config (e.g. tensor and expert
+    parallelism)."""
     if not (VENV / "bin" / "python").is_file():
         raise FileNotFoundError(f"no SGLang venv at {VENV}: run `make sglang-venv`")
-    generation = cpu_generation(cpu_threads)
+    generation = cpu_generation(cpu_threads, **generation_overrides)
     policy = PolicyConfig(
-        name="smollm2",
+        name=folder.name,
         source="pretrained",
         path=str(folder),
         max_total_sequence_length=context_length,
+        is_moe=routed_experts,
+        router_replay={"enabled": routed_experts},
     )
     port = free_port()
     command = server_command(
@@ -82,6 +94,7 @@ def start_cpu_server(
             base_url=f"http://127.0.0.1:{port}",
             log_path=log_path,
             launch=generation.launch,
+            tensor_parallel_size=generation.tensor_parallel_size,
         )
     server.start()
     try:
