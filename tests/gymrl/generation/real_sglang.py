@@ -23,6 +23,8 @@ from nemo_gym_ext.ports import free_port
 REPO = Path(__file__).resolve().parents[3]
 VENV = Path(os.environ.get("SGLANG_VENV", REPO / ".venv-sglang"))
 KERNEL_STANDIN = Path(__file__).with_name("sgl_kernel_cpu_standin")
+# Switches on the stand-in's weight compare where the weights are (`sglang_moe_on_cpu.py`).
+CPU_WEIGHT_COMPARE_ENV = "GYMRL_CPU_WEIGHT_COMPARE"
 
 
 def cpu_generation(cpu_threads: int = 1, **overrides: Any) -> SGLangGenerationConfig:
@@ -67,15 +69,20 @@ def start_cpu_server(
     context_length: int,
     cpu_threads: int = 1,
     routed_experts: bool = False,
+    weight_compare: bool = False,
     **generation_overrides: Any,
 ) -> SGLangServerProcess:
     """A healthy real server of the model in `folder` on a free loopback port; stop it.
     `routed_experts`: launched for router replay (each answer can carry each token's experts);
-    `generation_overrides`: fields of :func:`cpu_generation`'s config (e.g. tensor and expert
-    parallelism)."""
+    `weight_compare`: the weight checker's compare runs on this CPU (the stand-in's); else it
+    cannot, as in SGLang 0.5.23; `generation_overrides`: fields of :func:`cpu_generation`'s
+    config (e.g. tensor and expert parallelism)."""
     if not (VENV / "bin" / "python").is_file():
         raise FileNotFoundError(f"no SGLang venv at {VENV}: run `make sglang-venv`")
     generation = cpu_generation(cpu_threads, **generation_overrides)
+    if weight_compare:
+        launch = generation.launch.model_copy(update={"env": {CPU_WEIGHT_COMPARE_ENV: "1"}})
+        generation = generation.model_copy(update={"launch": launch})
     policy = PolicyConfig(
         name=folder.name,
         source="pretrained",

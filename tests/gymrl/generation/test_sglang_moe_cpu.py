@@ -12,6 +12,7 @@ server (two ranks, about 90 s to start on two busy cores) is also `slow`.
 from __future__ import annotations
 
 import base64
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,9 +22,12 @@ import numpy as np
 import pytest
 import torch
 from real_sglang import start_cpu_server
+from safetensors.torch import load_file, save_file
 
 from gymrl.config.schema.policy import TinyMoeConfig
 from gymrl.generation.sglang.engine import SGLangEngine
+from gymrl.generation.sglang.refit_checks.read_back import WeightMismatchError
+from gymrl.generation.sglang.refit_checks.weights_checker import WeightsChecker
 from gymrl.generation.sglang.servers import SGLangServerProcess
 from gymrl.generation.types import GenerationRequest, SamplingParams
 from gymrl.model.loading import load_pretrained
@@ -47,18 +51,18 @@ def reference(tiny_moe_dir):
     return load_pretrained(tiny_moe_dir, torch.float32).eval()
 
 
-def _start(folder: Path, log: Path, **generation) -> SGLangServerProcess:
+def _start(folder: Path, log: Path, **options) -> SGLangServerProcess:
     start = time.monotonic()
-    server = start_cpu_server(
-        folder, log, context_length=CONTEXT, routed_experts=True, **generation
-    )
-    print(f"\nSGLang {generation or 'tp 1'} healthy in {time.monotonic() - start:.1f} s")
+    server = start_cpu_server(folder, log, context_length=CONTEXT, routed_experts=True, **options)
+    print(f"\nSGLang {options} healthy in {time.monotonic() - start:.1f} s")
     return server
 
 
 @pytest.fixture(scope="module")
 def moe_server(tiny_moe_dir, tmp_path_factory) -> Iterator[SGLangServerProcess]:
-    server = _start(tiny_moe_dir, tmp_path_factory.mktemp("sglang_moe") / "server.log")
+    """Launched for router replay, with the weight check's compare on this CPU."""
+    log = tmp_path_factory.mktemp("sglang_moe") / "server.log"
+    server = _start(tiny_moe_dir, log, weight_compare=True)
     try:
         yield server
     finally:
@@ -202,3 +206,45 @@ def test_expert_parallel_2_serves_what_one_rank_serves(
             rtol=0,
             atol=LOGPROB_TOLERANCE,
         )
+
+
+def test_the_weight_check_finds_an_expert_a_refit_did_not_write(
+    moe_server, tiny_moe_dir, prompt, tmp_path
+):
+    """The check the MoE refit from Megatron runs with (`generation.refit.verify_weights`,
+    `weights_checker`), with its compare on this CPU: a refit of the server's own weights that
+    lacks one expert's tensor leaves that expert random, and the compare stops the refit naming
+    the experts' tensor of its layer. A complete refit then puts every weight back (this test
+    runs last: it changes the server's weight version)."""
+    missing = "model.layers.1.mlp.experts.5.up_proj.weight"
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    for name in ("config.json", "generation_config.json"):
+        shutil.copy(tiny_moe_dir / name, partial / name)
+    weights = load_file(str(tiny_moe_dir / "model.safetensors"))
+    del weights[missing]
+    save_file(weights, str(partial / "model.safetensors"))
+    url = moe_server.base_url
+
+    def engine(version: int, checker: WeightsChecker | None = None) -> SGLangEngine:
+        return SGLangEngine(
+            [url],
+            request_timeout_s=120.0,
+            refit_timeout_s=120.0,
+            weight_version=version,
+            weights_checker=checker,
+        )
+
+    request = GenerationRequest(prompt, SamplingParams(max_new_tokens=8, temperature=0.0))
+    with engine(0) as plain:
+        [before] = plain.generate([request])
+    checked = engine(0, WeightsChecker(every=0, timeout_s=120.0))
+    with checked, pytest.raises(WeightMismatchError) as mismatch:
+        checked.refit_from_disk(partial, 0)  # the version it holds: snapshot, randomise, compare
+    message = str(mismatch.value)
+    assert "check tensor equality failed" in message, message
+    assert "model.layers.1.mlp.experts.w13_weight" in message, message
+    with engine(0) as restoring:
+        restoring.refit_from_disk(tiny_moe_dir, 1)
+        [after] = restoring.generate([request])
+    assert after.token_ids == before.token_ids and after.weight_version == 1
