@@ -153,10 +153,10 @@ def build_tiny_llama(
 
 
 def build_tiny_qwen3_moe(
-    tokenizer: PreTrainedTokenizerBase, tiny: TinyMoeConfig, dtype: torch.dtype = torch.float32
+    tokenizer: PreTrainedTokenizerBase, tiny: TinyMoeConfig
 ) -> Qwen3MoeForCausalLM:
     """A randomly initialised Qwen3-MoE sharing `tokenizer`'s vocabulary, every layer an MoE
-    layer, weights from `tiny.seed`.
+    layer, weights from `tiny.seed`, in float32 (the folder's dtype; loaders convert).
 
     The routers are redrawn with `tiny.router_std` (see the field) after transformers'
     initialisation; `norm_topk_prob` renormalises the chosen experts' weights, as Qwen3-30B-A3B
@@ -190,5 +190,4 @@ def build_tiny_qwen3_moe(
             for name, weight in model.named_parameters():
                 if name.endswith(".mlp.gate.weight"):  # each layer's router
                     weight.normal_(0.0, tiny.router_std)
-    model.to(dtype)  # pyright: ignore[reportArgumentType]  (see build_tiny_llama)
     return model
