@@ -6,7 +6,7 @@ router replay (`--enable-return-routed-experts`), with the MoE path's CPU stand-
 (`sgl_kernel_cpu_standin/sglang_moe_on_cpu.py`) on its PYTHONPATH. On a CPU without AMX SGLang
 routes with `fused_topk_torch_native` (softmax in float32, top-k, renormalised) and runs the
 experts with `moe_forward_native`, plain torch both. Marker `sglang_cpu`; the expert-parallel
-server (two ranks, about 90 s to start on two busy cores) is also `slow`.
+server (two ranks, 60-130 s to start on two busy cores) is also `slow`.
 """
 
 from __future__ import annotations
