@@ -58,7 +58,8 @@ def expert_parallel_run(
 ) -> None:
     """One rank of a run at EP `ep`: the log-probabilities of the fixed batch (every rank's rows),
     the export before any step, one train step, the weights after it; with `checkpoints`, also
-    a save and resume (save, step, step again, load, step). Rank 0 saves it all to `out`."""
+    the Hugging Face checkpoint of those weights and a save and resume (save, step, step again,
+    load, step). Rank 0 saves it all to `out`."""
     from megatron_setup import megatron_batch
 
     trainer = _start_rank(rank, world_size, port, ep=ep, temperature=0.8)
@@ -82,6 +83,8 @@ def expert_parallel_run(
     seen["step_seconds"] = time.perf_counter() - start
     seen["weights"] = trainer.export_weights()
     if checkpoints is not None:
+        # What a disk refit (`generation.refit.transport: disk`) loads into SGLang.
+        seen["hf_checkpoint"] = trainer.export_hf_checkpoint(Path(checkpoints).parent / "hf")
         saved_at = trainer.weight_version
         checkpoint = trainer.save_checkpoint(checkpoints, 1, {"position": 7})
         seen["saved"] = trainer.export_weights()

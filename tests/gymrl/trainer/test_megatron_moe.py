@@ -137,6 +137,19 @@ def test_the_export_holds_every_expert_under_its_hugging_face_name(ep2_run, tiny
         assert torch.equal(exported[name].cpu(), tensor), name
 
 
+def test_the_hugging_face_checkpoint_at_ep_2_reloads_in_transformers(ep2_run):
+    """`export_hf_checkpoint` at EP 2 (the disk refit's export): transformers reloads it as the
+    tiny Qwen3-MoE, every tensor bit-equal to the trained weights."""
+    from gymrl.model.loading import load_pretrained
+
+    reloaded = load_pretrained(ep2_run["hf_checkpoint"], torch.float32)
+    assert type(reloaded).__name__ == "Qwen3MoeForCausalLM" and reloaded.config.num_experts == 8
+    written = load_file(str(Path(ep2_run["hf_checkpoint"]) / "model.safetensors"))
+    assert sorted(written) == sorted(ep2_run["weights"])
+    for name, tensor in ep2_run["weights"].items():
+        assert torch.equal(written[name], tensor), name
+
+
 def test_expert_parallel_2_resumes_from_its_distributed_checkpoint(ep2_run):
     """Save at EP 2, step (the uninterrupted run), step again, load, step: the resumed step gives
     the uninterrupted one's metrics and weights, bit for bit on the CPU; each rank wrote its own
