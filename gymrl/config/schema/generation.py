@@ -251,7 +251,10 @@ class SGLangLaunchConfig(Strict):
         default=None,
         gt=0,
         description="device=cpu: OMP_NUM_THREADS of the server's processes. null = inherited "
-        "from the starting process (torch's default: every core).",
+        "from the starting process (torch's default: every core). At tensor_parallel_size > 1 "
+        "each rank is also bound to a block of this many cores, rank r to the r-th "
+        "(SGLANG_CPU_OMP_THREADS_BIND; null leaves SGLang's binding of one NUMA node per rank, "
+        "which refuses more ranks than nodes).",
     )
     attention_backend: str | None = Field(
         default=None,
@@ -280,8 +283,8 @@ class SGLangLaunchConfig(Strict):
     )
     env: dict[str, str] = Field(
         default_factory=dict,
-        description="Extra environment variables of each server process (e.g. "
-        "SGLANG_CPU_OMP_THREADS_BIND, or a PYTHONPATH holding a CPU build of sgl_kernel).",
+        description="Extra environment variables of each server process, set last (e.g. a "
+        "PYTHONPATH holding a CPU build of sgl_kernel, or another SGLANG_CPU_OMP_THREADS_BIND).",
     )
     deterministic_inference: bool = Field(
         default=False,

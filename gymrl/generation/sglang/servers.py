@@ -12,7 +12,8 @@ reported log-probabilities to the pre-temperature distribution; see `sglang_engi
 weight-sync NCCL settings the trainer's rank 0 also runs with
 (`gymrl.generation.sglang.weight_sync.WEIGHT_SYNC_NCCL_ENV`). On a CPU (`generation.launch.device:
 cpu`) it also gets `SGLANG_USE_CPU_ENGINE=1`, which SGLang needs to choose its CPU platform, and
-`OMP_NUM_THREADS` from `launch.cpu_threads`; `launch.env` is added last.
+`OMP_NUM_THREADS` from `launch.cpu_threads`, and at tensor parallelism above 1 what SGLang's CPU
+ranks need (:func:`cpu_rank_environment`); `launch.env` is added last.
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ from nemo_gym_ext.processes import ChildProcess
 
 ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
 CPU_ENGINE_ENV = "SGLANG_USE_CPU_ENGINE"
+CPU_THREADS_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
+NCCL_LIBRARY_ENV = "SGLANG_NCCL_SO_PATH"
+# A path no library is at: SGLang then finds no NCCL and keeps its CPU ranks' groups on gloo.
+NO_NCCL_LIBRARY = "/nonexistent/libnccl.so.2"
 HEALTH_POLL_INTERVAL_S = 2.0  # the longest pause between health checks (they start at 50 ms)
 STOP_GRACE_S = 30.0
 
@@ -100,6 +105,8 @@ def server_command(
         command.append("--enable-deterministic-inference")
     if generation.expert_parallel_size > 1:
         command += ["--ep-size", str(generation.expert_parallel_size)]
+    if policy.router_replay.enabled:  # each token's experts, for the trainer to replay
+        command.append("--enable-return-routed-experts")
     overrides = sglang_model_overrides(policy)
     if overrides is not None:  # YaRN: the same RoPE scaling Megatron trains with
         command += ["--json-model-override-args", json.dumps(overrides)]
@@ -107,9 +114,12 @@ def server_command(
 
 
 def server_environment(
-    gpu_ids: Sequence[int] | None, launch: SGLangLaunchConfig | None = None
+    gpu_ids: Sequence[int] | None,
+    launch: SGLangLaunchConfig | None = None,
+    tensor_parallel_size: int = 1,
 ) -> dict[str, str]:
-    """This process's environment as one SGLang server gets it (see the module docstring)."""
+    """This process's environment as one SGLang server gets it (see the module docstring);
+    `tensor_parallel_size`: the server's ranks (`generation.tensor_parallel_size`)."""
     env = dict(os.environ) | dict(WEIGHT_SYNC_NCCL_ENV)
     env.pop(ORIGINAL_LOGPROB_ENV, None)
     if launch is not None:
@@ -117,9 +127,35 @@ def server_environment(
             env[CPU_ENGINE_ENV] = "1"
             if launch.cpu_threads is not None:
                 env["OMP_NUM_THREADS"] = str(launch.cpu_threads)
+            env |= cpu_rank_environment(launch, tensor_parallel_size)
         env |= launch.env
     if gpu_ids is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu) for gpu in gpu_ids)
+    return env
+
+
+def cpu_rank_environment(launch: SGLangLaunchConfig, tensor_parallel_size: int) -> dict[str, str]:
+    """What SGLang 0.5.23 needs to run `tensor_parallel_size` > 1 ranks on a CPU.
+
+    * `SGLANG_CPU_OMP_THREADS_BIND`, one `|`-separated core list per rank: without it SGLang
+      gives each rank a NUMA node and refuses more ranks than nodes
+      (`srt/utils/numa_utils.py`). Rank r gets the r-th block of `launch.cpu_threads` cores
+      (`0|1` for two ranks of one thread, `0-7|8-15` for two of eight); without cpu_threads
+      SGLang's per-node binding stands.
+    * `SGLANG_NCCL_SO_PATH` pointing at no library: the CUDA torch of an SGLang venv ships
+      `libnccl.so.2`, so SGLang would give the CPU ranks' groups an NCCL communicator, which
+      fails at start-up ("Expected a cuda device, but got: cpu"); finding none, it keeps them on
+      gloo.
+    """
+    if tensor_parallel_size == 1:
+        return {}
+    env = {NCCL_LIBRARY_ENV: NO_NCCL_LIBRARY}
+    threads = launch.cpu_threads
+    if threads is not None:
+        env[CPU_THREADS_BIND_ENV] = "|".join(
+            str(rank * threads) if threads == 1 else f"{rank * threads}-{(rank + 1) * threads - 1}"
+            for rank in range(tensor_parallel_size)
+        )
     return env
 
 
@@ -139,14 +175,16 @@ class SGLangServerProcess:
         log_path: str | os.PathLike[str],
         gpu_ids: Sequence[int] | None = None,
         launch: SGLangLaunchConfig | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
-        """`launch`: the config the command was made from, for the environment it needs."""
+        """`launch` and `tensor_parallel_size`: the config the command was made from, for the
+        environment it needs."""
         self.base_url = base_url.rstrip("/")
         self.log_path = Path(log_path)
         self._process = ChildProcess(
             command,
             log_path=log_path,
-            env=server_environment(gpu_ids, launch),
+            env=server_environment(gpu_ids, launch, tensor_parallel_size),
             stop_grace_s=STOP_GRACE_S,
         )
 
@@ -238,6 +276,7 @@ class SGLangServerActor:
             base_url=f"http://{host}:{port}",
             log_path=log_path,
             launch=generation.launch,
+            tensor_parallel_size=generation.tensor_parallel_size,
         )
         self._server.start()
         self._server.wait_healthy(generation.server_start_timeout_s)

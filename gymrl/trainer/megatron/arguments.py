@@ -32,6 +32,14 @@ def provider_overrides(config: RecipeConfig) -> dict[str, Any]:
     loss does its own normalisation (:func:`megatron_loss_scale`); full uniform recomputation of
     every layer when activation checkpointing is on (long agentic episodes dominate memory);
     `policy.yarn`'s RoPE scaling, the one SGLang generates with.
+
+    An MoE policy (`policy.is_moe`) trains without the load-balancing loss Bridge's providers
+    carry over from pre-training (Qwen3-MoE: `aux_loss`, 1e-3): the GRPO loss is the only
+    objective, every gradient is one the loss metrics and the parity gate account for, and the
+    routers are not pushed away from the experts the generation engine picked (verl's Qwen3-MoE
+    bridge also trains RL with `none`). Without Transformer Engine (`transformer_impl: local`)
+    the experts are Megatron's own sequential MLPs and the tokens are permuted in plain torch:
+    no grouped GEMM, no fused permutation (Megatron refuses the fusion without TE).
     """
     trainer = megatron_config(config)
     bf16 = config.policy.dtype == "bfloat16"
@@ -59,6 +67,10 @@ def provider_overrides(config: RecipeConfig) -> dict[str, Any]:
             "masked_softmax_fusion": False,
             "persist_layer_norm": False,
         }
+    if config.policy.is_moe:
+        overrides["moe_router_load_balancing_type"] = "none"
+        if trainer.transformer_impl == "local":
+            overrides |= {"moe_grouped_gemm": False, "moe_permute_fusion": False}
     if trainer.activation_checkpointing:
         overrides |= {
             "recompute_granularity": "full",

@@ -35,6 +35,23 @@ def _node_address() -> tuple[str, int]:
     return ray.util.get_node_ip_address(), free_port()
 
 
+def merge_step_metrics(reports: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """One step's metrics from every rank's `train_step` (the reporting ranks' non-empty ones,
+    one per data-parallel replica)."""
+    reporting = [report for report in reports if report]
+    if not reporting:
+        raise RuntimeError("no trainer rank reported metrics (no last pipeline stage?)")
+    if reporting[0] == NOTHING_TRAINED:
+        return dict(NOTHING_TRAINED)
+    merged = reduce_loss_metrics(reporting)
+    merged["num_sequences"] = sum(report["num_sequences"] for report in reporting)
+    merged["grad_norm"] = reporting[0]["grad_norm"]  # global norm: the same on every rank
+    merged["lr"] = reporting[0]["lr"]
+    if PASSED_METRIC in reporting[0]:  # every rank checked the same merged figures
+        merged[PASSED_METRIC] = reporting[0][PASSED_METRIC]
+    return merged
+
+
 class MegatronTrainerGroup:
     """The Megatron trainer as one Ray actor per trainer GPU (see `gymrl.roles.trainer`).
 
@@ -119,18 +136,7 @@ class MegatronTrainerGroup:
         shared_trajectories = self._ray.put(list(trajectories))
         shared_advantages = self._ray.put(advantages)
         reports = self._all("train_step", shared_trajectories, shared_advantages, parity)
-        reporting = [report for report in reports if report]
-        if not reporting:
-            raise RuntimeError("no trainer rank reported metrics (no last pipeline stage?)")
-        if reporting[0] == NOTHING_TRAINED:
-            return dict(NOTHING_TRAINED)
-        merged = reduce_loss_metrics(reporting)
-        merged["num_sequences"] = sum(report["num_sequences"] for report in reporting)
-        merged["grad_norm"] = reporting[0]["grad_norm"]  # global norm: the same on every rank
-        merged["lr"] = reporting[0]["lr"]
-        if PASSED_METRIC in reporting[0]:  # every rank checked the same merged figures
-            merged[PASSED_METRIC] = reporting[0][PASSED_METRIC]
-        return merged
+        return merge_step_metrics(reports)
 
     def compute_logprobs(self, trajectories: Sequence[Trajectory]) -> list[list[float] | None]:
         """Per trajectory (None for masked ones)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import random
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,16 @@ TRANSFORMER_IMPL = (
 
 
 def tiny_config(folder: Path, *, tp: int = 1, ranks: int = 1) -> RecipeConfig:
-    """The tiny policy at `folder`, trained by Megatron on `ranks` ranks at TP `tp`, in fp32.
+    """The tiny policy at `folder`, trained by Megatron on `ranks` ranks at TP `tp`, in fp32."""
+    pretrained = ["policy.source=pretrained", f"++policy.path={folder}"]
+    return megatron_run_config(pretrained, tp=tp, ranks=ranks)
+
+
+def megatron_run_config(
+    policy: Sequence[str], *, tp: int = 1, ep: int = 1, ranks: int = 1
+) -> RecipeConfig:
+    """The policy of the overrides `policy`, trained by Megatron on `ranks` ranks at TP `tp` and
+    EP `ep`, in fp32.
 
     Megatron trains next to SGLang engines (torch generation cannot refit from Megatron): the
     config has one engine GPU besides the trainer's, and the tests build only the trainer.
@@ -35,11 +45,11 @@ def tiny_config(folder: Path, *, tp: int = 1, ranks: int = 1) -> RecipeConfig:
             "generation=sglang",
             "generation.num_engines=1",
             "generation.server.max_tokens_per_turn=256",
-            "policy.source=pretrained",
-            f"++policy.path={folder}",
+            *policy,
             "policy.dtype=float32",
             f"cluster.gpus_per_node={ranks + 1}",
             f"trainer.tensor_model_parallel_size={tp}",
+            f"trainer.expert_model_parallel_size={ep}",
             "trainer.sequence_parallel=false",
             "trainer.activation_checkpointing=false",
             "trainer.micro_batch_size=2",

@@ -76,7 +76,9 @@ class CudaOnCpu(TorchFunctionMode):
 class _Stream:
     """`torch.cuda.Stream` on the CPU, where work is already in order: DDP's communication
     stream (`distributed/distributed_data_parallel.py`) that the grad buffers
-    (`distributed/param_and_grad_buffer.py`) enter and wait on."""
+    (`distributed/param_and_grad_buffer.py`) enter and wait on, and the MoE all-to-all
+    dispatcher's device-to-host stream (`transformer/moe/token_dispatcher.py`
+    `_maybe_dtoh_and_synchronize`), which records an event to synchronize on later."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         del args, kwargs
@@ -86,6 +88,17 @@ class _Stream:
 
     def wait_event(self, event: Any) -> None:
         del event
+
+    def record_event(self, event: Any = None) -> _Event:
+        del event
+        return _Event()
+
+
+class _Event:
+    """`torch.cuda.Event` on the CPU: whatever it marks has already happened."""
+
+    def synchronize(self) -> None:
+        pass
 
 
 def _cpu_rng_state(device: Any = "cuda") -> torch.Tensor:
@@ -171,6 +184,24 @@ def _patch_torch_cuda(patches: _Patches) -> None:
     dist = torch.distributed
     patches.set(dist, "init_process_group", _backend_to_gloo(dist.init_process_group))
     patches.set(dist, "new_group", _backend_to_gloo(dist.new_group))
+    patches.set(dist, "all_to_all_single", _splits_as_lists(dist.all_to_all_single))
+
+
+def _splits_as_lists(function: Callable[..., Any]) -> Callable[..., Any]:
+    """The MoE all-to-all dispatcher's split sizes as lists: it turns them into lists only when
+    they are CUDA tensors (`transformer/moe/moe_utils.py` `maybe_move_tensor_to_cpu`), and the
+    process group's `all_to_all_single` takes no CPU tensor for them ("incompatible function
+    arguments"), which expert parallelism 2 over gloo reaches
+    (`tensor_parallel/mappings.py` `_AllToAll`)."""
+
+    def with_lists(*args: Any, **kwargs: Any) -> Any:
+        for key in ("output_split_sizes", "input_split_sizes"):
+            if isinstance(kwargs.get(key), torch.Tensor):
+                kwargs[key] = kwargs[key].tolist()
+        return function(*args, **kwargs)
+
+    with_lists.__wrapped__ = function  # type: ignore[attr-defined]
+    return with_lists
 
 
 def _python_311_typing(patches: _Patches) -> None:

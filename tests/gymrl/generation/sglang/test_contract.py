@@ -648,7 +648,8 @@ def _standin_type_problems(
 
 
 def _yarn_policy() -> PolicyConfig:
-    """A pretrained policy whose flags include YaRN, so the launcher writes its widest command."""
+    """A pretrained MoE policy whose flags include YaRN and router replay's routed experts, so
+    the launcher writes its widest command."""
     return PolicyConfig(
         name="m",
         source="pretrained",
@@ -656,6 +657,8 @@ def _yarn_policy() -> PolicyConfig:
         max_total_sequence_length=65536,
         native_context_length=32768,
         yarn={"factor": 2.0, "original_max_position_embeddings": 32768},
+        is_moe=True,
+        router_replay={"enabled": True},
     )
 
 
@@ -715,6 +718,7 @@ def test_every_flag_the_launcher_can_pass_is_a_server_argument(wheel_source):
     command = server_command(generation, policy, model_path="/m", port=1, seed=0)
     flags = [word.split("=")[0] for word in command if word.startswith("--")]
     assert "--json-model-override-args" in flags and "--enable-deterministic-inference" in flags
+    assert "--enable-return-routed-experts" in flags
     unknown = [flag for flag in flags if flag[2:].replace("-", "_") not in fields]
     assert unknown == [], f"flags SGLang {sglang_pin()} does not take: {unknown}"
 
