@@ -23,10 +23,12 @@ from gymrl.config.compose import compose_raw
 from gymrl.experience.held_out import Validator
 from gymrl.preflight.validate import validate_config
 from gymrl.recipes.training import GRPORecipe
+from gymrl.roles.generation_server import GenerationRole
 from gymrl.roles.gym_shard import RayGroupRunner
 from gymrl.run.progress import NoProgressError, ProgressWatch
 from gymrl.run.stop import StopRequested, stop_request_behind
 from gymrl.trainer.megatron import group as megatron_group
+from nemo_gym_ext.gym_launch import PolicyEndpoint
 
 pytestmark = pytest.mark.usefixtures("local_ray")
 # The ranks run in workers of a runtime environment of their own (the group's env_vars), whose
@@ -177,7 +179,9 @@ class ValidationWindow:
 def test_a_stalled_validation_pass_is_named_in_the_watchdog_report(tmp_path):
     recipe = GRPORecipe(validate_config(compose_raw(["+experiment=smoke"])), tmp_path)
     shard = StalledShard.remote()
-    recipe.generation = ValidationWindow.remote()
+    recipe.generation = GenerationRole(
+        ValidationWindow.remote(), PolicyEndpoint("http://unused/v1", "key", "policy")
+    )
     row = {"id": "calc-0", "agent_ref": {"name": "calc"}}
     recipe.validator = Validator(
         [row], RayGroupRunner({"calc": shard}), timeout_s=60, max_refused_share=0.1
