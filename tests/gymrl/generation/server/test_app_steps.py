@@ -1,7 +1,7 @@
 """The steps of a chat completion (`gymrl.generation.server.app.ChatCompletions` and its
 functions), each run alone, without HTTP, with SmolLM2's tokenizer: the model check, the sampling
 resolution, the max-tokens clamp, the render with its divergence verdict, the mapping from engine
-exceptions to statuses. tests/gymrl/generation/test_policy_server.py checks them behind the routes.
+exceptions to statuses. tests/gymrl/generation/server/test_app.py checks them behind the routes.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What the launcher gives an SGLang server of an MoE policy: the routed-experts switch for router
 replay, and the environment SGLang's ranks need on a CPU at tensor parallelism above 1 (which
-expert parallelism runs inside). The real server takes both in `test_sglang_moe_cpu.py`."""
+expert parallelism runs inside). The real server takes both in `test_moe_cpu.py`."""
 
 from __future__ import annotations
 
