@@ -32,9 +32,12 @@ from gymrl.trainer.grpo_step import loss_normalizer, micro_batch_loss, reduce_lo
 from gymrl.trainer.parity_gate import PASSED_METRIC, ParityCheck, ParityGateError
 from gymrl.trainer.prefix_packing import PrefixTree, pack_prefix_tree, prefix_chunks
 
-# The attention implementations that apply a custom 4D float mask as given (transformers passes
-# it through untouched); flash-attention kernels take padding masks only and would ignore it.
-_MASKED_ATTENTION = ("sdpa", "eager")
+# The attention packing runs on: sdpa applies a custom 4D float mask as given (transformers passes
+# it through untouched) and computes a chain (a long episode packed alone) as causal attention
+# without an [N, N] matrix, which is what bounds packing's memory. Flash-attention kernels take
+# padding masks only and would ignore the tree's; eager materialises the [N, N] scores of every
+# head even for a chain, so the bound would not hold.
+_PACKED_ATTENTION = "sdpa"
 
 
 class TorchPolicyTrainer:
@@ -52,11 +55,12 @@ class TorchPolicyTrainer:
         """`compute_dtype` is `policy.compute_dtype` (`gymrl.model.precision`); resolved for the
         device the model is on when the trainer is built."""
         attention = model.config._attn_implementation
-        if config.prefix_packing and attention not in _MASKED_ATTENTION:
+        if config.prefix_packing and attention != _PACKED_ATTENTION:
             raise ValueError(
-                f"trainer.prefix_packing=true needs attention that applies a 4D additive mask "
-                f"({' or '.join(_MASKED_ATTENTION)}); this model's attn_implementation is "
-                f"{attention!r}. Load it with sdpa, or set trainer.prefix_packing=false"
+                f"trainer.prefix_packing=true needs {_PACKED_ATTENTION} attention, which applies "
+                "the tree's 4D mask and computes a long episode without an N x N matrix; this "
+                f"model's attn_implementation is {attention!r}. Load it with sdpa, or set "
+                "trainer.prefix_packing=false"
             )
         self.model = model
         self._config = config

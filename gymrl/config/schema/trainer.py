@@ -60,7 +60,8 @@ class TorchTrainerConfig(Strict):
         "several sequences (a system prompt, a group's question) is computed once, each token "
         "attending to its ancestors through a 4D mask; same log-probabilities and gradients as "
         "padding them side by side, to float rounding. Off: right-padded micro-batches of "
-        "micro_batch_size sequences. Needs sdpa or eager attention (how models load here). "
+        "micro_batch_size sequences. Needs sdpa attention (how models load here; eager would "
+        "hold every head's N x N scores of a long episode). "
         "Torch trainer only (the Megatron trainer batches its own way).",
     )
     max_packed_tokens: int = Field(
