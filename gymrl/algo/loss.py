@@ -145,7 +145,10 @@ def grpo_loss(
     Metrics are floats: `loss`, `pg_loss`, `kl`, `clip_fraction` (share of tokens whose gradient
     the clip removed), `importance_ratio/mean` and `importance_ratio/max` (of the uncorrected
     token ratio), `approx_entropy` (mean negative log-probability of the sampled tokens; an
-    entropy estimate when the samples are near on-policy) and `num_tokens`. With `agents` (one
+    entropy estimate when the samples are near on-policy), `mismatch/k3_kl` and
+    `mismatch/large_delta_share` (the train-inference mismatch: the mean k3 estimate of
+    KL(engine || trainer) and the share of tokens whose log-probabilities differ by more than
+    ln 2) and `num_tokens`. With `agents` (one
     name per row), also each agent's trainer-engine statistics (:func:`agent_statistics`).
     """
     _check_shapes(logprobs, generation_logprobs, advantages, loss_mask, reference_logprobs)
@@ -200,6 +203,7 @@ def grpo_loss(
         token_mean = _reducer(mask, token_level_normalization=True, normalizer=None)
         behaviour = current if off_policy.mode == "none" else engine
         masked_ratio = torch.exp(current - behaviour)[mask]
+        trainer_minus_engine = (current - engine)[mask]
         metrics = {
             "loss": float(loss),
             "pg_loss": float(reduce(pg_per_token)),
@@ -208,11 +212,28 @@ def grpo_loss(
             "importance_ratio/mean": float(masked_ratio.mean()) if num_tokens else 1.0,
             "importance_ratio/max": float(masked_ratio.max()) if num_tokens else 1.0,
             "approx_entropy": float(token_mean(-current)),
+            "mismatch/k3_kl": float(_k3(trainer_minus_engine).mean()) if num_tokens else 0.0,
+            "mismatch/large_delta_share": (
+                float((trainer_minus_engine.abs() > LARGE_LOGPROB_DELTA).float().mean())
+                if num_tokens
+                else 0.0
+            ),
             "num_tokens": float(num_tokens),
         }
         if agents is not None:
             metrics.update(agent_statistics(current, engine, mask, correction, agents))
     return loss, metrics
+
+
+# A token whose probability the trainer and the engine put a factor of 2 or more apart.
+LARGE_LOGPROB_DELTA = math.log(2.0)
+
+
+def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    """Per token `r - 1 - log r` with `r = p_trainer / p_engine` at the engine's sampled token:
+    a non-negative, unbiased estimate of KL(engine || trainer), the train-inference mismatch
+    (what router replay lowers for MoE models)."""
+    return torch.exp(log_ratio) - 1.0 - log_ratio
 
 
 @dataclass(frozen=True)

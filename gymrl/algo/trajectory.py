@@ -17,9 +17,10 @@ prompt token.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from nemo_gym_ext.postprocess import PostprocessedEpisode
@@ -42,6 +43,10 @@ class Trajectory:
     the GRPO advantage: `reward` stays the environment's. `segment` is 0 for an episode's own
     trajectory and k for its k-th tail segment (`split_noncontiguous_segments`): a segment
     follows its episode's trajectory, shares its advantage and stays out of the baseline.
+    `call_ends`: one past each model call's last generated token in `token_ids` (the prefix up
+    to it is that call's prompt and generation). `routed_experts` (router replay): the experts
+    the generation engine routed each position to, `[tokens, layers, experts per token]`, with
+    the type's largest value where none arrived (the trainer's live router decides those).
     """
 
     token_ids: list[int]
@@ -56,6 +61,8 @@ class Trajectory:
     longest_call_tokens: int = 0
     length_penalty: float = 0.0
     segment: int = 0
+    call_ends: tuple[int, ...] = ()
+    routed_experts: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         lengths = {len(self.token_ids), len(self.loss_mask), len(self.generation_logprobs)}
@@ -71,6 +78,12 @@ class Trajectory:
                 "log-probability cannot be recomputed (nothing precedes it). The first entry of "
                 "message_log must be a non-empty prompt."
             )
+        routes = self.routed_experts
+        if routes is not None and (routes.ndim != 3 or len(routes) != len(self.token_ids)):
+            raise ValueError(
+                f"trajectory of group {self.group_id!r}: routed_experts of shape "
+                f"{list(routes.shape)} must be [{len(self.token_ids)} tokens, layers, top-k]"
+            )
 
     @property
     def num_generated_tokens(self) -> int:
@@ -80,6 +93,16 @@ class Trajectory:
     def training_reward(self) -> float:
         """The reward the GRPO advantage is computed from."""
         return self.reward - self.length_penalty
+
+    def route_coverage(self) -> tuple[int, int]:
+        """Router replay: `(received, expected)` positions: those with the engine's routes, of
+        those that need them (every token but the last, whose output no loss reads)."""
+        routes = self.routed_experts
+        expected = max(len(self.token_ids) - 1, 0)
+        if routes is None:
+            return 0, expected
+        missing = np.iinfo(routes.dtype).max
+        return int((routes[:expected, 0, 0] != missing).sum()), expected
 
     @property
     def is_masked(self) -> bool:
@@ -128,6 +151,7 @@ class Trajectory:
         loss_mask: list[int] = []
         logprobs: list[float] = []
         turn_lengths: list[int] = []
+        call_ends: list[int] = []
         for index, entry in enumerate(message_log):
             ids = entry["token_ids"]
             role = entry["role"]
@@ -150,6 +174,8 @@ class Trajectory:
                     "'user' (prompt delta) or 'assistant' (generation)"
                 )
             token_ids.extend(ids)
+            if role == "assistant":
+                call_ends.append(len(token_ids))
         return cls(
             token_ids=token_ids,
             loss_mask=loss_mask,
@@ -162,6 +188,7 @@ class Trajectory:
             turn_lengths=tuple(turn_lengths),
             longest_call_tokens=out.longest_call_tokens,
             segment=segment,
+            call_ends=tuple(call_ends),
         )
 
 

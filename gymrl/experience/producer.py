@@ -72,6 +72,15 @@ class GroupRunner(Protocol):
     def cancel(self, group: Any) -> None: ...
 
 
+class RouteSource(Protocol):
+    """Router replay: where a collected episode's routed experts come from (the policy server's
+    store, `gymrl.roles.generation_server.GenerationRole.attach_routes`)."""
+
+    def attach_routes(self, trajectories: Sequence[Trajectory]) -> list[Trajectory]:
+        """`trajectories` in order, each with its `routed_experts` (masked ones as they are)."""
+        ...
+
+
 class GroupSink(Protocol):
     """Where completed groups go (the replay buffer); `put` returns whether it was stored."""
 
@@ -141,10 +150,12 @@ class RolloutProducer(threading.Thread):
         failures: FailureBudget,
         rules: EpisodeRules,
         group_deadline_s: float,
+        routes: RouteSource | None = None,
     ):
         """`group_deadline_s`: how long one group may take (every attempt of its episodes at
         their deadline): what the no-progress watchdog reports as the deadline of the wait for
-        groups in flight."""
+        groups in flight. `routes`: with router replay, where each trajectory's routed experts
+        are collected from as its group arrives."""
         super().__init__(name="rollout-producer", daemon=True)
         self._grpo = grpo
         self._group_deadline_s = group_deadline_s
@@ -152,6 +163,7 @@ class RolloutProducer(threading.Thread):
         self._rows = rows
         self._runner = runner
         self._buffer = buffer
+        self._routes = routes
         self._lookahead = grpo.max_trajectory_age_steps if grpo.async_enabled else 0
         self._condition = threading.Condition()
         self._first_step = first_step
@@ -352,6 +364,8 @@ class RolloutProducer(threading.Thread):
                     episode, group_id=group_id, weight_version=version
                 )
             ]
+        if self._routes is not None:  # taken even if dropped below: the store frees them
+            trajectories = self._routes.attach_routes(trajectories)
         if self._drops_as_uniform(trajectories, len(outcome.failures)):
             with self._counts_lock:
                 self._untrained_tokens.update(untrained_episodes(agents, results, "no_variance"))

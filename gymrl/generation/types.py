@@ -13,6 +13,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 FinishReason = Literal["stop", "length"]
@@ -29,19 +30,112 @@ class SamplingParams:
     seed: int | None = None
 
 
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+@dataclass(frozen=True)
+class RouteLayout:
+    """What one position's routes hold for an MoE model: `num_layers` x `experts_per_token`
+    expert ids below `num_experts`, stored as the narrowest unsigned type that also leaves room
+    for :attr:`missing`, the id of a position without routes (the trainer's live router decides
+    it)."""
+
+    num_layers: int
+    experts_per_token: int
+    num_experts: int
+
+    @classmethod
+    def of_model_config(cls, config: Mapping[str, object]) -> RouteLayout:
+        """From a Hugging Face `config.json` (the expert count is Qwen3-MoE's `num_experts`, or
+        `num_local_experts` as newer transformers write it, or DeepSeek's `n_routed_experts`); a
+        dense model's config is an error naming the missing keys."""
+        named = [config[key] for key in _EXPERT_COUNT_KEYS if key in config]
+        experts = named[0] if named else None
+        per_token = config.get("num_experts_per_tok")
+        layers = config.get("num_hidden_layers")
+        if not all(isinstance(value, int) and value > 0 for value in (experts, per_token, layers)):
+            raise ValueError(
+                "router replay needs an MoE model: its config.json must give num_hidden_layers, "
+                f"num_experts_per_tok and num_experts (got {layers!r}, {per_token!r}, {experts!r})"
+            )
+        return cls(num_layers=layers, experts_per_token=per_token, num_experts=experts)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(np.uint8 if self.num_experts < 255 else np.uint16)
+
+    @property
+    def missing(self) -> int:
+        return int(np.iinfo(self.dtype).max)
+
+    @property
+    def bytes_per_position(self) -> int:
+        return self.num_layers * self.experts_per_token * self.dtype.itemsize
+
+    def narrowed(self, rows: np.ndarray) -> np.ndarray:
+        """`rows` (any integer type, `[positions, layers, top-k]`) in :attr:`dtype`, checked:
+        a shape or an expert id this layout cannot hold is an error, not a silent wrap."""
+        expected = (self.num_layers, self.experts_per_token)
+        if rows.ndim != 3 or rows.shape[1:] != expected:
+            raise ValueError(
+                f"routes of shape {list(rows.shape)}, expected [positions, {expected[0]}, "
+                f"{expected[1]}] (num_hidden_layers, num_experts_per_tok)"
+            )
+        if rows.size and (rows.min() < 0 or rows.max() >= self.num_experts):
+            raise ValueError(
+                f"routes name experts {int(rows.min())}..{int(rows.max())}, outside "
+                f"0..{self.num_experts - 1}"
+            )
+        return rows.astype(self.dtype)
+
+
+@dataclass(frozen=True)
+class RoutedExperts:
+    """The experts an MoE engine routed a run of positions of one sequence to (router replay).
+
+    `rows[i]` holds, for position `start + i` of the sequence (prompt and generation), the
+    expert ids each layer chose: `[positions, layers, experts per token]`, as small an unsigned
+    integer type as the expert count allows (uint8 up to 255 experts). An engine reports every
+    position it ran through the model: all but the last sampled token, which no forward saw.
+    """
+
+    start: int
+    rows: np.ndarray
+
+    def __post_init__(self) -> None:
+        if self.start < 0 or self.rows.ndim != 3:
+            raise ValueError(
+                f"routed experts need start >= 0 and rows [positions, layers, top-k], got "
+                f"start={self.start}, rows of shape {list(self.rows.shape)}"
+            )
+
+    @property
+    def end(self) -> int:
+        """One past the last position the rows cover."""
+        return self.start + len(self.rows)
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
+    """`routes_from`: with router replay, the first position of the sequence (prompt plus
+    generation) whose routed experts the answer must carry; None asks for none."""
+
     prompt_token_ids: Sequence[int]
     params: SamplingParams
+    routes_from: int | None = None
 
 
 @dataclass(frozen=True)
 class GenerationOutput:
+    """`routed_experts`: the routes asked for by the request's `routes_from` (None when not
+    asked, or when the engine's answer could not be placed; see the engine)."""
+
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
     weight_version: int
     prompt_token_ids: list[int] = field(default_factory=list)
+    routed_experts: RoutedExperts | None = None
 
 
 class GenerationEngine(Protocol):

@@ -17,6 +17,7 @@ from gymrl.algo.trajectory import Trajectory
 from gymrl.experience.producer import ProducerCounts
 from gymrl.experience.rollout_group import RolloutGroup
 from gymrl.generation.server.divergence_watch import DivergenceCounts
+from gymrl.generation.server.route_store import RouteStoreCounts
 from gymrl.generation.server.sampling_rules import SamplingCounts
 from gymrl.generation.torch.engine import EngineCounters
 from gymrl.trainer.grpo_step import agent_off_policy_metrics
@@ -113,6 +114,32 @@ def engine_metrics(seen: EngineSnapshot, now: EngineSnapshot) -> dict[str, float
         "perf/engine_tokens_per_busy_s": generated / busy if busy else math.nan,
         "perf/engine_prefix_reuse_share": reused / prompt_tokens if prompt_tokens else math.nan,
         "perf/generated_tokens_per_s": generated / window_s,
+    }
+
+
+def router_replay_metrics(
+    trajectories: Sequence[Trajectory], held: RouteStoreCounts
+) -> dict[str, float]:
+    """`router_replay/...` (docs/metrics.md): how many of the step's positions came with the
+    engine's routes, and what the policy server's route store holds and dropped."""
+    received = expected = 0
+    route_bytes = 0
+    for trajectory in trajectories:
+        if trajectory.is_masked:
+            continue
+        got, needed = trajectory.route_coverage()
+        received += got
+        expected += needed
+        if trajectory.routed_experts is not None:
+            route_bytes += trajectory.routed_experts.nbytes
+    tokens = sum(len(t.token_ids) for t in trajectories)
+    return {
+        "router_replay/route_rows_expected": float(expected),
+        "router_replay/route_rows_received": float(received),
+        "router_replay/fallback_token_share": 1.0 - received / expected if expected else 0.0,
+        "router_replay/bytes_per_token": route_bytes / tokens if tokens else 0.0,
+        "router_replay/held_mib": held.held_bytes / 2**20,
+        "router_replay/evicted_calls": float(held.evicted_calls),
     }
 
 

@@ -37,10 +37,16 @@ from gymrl.experience.rollout_group import RolloutGroup
 from gymrl.experience.rows import RowStream, load_rows, load_validation_rows
 from gymrl.generation.server.announce import announce_policy_server
 from gymrl.generation.server.api_key import resolve_api_key
+from gymrl.generation.server.route_store import RouteStoreCounts
 from gymrl.generation.server.sampling_rules import training_sampling_rules
 from gymrl.model.policy import model_folder
-from gymrl.recipes.step_metrics import EngineSnapshot, engine_metrics, step_metrics
-from gymrl.roles.generation_server import start_generation_server
+from gymrl.recipes.step_metrics import (
+    EngineSnapshot,
+    engine_metrics,
+    router_replay_metrics,
+    step_metrics,
+)
+from gymrl.roles.generation_server import ROUTE_ASSEMBLY_S, start_generation_server
 from gymrl.roles.gym_shard import RayGroupRunner, start_gym_shards
 from gymrl.roles.replay_buffer_actor import start_replay_buffer
 from gymrl.roles.trainer import start_trainer
@@ -262,6 +268,7 @@ class GRPORecipe:
             ),
             rules=self.episode_rules,
             group_deadline_s=_group_deadline_s(config),
+            routes=self.generation if config.policy.router_replay.enabled else None,
         )
         self._engine_seen = self._engine_snapshot()  # the first step's window starts here
         self.producer.start()
@@ -429,6 +436,8 @@ class GRPORecipe:
             step, groups, train_metrics, counts, self.config.generation.server.max_tokens_per_turn
         )
         metrics.update(self._engine_metrics())
+        if self.config.policy.router_replay.enabled:
+            metrics.update(router_replay_metrics(trajectories, self._route_counts()))
         metrics.update(checked)
         metrics.update(
             {
@@ -454,6 +463,13 @@ class GRPORecipe:
         )
         assert sampling is not None, "a training run's policy server has sampling parity"
         return EngineSnapshot(time.monotonic(), counters, sampling, divergence)
+
+    def _route_counts(self) -> RouteStoreCounts:
+        return wait_for(
+            self.generation.actor.route_counts.remote(),
+            timeout_s=ROUTE_ASSEMBLY_S,
+            what="the policy server's route store counts",
+        )
 
     def _engine_metrics(self) -> dict[str, float]:
         """The engine's figures over the window since the last call (the step's), which the

@@ -6,7 +6,9 @@ OpenAI-compatible policy model server, the URL Gym agents call; refit to a weigh
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +19,7 @@ import torch
 from pydantic import SecretStr
 from transformers import PreTrainedTokenizerBase
 
+from gymrl.algo.trajectory import Trajectory
 from gymrl.cluster.placement import Placement, actor_options
 from gymrl.cluster.ray_calls import close_actor, wait_for
 from gymrl.cluster.session import OnCleanup
@@ -26,11 +29,12 @@ from gymrl.generation.server.announce import policy_server_host
 from gymrl.generation.server.app import create_policy_server_app
 from gymrl.generation.server.chat_template import ChatFormat
 from gymrl.generation.server.divergence_watch import DivergenceCounts, DivergenceWatch
+from gymrl.generation.server.route_store import EpisodeRoutes, RouteStore, RouteStoreCounts
 from gymrl.generation.server.sampling_rules import SamplingCounts, SamplingParity, SamplingRules
 from gymrl.generation.sglang.engine import SGLangEngine
 from gymrl.generation.sglang.servers import SGLangServerGroup
 from gymrl.generation.torch.engine import EngineCounters, EngineStep, TorchGenerationEngine
-from gymrl.generation.types import EngineFailedError
+from gymrl.generation.types import EngineFailedError, RouteLayout
 from gymrl.model.loading import load_tokenizer
 from gymrl.model.policy import build_policy, model_folder
 from gymrl.model.tokens import eos_token_id, policy_end_token_ids
@@ -39,6 +43,7 @@ from nemo_gym_ext.http_server import serve_in_thread
 
 GENERATION_CLOSE_S = 60.0  # the server lets a running engine batch finish first
 ENGINE_FAILURE_CHECK_S = 30.0  # an answer from the actor's thread pool, no engine work
+ROUTE_ASSEMBLY_S = 60.0  # copies of held arrays, no engine work
 
 
 @ray.remote(num_cpus=0)
@@ -89,6 +94,7 @@ class GenerationServer:
             tokenizer = backend.tokenizer
             server = generation.server
             self._sampling_parity = sampling_rules and SamplingParity(sampling_rules)
+            self._route_store = route_store_for(config, folder)
             self._divergence_watch = DivergenceWatch(
                 capacity=server.divergence_memory,
                 stop=server.stop_on_divergence,
@@ -105,6 +111,7 @@ class GenerationServer:
                 request_timeout_s=server.request_timeout_s,
                 sampling_parity=self._sampling_parity,
                 divergence_watch=self._divergence_watch,
+                route_store=self._route_store,
             )
             http_server = serve_in_thread(
                 app,
@@ -140,6 +147,25 @@ class GenerationServer:
         (`SamplingParity.set_validating`); without parity, a no-op."""
         if self._sampling_parity is not None:
             self._sampling_parity.set_validating(validating)
+        if self._route_store is not None:  # validation's episodes are never trained on
+            self._route_store.set_capturing(not validating)
+
+    def assemble_routes(
+        self, episodes: Sequence[tuple[Sequence[int], Sequence[int]]]
+    ) -> list[EpisodeRoutes]:
+        """Router replay: the routes of each `(token_ids, call_ends)` episode, from the calls
+        the policy server held (`RouteStore.assemble`)."""
+        store = self._require_routes()
+        return [store.assemble(token_ids, call_ends) for token_ids, call_ends in episodes]
+
+    def route_counts(self) -> RouteStoreCounts:
+        """The route store's totals (router replay)."""
+        return self._require_routes().counts()
+
+    def _require_routes(self) -> RouteStore:
+        if self._route_store is None:  # the validator refuses such configs
+            raise TypeError("routes are held only with policy.router_replay.enabled=true")
+        return self._route_store
 
     def divergence_counts(self) -> DivergenceCounts:
         """Requests whose prompt did not extend this server's earlier answer, and those of them
@@ -194,6 +220,19 @@ class GenerationServer:
     def close(self) -> None:
         """Stop the HTTP server, then the SGLang engines behind it (each even if one fails)."""
         self._started.close()
+
+
+def route_layout(folder: str) -> RouteLayout:
+    """The routes of the MoE model in `folder` (its `config.json`)."""
+    return RouteLayout.of_model_config(json.loads((Path(folder) / "config.json").read_text()))
+
+
+def route_store_for(config: RecipeConfig, folder: str) -> RouteStore | None:
+    """Router replay's store of routes per model call; None without router replay."""
+    replay = config.policy.router_replay
+    if not replay.enabled:
+        return None
+    return RouteStore(route_layout(folder), max_bytes=replay.max_held_mib << 20)
 
 
 @dataclass(frozen=True)
@@ -254,7 +293,11 @@ def build_sglang_backend(
     )
     started.callback(servers.shutdown)
     engine = SGLangEngine.from_config(
-        generation, servers.urls, refit_dir=output_dir / "refit", end_token_ids=end_ids
+        generation,
+        servers.urls,
+        refit_dir=output_dir / "refit",
+        end_token_ids=end_ids,
+        route_layout=route_layout(folder) if config.policy.router_replay.enabled else None,
     )
     started.callback(engine.close)
     return EngineBackend(engine, load_tokenizer(folder), servers=engine)
@@ -280,6 +323,23 @@ class GenerationRole:
         )
         if failure is not None:
             raise failure
+
+    def attach_routes(self, trajectories: Sequence[Trajectory]) -> list[Trajectory]:
+        """Router replay: `trajectories` with the routed experts the policy server held for
+        their model calls (`RouteStore.assemble`); masked ones, which hold no token, as they
+        are. A `RouteSource` of the rollout producer."""
+        wanted = [index for index, t in enumerate(trajectories) if not t.is_masked]
+        assembled = wait_for(
+            self.actor.assemble_routes.remote(
+                [(trajectories[i].token_ids, trajectories[i].call_ends) for i in wanted]
+            ),
+            timeout_s=ROUTE_ASSEMBLY_S,
+            what="collecting the episodes' routed experts from the generation server",
+        )
+        attached = list(trajectories)
+        for index, routes in zip(wanted, assembled, strict=True):
+            attached[index] = dataclasses.replace(attached[index], routed_experts=routes.rows)
+        return attached
 
 
 def start_timeout_s(config: RecipeConfig) -> float:

@@ -16,18 +16,20 @@ def unsupported_by_trainer(config: RecipeConfig) -> list[ConfigIssue]:
     """Settings the configured trainer cannot honour. Reported at composition time, and checked
     again by the trainers themselves before they touch a GPU."""
     issues = []
-    if config.policy.router_replay.enabled:
+    megatron = isinstance(config.trainer, MegatronTrainerConfig)
+    if config.policy.router_replay.enabled and not megatron:
         issues.append(
             ConfigIssue(
                 "policy.router_replay.enabled",
                 True,
-                f"the {config.trainer.backend} trainer does not replay MoE routing (trajectories "
-                "carry no routing decisions yet)",
-                "set policy.router_replay.enabled=false",
+                f"the {config.trainer.backend} trainer does not replay MoE routing (only the "
+                "Megatron trainer installs the engine's routes in its routers)",
+                "set trainer=megatron, or policy.router_replay.enabled=false",
             )
         )
     if not isinstance(config.trainer, MegatronTrainerConfig):
         return issues
+    issues += _router_replay_layout(config, config.trainer)
     if config.loss.kl_coef > 0:
         issues.append(
             ConfigIssue(
@@ -61,3 +63,27 @@ def unsupported_by_trainer(config: RecipeConfig) -> list[ConfigIssue]:
             )
         )
     return issues
+
+
+def _router_replay_layout(
+    config: RecipeConfig, trainer: MegatronTrainerConfig
+) -> list[ConfigIssue]:
+    """Router replay installs each micro-batch's routes before its forward pass and keeps them
+    until the next one, which is what a recomputation in the backward pass reads: right when
+    each micro-batch's backward follows its forward (one pipeline stage), wrong under a
+    pipeline schedule that runs other micro-batches' forwards in between."""
+    if not config.policy.router_replay.enabled:
+        return []
+    if trainer.pipeline_model_parallel_size > 1 and trainer.activation_checkpointing:
+        return [
+            ConfigIssue(
+                "trainer.pipeline_model_parallel_size",
+                trainer.pipeline_model_parallel_size,
+                "router replay with activation checkpointing recomputes a micro-batch's routing "
+                "in its backward pass, after the pipeline schedule ran later micro-batches' "
+                "forwards, whose routes would be replayed instead",
+                "set trainer.activation_checkpointing=false, or "
+                "trainer.pipeline_model_parallel_size=1",
+            )
+        ]
+    return []

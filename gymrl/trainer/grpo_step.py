@@ -65,7 +65,13 @@ def micro_batch_loss(
 # Losses were computed with the step's normaliser, so they add up across micro-batches; means
 # over tokens are weighted by token counts; the maximum ratio is the maximum.
 _SUMMED = ("loss", "pg_loss", "kl", "num_tokens")
-_TOKEN_WEIGHTED = ("clip_fraction", "importance_ratio/mean", "approx_entropy")
+_TOKEN_WEIGHTED = (
+    "clip_fraction",
+    "importance_ratio/mean",
+    "approx_entropy",
+    "mismatch/k3_kl",
+    "mismatch/large_delta_share",
+)
 
 
 def reduce_loss_metrics(metrics: Sequence[Mapping[str, float]]) -> dict[str, float]:

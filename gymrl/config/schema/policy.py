@@ -65,8 +65,18 @@ class TinyMoeConfig(Strict):
 class RouterReplayConfig(Strict):
     enabled: bool = Field(
         default=False,
-        description="MoE routing replay: the trainer reuses the experts the generation engine "
-        "routed each token to. Incompatible with env.nemo_gym.truncate_noncontiguous_episodes.",
+        description="MoE routing replay (R3): the trainer reuses the experts the generation "
+        "engine routed each token to, for the log-probability and training passes. Needs an MoE "
+        "policy, generation=sglang and trainer=megatron. Incompatible with "
+        "env.nemo_gym.truncate_noncontiguous_episodes.",
+    )
+    max_held_mib: int = Field(
+        default=8192,
+        gt=0,
+        description="Most routes the policy server holds for episodes not yet collected, in "
+        "MiB; beyond it the oldest model calls' routes are dropped (router_replay/evicted_calls) "
+        "and their tokens fall back to the trainer's live router. Each position takes layers x "
+        "experts per token bytes (Qwen3-30B-A3B: 48 x 8 = 384 B; a 64k-token episode 24 MiB).",
     )
 
 

@@ -54,6 +54,7 @@ from gymrl.generation.server.chat_template import (
     build_prompt_token_ids,
 )
 from gymrl.generation.server.divergence_watch import DivergenceWatch, Verdict
+from gymrl.generation.server.route_store import RouteStore, routes_from
 from gymrl.generation.server.sampling_rules import Sampling, SamplingMismatchError, SamplingParity
 from gymrl.generation.types import (
     EngineFailedError,
@@ -325,7 +326,9 @@ class ChatCompletions:
     the run's (:func:`resolve_sampling`). With `divergence_watch` each answer is remembered and
     each request checked against them (`gymrl.generation.server.divergence_watch`); when the
     watch stops divergences, a diverged request is answered without generating
-    (:func:`withheld_answer`)."""
+    (:func:`withheld_answer`). With `route_store` (router replay) each generation asks the
+    engine for its routed experts while the store captures, and the answer's routes are held
+    there (`gymrl.generation.server.route_store`)."""
 
     engine: RequestScheduler
     chat_format: ChatFormat
@@ -336,6 +339,7 @@ class ChatCompletions:
     request_timeout_s: float
     sampling_parity: SamplingParity | None
     divergence_watch: DivergenceWatch | None
+    route_store: RouteStore | None = None
 
     def __post_init__(self) -> None:
         for name, value, minimum in (
@@ -399,6 +403,11 @@ class ChatCompletions:
                 stop_token_ids=self.chat_format.stop_token_ids,
                 seed=body.seed,
             ),
+            routes_from=(
+                routes_from(prompt.reused_token_count)
+                if self.route_store is not None and self.route_store.capturing
+                else None
+            ),
         )
 
     async def generate(self, request: GenerationRequest) -> GenerationOutput:
@@ -417,6 +426,8 @@ class ChatCompletions:
         """The OpenAI answer to `output`, remembered by the divergence watch (if any) so that the
         next turn of the conversation can be checked against it."""
         answer = _build_response(body, prompt, output, self.chat_format, self.model_name)
+        if self.route_store is not None and output.routed_experts is not None:
+            self.route_store.put(prompt.token_ids + output.token_ids, output.routed_experts)
         if self.divergence_watch is not None:
             self.divergence_watch.remember(
                 answer.choices[0].message, prompt.token_ids, output.token_ids
@@ -468,11 +479,12 @@ def create_policy_server_app(
     request_timeout_s: float,
     sampling_parity: SamplingParity | None = None,
     divergence_watch: DivergenceWatch | None = None,
+    route_store: RouteStore | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible policy server over `engine` (see the module docstring): the routes,
-    wired to :class:`ChatCompletions` (whose docstring says what `sampling_parity` and
-    `divergence_watch` do). Its render worker stops with the app's lifespan, so serve it with
-    lifespan on (`nemo_gym_ext.http_server.serve_in_thread` does)."""
+    wired to :class:`ChatCompletions` (whose docstring says what `sampling_parity`,
+    `divergence_watch` and `route_store` do). Its render worker stops with the app's lifespan,
+    so serve it with lifespan on (`nemo_gym_ext.http_server.serve_in_thread` does)."""
     completions = ChatCompletions(
         engine=engine,
         chat_format=chat_format,
@@ -483,6 +495,7 @@ def create_policy_server_app(
         request_timeout_s=request_timeout_s,
         sampling_parity=sampling_parity,
         divergence_watch=divergence_watch,
+        route_store=route_store,
     )
     # One worker: rendering and tokenising stay off the event loop, and the tokenizer is only ever
     # used from one thread.

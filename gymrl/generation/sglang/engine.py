@@ -18,7 +18,9 @@ The HTTP API used (SGLang 0.5.23, pinned exactly: `sglang/srt/entrypoints/http_s
   token (the stop token included), `meta_info.completion_tokens` and `meta_info.finish_reason`
   (`{"type": "stop"|"length"|"abort", ...}`). Besides the request's stop ids the server stops at
   the model's own end ids (`config.json` and `generation_config.json` `eos_token_id`), which the
-  engine is given as `end_token_ids` for the abort cut.
+  engine is given as `end_token_ids` for the abort cut. With router replay the body adds
+  `return_routed_experts: true` and `routed_experts_start_len` (at most the prompt's length),
+  and the answer carries `meta_info.routed_experts` (:func:`parse_routed_experts`).
 * `POST /pause_generation {"mode": "abort"}`, `POST /update_weights_from_disk {"model_path",
   "weight_version", "flush_cache": false}`, `POST /flush_cache`, `POST /continue_generation {}`:
   the refit sequence (the broadcast's own calls are `gymrl.generation.sglang.weight_sync`'s).
@@ -60,6 +62,7 @@ refused until the scheduler is idle and is retried until `FLUSH_DEADLINE_S`.
 from __future__ import annotations
 
 import asyncio
+import base64
 import math
 import os
 import shutil
@@ -71,6 +74,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import orjson
 import torch
 from safetensors.torch import save_file
@@ -87,6 +91,8 @@ from gymrl.generation.types import (
     FinishReason,
     GenerationOutput,
     GenerationRequest,
+    RoutedExperts,
+    RouteLayout,
     UnsupportedRequestError,
 )
 from gymrl.run.atomic import atomic_folder
@@ -107,8 +113,14 @@ class SGLangTimeoutError(SGLangError, TimeoutError):
     """A server did not answer within its deadline."""
 
 
-def generate_payload(prompt_token_ids: Sequence[int], request: GenerationRequest, budget: int):
-    """The `/generate` body for `prompt_token_ids` with at most `budget` new tokens."""
+def generate_payload(
+    prompt_token_ids: Sequence[int],
+    request: GenerationRequest,
+    budget: int,
+    routes_from: int | None = None,
+):
+    """The `/generate` body for `prompt_token_ids` with at most `budget` new tokens; with
+    `routes_from`, asking for the experts each position from there on was routed to."""
     params = request.params
     sampling: dict[str, Any] = {
         "max_new_tokens": budget,
@@ -120,12 +132,71 @@ def generate_payload(prompt_token_ids: Sequence[int], request: GenerationRequest
     if params.seed is not None:
         # Honoured by SGLang only under --enable-deterministic-inference; otherwise ignored.
         sampling["sampling_seed"] = params.seed
-    return {
+    payload: dict[str, Any] = {
         "input_ids": list(prompt_token_ids),
         "sampling_params": sampling,
         "return_logprob": True,
         "logprob_start_len": -1,
     }
+    if routes_from is not None:
+        payload["return_routed_experts"] = True
+        payload["routed_experts_start_len"] = routes_from
+    return payload
+
+
+def parse_routed_experts(
+    url: str,
+    body: Any,
+    layout: RouteLayout,
+    *,
+    start: int,
+    sequence_length: int,
+    aborted: bool,
+) -> RoutedExperts | None:
+    """The routes of one `/generate` answer asked from position `start` of a sequence of
+    `sequence_length` tokens (prompt plus this answer's tokens).
+
+    SGLang returns `meta_info.routed_experts` as base64 of little-endian int32
+    `[sequence_length - 1 - start, layers, top-k]` (`sglang/srt/state_capturer/routed_experts.py`).
+    An aborted answer may carry none (aborted while waiting): None. A finished answer without
+    them is a server started without `--enable-return-routed-experts`; rows of another count
+    could not be placed on positions (SGLang itself logs such a mismatch as a bug): both raise.
+    """
+    encoded = body["meta_info"].get("routed_experts")
+    where = f"SGLang server {url}: /generate answer"
+    if encoded is None:
+        if aborted:
+            return None
+        raise SGLangError(
+            f"{where} has no meta_info.routed_experts although return_routed_experts was true; "
+            "the server must run with --enable-return-routed-experts "
+            "(policy.router_replay.enabled adds it)"
+        )
+    flat = np.frombuffer(base64.b64decode(encoded), dtype="<i4")
+    per_position = layout.num_layers * layout.experts_per_token
+    expected = max(0, sequence_length - 1 - start)
+    if flat.size != expected * per_position:
+        raise SGLangError(
+            f"{where}: routed_experts holds {flat.size} ids, expected {expected} positions x "
+            f"{layout.num_layers} layers x {layout.experts_per_token} experts (from position "
+            f"{start} of {sequence_length})"
+        )
+    rows = flat.reshape(expected, layout.num_layers, layout.experts_per_token)
+    try:
+        return RoutedExperts(start=start, rows=layout.narrowed(rows))
+    except ValueError as error:
+        raise SGLangError(f"{where}: {error}") from error
+
+
+def joined_routes(
+    pieces: Sequence[RoutedExperts], layout: RouteLayout, *, start: int, end: int
+) -> RoutedExperts:
+    """Pieces that follow each other from `start` (a resumed generation's: each asked from
+    where the previous one stopped), as one run cut at `end`: a generation whose last piece
+    was cut at a stop token ends earlier than that piece's routes."""
+    empty = np.empty((0, layout.num_layers, layout.experts_per_token), dtype=layout.dtype)
+    joined = np.concatenate([empty, *(piece.rows for piece in pieces)])
+    return RoutedExperts(start=start, rows=joined[: max(0, end - start)])
 
 
 def parse_generate_response(url: str, body: Any) -> tuple[list[int], list[float], str, str]:
@@ -198,13 +269,16 @@ class SGLangEngine:
         end_token_ids: Iterable[int] = (),
         weights_checker: WeightsChecker | None = None,
         honours_seeds: bool = False,
+        route_layout: RouteLayout | None = None,
     ) -> None:
         """`end_token_ids`: the model's own end ids, where the servers stop every request
         whatever its stop ids (:func:`gymrl.model.tokens.model_end_token_ids`).
         `weights_checker`: the check each refit gets; None: none. The servers hold the weights
         of `weight_version` when the engine starts. `honours_seeds`: the servers run with
         `--enable-deterministic-inference`, the only mode in which SGLang uses a request's
-        `sampling_seed`; without it a request with a seed is refused."""
+        `sampling_seed`; without it a request with a seed is refused. `route_layout`: the MoE
+        model's routes, when the servers capture them for router replay
+        (`--enable-return-routed-experts`); a request with `routes_from` needs it."""
         if not server_urls:
             raise ValueError("SGLangEngine needs at least one server URL")
         urls = [url.rstrip("/") for url in server_urls]
@@ -223,6 +297,7 @@ class SGLangEngine:
             )
         self._urls = urls
         self._honours_seeds = honours_seeds
+        self._route_layout = route_layout
         self._request_timeout_s = request_timeout_s
         self._refit_timeout_s = refit_timeout_s
         self._refit_dir = None if refit_dir is None else Path(refit_dir)
@@ -259,8 +334,10 @@ class SGLangEngine:
         *,
         refit_dir: str | os.PathLike[str] | None = None,
         end_token_ids: Iterable[int] = (),
+        route_layout: RouteLayout | None = None,
     ) -> SGLangEngine:
-        """A client of `server_urls` with the config's deadlines.
+        """A client of `server_urls` with the config's deadlines (`route_layout`: with router
+        replay, see :class:`SGLangEngine`).
 
         A refit loads a checkpoint, which takes about as long as loading it at start-up, so it
         shares the start-up deadline.
@@ -279,6 +356,7 @@ class SGLangEngine:
             end_token_ids=end_token_ids,
             weights_checker=checker_for(generation.refit),
             honours_seeds=generation.launch.deterministic_inference,
+            route_layout=route_layout,
         )
 
     @property
@@ -324,11 +402,17 @@ class SGLangEngine:
         An abort is the refit's when a refit was under way when the piece was sent or started
         after it: a request admitted between the engine starting a refit and the server pausing
         is aborted by that pause too, and is resumed like the others, not failed.
+
+        With `routes_from`, each piece asks for the routes of the positions not yet covered, so
+        a resumed generation keeps the routes its tokens were generated with (those of an
+        aborted piece, where its answer carries them), and only positions no piece reported are
+        routed again, under the weights the generation resumes with.
         """
         prompt = list(request.prompt_token_ids)
         stops = frozenset(request.params.stop_token_ids) | self._end_ids
         tokens: list[int] = []
         logprobs: list[float] = []
+        routes: list[RoutedExperts] = []
         version: int | None = None
         for _attempt in range(MAX_RESUMES + 1):
             with self._state_lock:
@@ -336,30 +420,37 @@ class SGLangEngine:
             version = current if version is None else min(version, current)
             budget = request.params.max_new_tokens - len(tokens)
             sent = prompt + tokens
+            routes_from = self._routes_from(request, routes)
             server = self._acquire(sent)
             url = self._urls[server]
             answered: list[int] | None = None
             try:
-                body = await self._post(url, "/generate", generate_payload(sent, request, budget))
+                body = await self._post(
+                    url, "/generate", generate_payload(sent, request, budget, routes_from)
+                )
                 new_tokens, new_logprobs, finish, message = parse_generate_response(url, body)
                 if finish != "abort":
                     self._check_server_version(url, body, current)
                 answered = sent + new_tokens
             finally:
                 self._release(server, answered)
+            if routes_from is not None:
+                piece = parse_routed_experts(
+                    url,
+                    body,
+                    self._route_layout,
+                    start=routes_from,
+                    sequence_length=len(answered),
+                    aborted=finish == "abort",
+                )
+                routes += [piece] if piece is not None else []
             if finish == "abort":
                 new_tokens, finish = cut_at_stop_token(new_tokens, stops)
                 new_logprobs = new_logprobs[: len(new_tokens)]
             tokens += new_tokens
             logprobs += new_logprobs
             if finish in ("stop", "length"):
-                return GenerationOutput(
-                    token_ids=tokens,
-                    logprobs=logprobs,
-                    finish_reason=_finish_reason(finish),
-                    weight_version=version,
-                    prompt_token_ids=prompt,
-                )
+                return self._output(request, prompt, tokens, logprobs, finish, version, routes)
             if finish != "abort":
                 raise SGLangError(f"SGLang server {url}: unknown finish_reason.type {finish!r}")
             with self._state_lock:
@@ -367,16 +458,45 @@ class SGLangEngine:
             if not refit_caused:
                 raise SGLangError(f"SGLang server {url} aborted the request: {message}")
             if len(tokens) >= request.params.max_new_tokens:
-                return GenerationOutput(
-                    token_ids=tokens,
-                    logprobs=logprobs,
-                    finish_reason="length",
-                    weight_version=version,
-                    prompt_token_ids=prompt,
-                )
+                return self._output(request, prompt, tokens, logprobs, "length", version, routes)
         raise SGLangError(
             f"a generation was interrupted by {MAX_RESUMES + 1} refits without finishing; refits "
             "come faster than one generation takes: lower max_new_tokens or refit less often"
+        )
+
+    @staticmethod
+    def _routes_from(request: GenerationRequest, routes: Sequence[RoutedExperts]) -> int | None:
+        """The first position the next piece asks routes for: the request's, or past the
+        positions earlier pieces covered."""
+        if request.routes_from is None:
+            return None
+        return routes[-1].end if routes else request.routes_from
+
+    def _output(
+        self,
+        request: GenerationRequest,
+        prompt: list[int],
+        tokens: list[int],
+        logprobs: list[float],
+        finish: str,
+        version: int,
+        routes: Sequence[RoutedExperts],
+    ) -> GenerationOutput:
+        routed = None
+        if request.routes_from is not None:
+            routed = joined_routes(
+                routes,
+                self._route_layout,
+                start=request.routes_from,
+                end=len(prompt) + len(tokens) - 1,
+            )
+        return GenerationOutput(
+            token_ids=tokens,
+            logprobs=logprobs,
+            finish_reason=_finish_reason(finish),
+            weight_version=version,
+            prompt_token_ids=prompt,
+            routed_experts=routed,
         )
 
     def _check_server_version(self, url: str, body: Any, sent_under: int) -> None:
@@ -398,6 +518,17 @@ class SGLangEngine:
 
     def _validate(self, index: int, request: GenerationRequest) -> None:
         _check_request(index, request)
+        if request.routes_from is not None:
+            if self._route_layout is None:
+                raise ValueError(
+                    f"requests[{index}] asks for routed experts, but this engine was made "
+                    "without a route layout (policy.router_replay.enabled=false)"
+                )
+            if not 0 <= request.routes_from <= len(request.prompt_token_ids):
+                raise ValueError(
+                    f"requests[{index}].routes_from={request.routes_from} must lie in "
+                    f"[0, {len(request.prompt_token_ids)}] (the prompt's tokens)"
+                )
         if request.params.seed is not None and not self._honours_seeds:
             raise UnsupportedRequestError(
                 f"seed={request.params.seed}: the SGLang servers ignore a request's seed unless "

@@ -41,17 +41,33 @@ def pretrained_needs_path(config: RecipeConfig) -> list[ConfigIssue]:
 
 
 def router_replay_needs_moe(config: RecipeConfig) -> list[ConfigIssue]:
+    """Router replay replays the routes an MoE model's SGLang servers captured: a dense policy
+    has none, and the torch engine captures none."""
     policy = config.policy
-    if not policy.router_replay.enabled or policy.is_moe:
+    if not policy.router_replay.enabled:
         return []
-    return [
-        ConfigIssue(
-            "policy.router_replay.enabled",
-            True,
-            "router replay needs an MoE policy",
-            "set policy.router_replay.enabled=false or use an MoE policy (is_moe=true)",
+    issues = []
+    if not policy.is_moe:
+        issues.append(
+            ConfigIssue(
+                "policy.router_replay.enabled",
+                True,
+                "router replay needs an MoE policy",
+                "set policy.router_replay.enabled=false or use an MoE policy (is_moe=true)",
+            )
         )
-    ]
+    if config.generation.backend != "sglang":
+        issues.append(
+            ConfigIssue(
+                "generation.backend",
+                config.generation.backend,
+                "router replay needs each token's experts from the generation engine, which "
+                "only the SGLang servers report (--enable-return-routed-experts)",
+                "set generation=sglang (generation=sglang_cpu on a CPU), or "
+                "policy.router_replay.enabled=false",
+            )
+        )
+    return issues
 
 
 def context_fits(config: RecipeConfig) -> list[ConfigIssue]:

@@ -3,7 +3,7 @@
 The package, by concern: `arguments` (config -> Megatron arguments), `batches` (micro-batch
 planning, the context-parallel layout), `distributed` (the torch.distributed environment),
 `logprobs` (vocabulary-parallel log-probabilities), `checkpointing` (distributed checkpoints and
-the Hugging Face export), `worker` (one rank, `MegatronPolicyTrainer`) and `group` (the ranks as
+the Hugging Face export), `router_replay` (the engine's routes in the routers), `worker` (one rank, `MegatronPolicyTrainer`) and `group` (the ranks as
 Ray actors, `MegatronTrainerGroup`, which `gymrl.roles.trainer` drives).
 
 Megatron-core and Megatron-Bridge need CUDA, so they are imported inside the methods that use
@@ -58,7 +58,9 @@ model's and the distributed optimizer's sharded state dicts) inside the folder l
 resume state (`gymrl.run.checkpoint.TrainerState`: step, weight version, data position, every rank's
 RNG states; the scheduler in `extra`) of the torch trainer.
 
+Router replay (`policy.router_replay.enabled`, `router_replay`): every MoE router of the rank
+takes each micro-batch's routes, the experts SGLang routed each token to, sliced like its tokens.
+
 Unsupported here, refused at construction with the fix: a KL term (it needs a reference model,
-a second full copy of the weights per rank) and MoE router replay (trajectories carry no routing
-decisions yet).
+a second full copy of the weights per rank).
 """

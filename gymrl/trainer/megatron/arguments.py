@@ -69,6 +69,9 @@ def provider_overrides(config: RecipeConfig) -> dict[str, Any]:
         }
     if config.policy.is_moe:
         overrides["moe_router_load_balancing_type"] = "none"
+        if config.policy.router_replay.enabled:
+            # The fused top-k skips the router's replay (gymrl.trainer.megatron.router_replay).
+            overrides["moe_router_fusion"] = False
         if trainer.transformer_impl == "local":
             overrides |= {"moe_grouped_gemm": False, "moe_permute_fusion": False}
     if trainer.activation_checkpointing:

@@ -7,6 +7,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from gymrl.algo.trajectory import Trajectory, collate
@@ -96,7 +97,30 @@ def build_micro_batch(
     labels[:, :-1] = batch["input_ids"][:, 1:]
     batch["labels"] = labels
     batch["position_ids"] = torch.arange(micro_batch.seq_length).expand_as(labels).contiguous()
+    routes = micro_batch_routes(rows, micro_batch.seq_length)
+    if routes is not None:
+        batch["routed_experts"] = routes
     return batch
+
+
+def micro_batch_routes(rows: Sequence[Trajectory], seq_length: int) -> torch.Tensor | None:
+    """Router replay: the rows' routed experts `[B, seq_length, layers, top-k]`, -1 where none
+    arrived (the trajectory's missing id, padding, filler rows); None when no row has routes.
+    int16 holds every expert id of a uint8 layout (up to 254) at a quarter of int64's bytes."""
+    routed = [row.routed_experts for row in rows if row.routed_experts is not None]
+    if not routed:
+        return None
+    _, layers, top_k = routed[0].shape
+    wide = any(routes.dtype.itemsize > 1 for routes in routed)
+    dtype = np.int32 if wide else np.int16
+    out = np.full((len(rows), seq_length, layers, top_k), -1, dtype=dtype)
+    for index, row in enumerate(rows):
+        routes = row.routed_experts
+        if routes is None:
+            continue
+        present = routes != np.iinfo(routes.dtype).max
+        out[index, : len(routes)][present] = routes[present]
+    return torch.from_numpy(out)
 
 
 # ----------------------------------------------------------------------- context parallelism

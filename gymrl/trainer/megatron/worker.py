@@ -42,6 +42,7 @@ from gymrl.trainer.megatron.checkpointing import (
 )
 from gymrl.trainer.megatron.distributed import DIST_TIMEOUT, local_rank_from_env
 from gymrl.trainer.megatron.logprobs import token_logprobs
+from gymrl.trainer.megatron.router_replay import install_route_replay, local_routes, set_routes
 from gymrl.trainer.parity_gate import PASSED_METRIC, ParityCheck, ParityGateError
 
 NOTHING_TRAINED = {"num_tokens": 0.0, "num_sequences": 0.0}
@@ -104,6 +105,9 @@ class MegatronPolicyTrainer:
         model_config.finalize_model_grads_func = finalize_model_grads
         model_config.grad_scale_func = self._optimizer.scale_loss
         self._vocab_size = self._bridge.hf_pretrained.config.vocab_size
+        self._route_replays = (
+            install_route_replay(self._model) if config.policy.router_replay.enabled else []
+        )
         self._normalizer = 1.0
         self._loss_scale = 1.0
         self.weight_version = 0
@@ -230,15 +234,18 @@ class MegatronPolicyTrainer:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         forward_backward = get_forward_backward_func()
-        return forward_backward(
-            forward_step_func=partial(self._forward_step, step_fn),
-            data_iterator=iter(batches),
-            model=self._model,
-            num_microbatches=len(batches),
-            seq_length=batches[0][0]["input_ids"].shape[1],
-            micro_batch_size=batches[0][0]["input_ids"].shape[0],
-            forward_only=forward_only,
-        )
+        try:
+            return forward_backward(
+                forward_step_func=partial(self._forward_step, step_fn),
+                data_iterator=iter(batches),
+                model=self._model,
+                num_microbatches=len(batches),
+                seq_length=batches[0][0]["input_ids"].shape[1],
+                micro_batch_size=batches[0][0]["input_ids"].shape[0],
+                forward_only=forward_only,
+            )
+        finally:  # no later forward (an export, a check) replays this step's routes
+            set_routes(self._route_replays, None)
 
     def _forward_step(self, step_fn, data_iterator, model):
         """`data_iterator` yields (micro-batch tensors, the agent of each row)."""
@@ -252,9 +259,29 @@ class MegatronPolicyTrainer:
         ).cuda()
         input_ids = batch["input_ids"].index_select(1, local)
         position_ids = batch["position_ids"].index_select(1, local)
+        if self._route_replays:
+            self._replay_routes(batch, local)
         # Causal attention over right-padded rows needs no mask: no real token sees padding.
         output = model(input_ids, position_ids, None)
         return output, partial(step_fn, batch, agents, local)
+
+    def _replay_routes(self, batch: Mapping[str, torch.Tensor], local: torch.Tensor) -> None:
+        """Give every router this micro-batch's routes for the tokens it sees (kept until the
+        next micro-batch's, so a recomputation in the backward pass replays them too)."""
+        if "routed_experts" not in batch:  # no row collected any: the live router decides
+            set_routes(self._route_replays, None)
+            return
+        ps = self._ps
+        sequence_parallel = self._trainer.sequence_parallel
+        tokens = local_routes(
+            batch["routed_experts"],
+            local,
+            sequence_parallel_rank=ps.get_tensor_model_parallel_rank()
+            if sequence_parallel
+            else None,
+            sequence_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        )
+        set_routes(self._route_replays, tokens)
 
     def _token_logprobs(self, batch, local, logits: torch.Tensor) -> torch.Tensor:
         return token_logprobs(

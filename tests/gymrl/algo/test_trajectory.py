@@ -2,6 +2,7 @@
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -127,3 +128,19 @@ def test_collate_checks_advantages_shape():
 def test_collate_of_only_masked_samples_is_an_empty_batch():
     batch = collate([_trajectory([], [], [])], advantages=torch.tensor([3.0]), pad_token_id=0)
     assert batch["input_ids"].shape == (0, 0) and batch["advantages"].shape == (0,)
+
+
+def test_each_model_calls_end_is_kept_for_its_routes():
+    """Router replay assembles an episode's routes from each call's sequence: the prefix up to
+    the call's last generated token."""
+    trajectory = Trajectory.from_postprocessed(
+        _postprocessed(_result()), group_id="g", weight_version=0
+    )
+    assert trajectory.call_ends == (5, 8)  # [1, 2, 3] -> [4, 5]; [.., 6, 7] -> [8]
+    assert trajectory.route_coverage() == (0, 7)
+    routes = np.zeros((8, 2, 1), np.uint8)
+    routes[2] = 255
+    routed = replace(trajectory, routed_experts=routes)
+    assert routed.route_coverage() == (6, 7)
+    with pytest.raises(ValueError, match=r"must be \[8 tokens, layers, top-k\]"):
+        replace(trajectory, routed_experts=routes[:7])

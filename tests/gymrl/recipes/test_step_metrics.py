@@ -3,8 +3,10 @@ per-agent trainer-engine figures, the infrastructure failure rate, dynamic sampl
 overlong summary fields (computed from real trainer metrics and real producer counts, no Ray);
 issue 22's response lengths and clipped shares; and the engine's figures over a step's window."""
 
+import dataclasses
 import math
 
+import numpy as np
 import torch
 
 from gymrl.algo.loss import grpo_loss
@@ -13,9 +15,15 @@ from gymrl.config.schema.loss import OffPolicyCorrectionConfig
 from gymrl.experience.producer import ProducerCounts
 from gymrl.experience.rollout_group import RolloutGroup
 from gymrl.generation.server.divergence_watch import DivergenceCounts
+from gymrl.generation.server.route_store import RouteStoreCounts
 from gymrl.generation.server.sampling_rules import SamplingCounts
 from gymrl.generation.torch.engine import EngineCounters
-from gymrl.recipes.step_metrics import EngineSnapshot, engine_metrics, step_metrics
+from gymrl.recipes.step_metrics import (
+    EngineSnapshot,
+    engine_metrics,
+    router_replay_metrics,
+    step_metrics,
+)
 from tests.support.metric_docs import documented_patterns
 
 
@@ -70,6 +78,11 @@ def test_a_steps_new_keys_are_logged_and_documented():
     assert "train/calc/length_penalty/mean" in metrics
     assert "train/calc/overlong_masked/max" in metrics
     assert not [k for k in metrics if k.startswith("train/by_agent/")]  # totals stay internal
+    # trainer - engine per generated token: 0.1, 0, 0, -1.3; only -1.3 is beyond ln 2.
+    deltas = torch.tensor([0.1, 0.0, 0.0, -1.3])
+    expected_k3 = float((deltas.exp() - 1 - deltas).mean())
+    assert math.isclose(metrics["train/mismatch/k3_kl"], expected_k3, rel_tol=1e-6)
+    assert metrics["train/mismatch/large_delta_share"] == 0.25
     patterns = documented_patterns()
     undocumented = [k for k in metrics if not any(p.match(k) for p in patterns)]
     assert undocumented == []
@@ -170,3 +183,25 @@ def test_an_idle_window_gives_nan_ratios_and_sglang_engines_no_perf_keys():
     )
     assert sglang["generation/sampling_rejected"] == 1.0
     assert not [k for k in sglang if k.startswith("perf/")]
+
+
+def test_router_replay_figures_count_the_positions_that_need_routes():
+    """Positions but each sequence's last need routes; those at the missing id (255) fell back
+    to the live router. Masked samples hold no tokens and need none."""
+    routed = np.full((7, 2, 2), 3, np.uint8)
+    routed[1] = routed[6] = 255  # one position lost, and the last token (never counted)
+    first = dataclasses.replace(_episode([2, 2]), routed_experts=routed)
+    second = dataclasses.replace(_episode([1, 1]), routed_experts=np.full((5, 2, 2), 255, np.uint8))
+    masked = Trajectory([], [], [], 0.0, "calc", "calc-g", 0)
+    held = RouteStoreCounts(held_calls=2, held_bytes=3 << 20, evicted_calls=4)
+    metrics = router_replay_metrics([first, second, masked], held)
+    assert metrics == {
+        "router_replay/route_rows_expected": 10.0,
+        "router_replay/route_rows_received": 5.0,
+        "router_replay/fallback_token_share": 0.5,
+        "router_replay/bytes_per_token": 4.0,
+        "router_replay/held_mib": 3.0,
+        "router_replay/evicted_calls": 4.0,
+    }
+    patterns = documented_patterns()
+    assert [k for k in metrics if not any(p.match(k) for p in patterns)] == []

@@ -22,8 +22,17 @@ def moe_config(*, ep: int, ranks: int) -> RecipeConfig:
     return megatron_run_config(["policy=tiny_qwen3_moe"], ep=ep, ranks=ranks)
 
 
-def _start_rank(rank: int, world_size: int, port: int, *, ep: int, temperature: float) -> Any:
-    """This process as rank `rank` of `world_size`: the CPU shim, the rendezvous, the trainer."""
+def _start_rank(
+    rank: int,
+    world_size: int,
+    port: int,
+    *,
+    ep: int,
+    temperature: float,
+    config: RecipeConfig | None = None,
+) -> Any:
+    """This process as rank `rank` of `world_size`: the CPU shim, the rendezvous, the trainer
+    (of `config`, else :func:`moe_config`'s)."""
     from gymrl.trainer.megatron.distributed import distributed_env
     from gymrl.trainer.megatron.worker import MegatronPolicyTrainer
     from tests.support.megatron_cpu_shim import megatron_on_cpu
@@ -34,7 +43,8 @@ def _start_rank(rank: int, world_size: int, port: int, *, ep: int, temperature: 
     torch.set_num_threads(1)
     os.environ.update(distributed_env(rank, world_size, "127.0.0.1", port))
     os.environ["LOCAL_RANK"] = str(rank)  # all ranks on this machine
-    return MegatronPolicyTrainer(moe_config(ep=ep, ranks=world_size), temperature=temperature)
+    config = config or moe_config(ep=ep, ranks=world_size)
+    return MegatronPolicyTrainer(config, temperature=temperature)
 
 
 def _everyones(mine: Any) -> list[Any]:
@@ -163,3 +173,68 @@ def expert_parallel_refit_run(
     if rank == 0:
         torch.save(seen, out)
     torch.distributed.destroy_process_group()
+
+
+def router_replay_run(rank: int, world_size: int, port: int, routes_path: str, out: str) -> None:
+    """One rank of the trainer at EP `world_size` with router replay on: the log-probabilities
+    of the fixed batch with the routers' own choices, with the routes in `routes_path` (one
+    `[tokens, layers, top-k]` uint8 array per trajectory, the missing id where none), with
+    every route moved to the next expert, and with no route at all; then one train step on the
+    moved routes, and the routers' weights before and after it. Rank 0 saves it all to `out`."""
+    import dataclasses
+
+    import numpy as np
+
+    from tests.gymrl.trainer.megatron_setup import megatron_batch
+
+    config = megatron_run_config_r3(ep=world_size, ranks=world_size)
+    trainer = _start_rank(rank, world_size, port, ep=world_size, temperature=0.8, config=config)
+    trajectories, advantages = megatron_batch(trainer._vocab_size)
+    routes = torch.load(routes_path, weights_only=False)
+    experts = config.policy.tiny_moe.num_experts
+
+    def with_routes(chosen: list[Any]) -> list[Any]:
+        return [
+            dataclasses.replace(t, routed_experts=r)
+            for t, r in zip(trajectories, chosen, strict=True)
+        ]
+
+    def logprobs(batch: list[Any]) -> dict[int, list[float]]:
+        found: dict[int, list[float]] = {}
+        for part in _everyones(trainer.compute_logprobs(batch)):
+            found |= part
+        return found
+
+    moved = [
+        np.where(r == np.iinfo(r.dtype).max, r, (r.astype(np.int64) + 1) % experts).astype(r.dtype)
+        for r in routes
+    ]
+    missing = [np.full_like(r, np.iinfo(r.dtype).max) for r in routes]
+
+    def routers() -> dict[str, torch.Tensor]:
+        return {k: v for k, v in trainer.export_weights().items() if k.endswith("mlp.gate.weight")}
+
+    seen: dict[str, Any] = {
+        "routers": len(trainer._route_replays),
+        "loss_masks": [t.loss_mask for t in trajectories],
+        "live": logprobs(trajectories),
+        "replayed": logprobs(with_routes(routes)),
+        "moved": logprobs(with_routes(moved)),
+        "missing": logprobs(with_routes(missing)),
+        "routers_before": routers(),
+    }
+    seen["metrics"] = _step(trainer, with_routes(moved), advantages)
+    seen["routers_after"] = routers()
+    seen["cleared"] = all(replay.target is None for replay in trainer._route_replays)
+    if rank == 0:
+        torch.save(seen, out)
+    torch.distributed.destroy_process_group()
+
+
+def megatron_run_config_r3(*, ep: int, ranks: int) -> RecipeConfig:
+    """:func:`moe_config` with router replay on."""
+    from tests.gymrl.trainer.megatron_setup import megatron_run_config
+
+    return megatron_run_config(
+        ["policy=tiny_qwen3_moe", "policy.router_replay.enabled=true"], ep=ep, ranks=ranks
+    )

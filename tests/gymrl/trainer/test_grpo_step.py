@@ -64,6 +64,8 @@ def test_reduce_loss_metrics_sums_losses_weights_means_and_ignores_fillers():
         "importance_ratio/mean": 1.2,
         "importance_ratio/max": 0.9,
         "approx_entropy": 2.0,
+        "mismatch/k3_kl": 0.004,
+        "mismatch/large_delta_share": 0.0,
         "num_tokens": 3.0,
     }
     second = base | {
@@ -71,6 +73,8 @@ def test_reduce_loss_metrics_sums_losses_weights_means_and_ignores_fillers():
         "importance_ratio/mean": 0.8,
         "importance_ratio/max": 0.95,
         "approx_entropy": 1.0,
+        "mismatch/k3_kl": 0.008,
+        "mismatch/large_delta_share": 1.0,
         "num_tokens": 1.0,
     }
     filler = {key: 0.0 for key in first} | {
@@ -82,6 +86,8 @@ def test_reduce_loss_metrics_sums_losses_weights_means_and_ignores_fillers():
     assert math.isclose(merged["clip_fraction"], 0.375)
     assert math.isclose(merged["importance_ratio/mean"], 1.1)
     assert math.isclose(merged["approx_entropy"], 1.75)
+    assert math.isclose(merged["mismatch/k3_kl"], 0.005)  # weighted by tokens, as the means
+    assert math.isclose(merged["mismatch/large_delta_share"], 0.25)
     assert merged["importance_ratio/max"] == 0.95
     with pytest.raises(ValueError, match="no metrics"):
         reduce_loss_metrics([])

@@ -14,6 +14,8 @@ from gymrl.algo.loss import grpo_loss
 from gymrl.cluster.placement import trainer_gpus
 from gymrl.config.schema.loss import OffPolicyCorrectionConfig
 from gymrl.config.schema.policy import RouterReplayConfig
+from gymrl.config.schema.trainer import TorchTrainerConfig
+from gymrl.trainer.capabilities import unsupported_by_trainer
 from gymrl.trainer.grpo_step import loss_normalizer
 from gymrl.trainer.megatron.arguments import (
     data_parallel_size,
@@ -92,12 +94,10 @@ def test_unsupported_settings_name_key_and_fix(swe_config):
     config = _replace(
         swe_config,
         loss={"kl_coef": 0.1},
-        policy={"router_replay": RouterReplayConfig(enabled=True)},
         trainer={"transformer_impl": "local"},  # swe_bench_30b uses context parallelism
     )
     problems = unsupported_settings(config)
     assert any("loss.kl_coef = 0.1" in p and "set loss.kl_coef=0" in p for p in problems)
-    assert any("policy.router_replay.enabled = True" in p for p in problems)
     assert any(
         "trainer.transformer_impl = 'local'" in p and "context_parallel_size=1" in p
         for p in problems
@@ -301,3 +301,40 @@ def test_distributed_env():
     }
     with pytest.raises(ValueError, match="rank=8"):
         distributed_env(8, 8, "h", 1)
+
+
+def test_router_replay_is_the_megatron_trainers_and_the_torch_trainer_refuses_it(swe_config):
+    """Router replay on the flagship's layout (SGLang generation, an MoE policy) is accepted by
+    the Megatron trainer and refused by the torch trainer, by name, with the fix."""
+    replay = {"router_replay": RouterReplayConfig(enabled=True)}
+    megatron = _replace(swe_config, policy=replay)
+    assert not [i for i in unsupported_by_trainer(megatron) if "router_replay" in i.key]
+    torch_trainer = megatron.model_copy(update={"trainer": TorchTrainerConfig()})
+    [issue] = [i for i in unsupported_by_trainer(torch_trainer) if "router_replay" in i.key]
+    assert "the torch trainer does not replay MoE routing" in issue.problem
+    assert issue.fix == "set trainer=megatron, or policy.router_replay.enabled=false"
+
+
+def test_router_replay_with_pipeline_stages_and_recomputation_is_refused(swe_config):
+    """A pipeline schedule runs later micro-batches' forwards before an earlier one's backward,
+    whose recomputation would replay their routes."""
+    config = _replace(
+        swe_config,
+        policy={"router_replay": RouterReplayConfig(enabled=True)},
+        trainer={"pipeline_model_parallel_size": 2, "activation_checkpointing": True},
+    )
+    [issue] = [
+        i for i in unsupported_by_trainer(config) if i.key == "trainer.pipeline_model_parallel_size"
+    ]
+    assert "trainer.activation_checkpointing=false" in issue.fix
+    fine = _replace(config, trainer={"activation_checkpointing": False})
+    assert not [
+        i for i in unsupported_by_trainer(fine) if i.key == "trainer.pipeline_model_parallel_size"
+    ]
+
+
+def test_router_replay_switches_the_fused_router_off(swe_config):
+    """The fused top-k kernel skips the router's replay without a word."""
+    replay = _replace(swe_config, policy={"router_replay": RouterReplayConfig(enabled=True)})
+    assert provider_overrides(replay)["moe_router_fusion"] is False
+    assert "moe_router_fusion" not in provider_overrides(swe_config)

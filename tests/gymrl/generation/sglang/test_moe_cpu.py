@@ -12,6 +12,7 @@ server (two ranks, 60-130 s to start on two busy cores) is also `slow`.
 from __future__ import annotations
 
 import base64
+import json
 import shutil
 import time
 from collections.abc import Iterator
@@ -24,11 +25,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gymrl.config.schema.policy import TinyMoeConfig
+from gymrl.generation.server.route_store import RouteStore, routes_from
 from gymrl.generation.sglang.engine import SGLangEngine
 from gymrl.generation.sglang.refit_checks.read_back import WeightMismatchError
 from gymrl.generation.sglang.refit_checks.weights_checker import WeightsChecker
 from gymrl.generation.sglang.servers import SGLangServerProcess
-from gymrl.generation.types import GenerationRequest, SamplingParams
+from gymrl.generation.types import GenerationRequest, RouteLayout, SamplingParams
 from gymrl.model.loading import load_pretrained
 from gymrl.model.tokens import model_end_token_ids
 from tests.support.real_sglang import start_cpu_server
@@ -206,6 +208,89 @@ def test_expert_parallel_2_serves_what_one_rank_serves(
             rtol=0,
             atol=LOGPROB_TOLERANCE,
         )
+
+
+def _route_layout(folder: Path) -> RouteLayout:
+    return RouteLayout.of_model_config(json.loads((folder / "config.json").read_text()))
+
+
+def _route_engine(url: str, folder: Path) -> SGLangEngine:
+    """The project's client of the MoE server, asking for routes (router replay)."""
+    return SGLangEngine(
+        [url],
+        request_timeout_s=120.0,
+        refit_timeout_s=120.0,
+        end_token_ids=model_end_token_ids(folder),
+        route_layout=_route_layout(folder),
+    )
+
+
+def test_each_turn_brings_only_the_routes_the_previous_turn_lacked(
+    moe_server, tiny_moe_dir, reference, tokenizer, prompt
+):
+    """Two turns of one conversation through the client and the policy server's route store:
+    the second asks from the first's last sampled token (`routes_from`), so no position crosses
+    the wire twice; assembled, the episode has every position's routes but the last token's,
+    and they are transformers' top-k."""
+    store = RouteStore(_route_layout(tiny_moe_dir), max_bytes=1 << 20)
+    with _route_engine(moe_server.base_url, tiny_moe_dir) as engine:
+        first = GenerationRequest(prompt, SamplingParams(max_new_tokens=8, temperature=0.0), 0)
+        [one] = engine.generate([first])
+        seen = prompt + one.token_ids
+        assert (one.routed_experts.start, one.routed_experts.end) == (0, len(seen) - 1)
+        store.put(seen, one.routed_experts)
+        follow_up = seen + tokenizer("\nuser\nAnd 4+4?\nassistant\n")["input_ids"]
+        second = GenerationRequest(
+            follow_up,
+            SamplingParams(max_new_tokens=8, temperature=0.0),
+            routes_from=routes_from(len(seen)),
+        )
+        [two] = engine.generate([second])
+    episode = follow_up + two.token_ids
+    assert (two.routed_experts.start, two.routed_experts.end) == (len(seen) - 1, len(episode) - 1)
+    store.put(episode, two.routed_experts)
+    assembled = store.assemble(episode, [len(seen), len(episode)])
+    assert assembled.received == assembled.expected == len(episode) - 1
+    assert store.counts().held_calls == 0  # each call's routes handed out once
+    _, routers = _teacher_forced(reference, episode)
+    rows = assembled.rows[: len(episode) - 1]
+    assert _route_differences(rows, routers[: len(episode) - 1]) == []
+
+
+def test_a_generation_resumed_after_a_refit_keeps_the_routes_of_its_first_part(
+    moe_server, tiny_moe_dir, reference, prompt
+):
+    """A refit aborts a long generation; the client resumes it asking routes only from where
+    the aborted part's stopped, so the answer's routes run unbroken from the request's start
+    to its last token but one (the refit reloads the same weights: the routes are the ones
+    transformers chooses throughout)."""
+    sent: list[dict] = []
+    with _route_engine(moe_server.base_url, tiny_moe_dir) as engine:
+        post = engine._post
+
+        async def spy(url, path, body, *args, **kwargs):
+            if path == "/generate":
+                sent.append(body)
+            return await post(url, path, body, *args, **kwargs)
+
+        engine._post = spy
+        request = GenerationRequest(prompt, SamplingParams(max_new_tokens=400, temperature=0.0), 0)
+        future = engine.submit(request)
+        deadline = time.monotonic() + 60
+        while not sent and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # some tokens in
+        # The version the server holds: a refit that leaves it as the later tests find it.
+        engine.refit_from_disk(tiny_moe_dir, engine.weight_version)
+        output = future.result(timeout=300)
+    starts = [body["routed_experts_start_len"] for body in sent]
+    assert len(sent) >= 2, "the refit did not interrupt the generation; nothing was resumed"
+    assert starts[0] == 0 and all(later > 0 for later in starts[1:])
+    sequence = prompt + output.token_ids
+    routes = output.routed_experts
+    assert (routes.start, routes.end) == (0, len(sequence) - 1)
+    _, routers = _teacher_forced(reference, sequence)
+    assert _route_differences(routes.rows, routers[: len(sequence) - 1]) == []
 
 
 def test_the_weight_check_finds_an_expert_a_refit_did_not_write(
