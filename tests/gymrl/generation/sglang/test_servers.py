@@ -9,6 +9,7 @@ import time
 
 import pytest
 import ray
+from ray.exceptions import RayActorError
 
 from gymrl.cluster.placement import RolePlacement
 from gymrl.config.schema.generation import SGLangGenerationConfig
@@ -42,7 +43,7 @@ class StandInServer:
 
 def _ended(actors) -> None:
     for actor in actors:
-        with pytest.raises(ray.exceptions.RayActorError):
+        with pytest.raises(RayActorError):
             ray.get(actor.url.remote(), timeout=30)
 
 
