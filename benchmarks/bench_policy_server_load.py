@@ -237,8 +237,10 @@ def serve_policy(
         default_max_tokens=16,
         max_context_tokens=2048,
         request_timeout_s=600,
+        request_bytes_per_context_token=GENERATION.server.request_bytes_per_context_token,
+        render_timeout_s=GENERATION.server.render_timeout_s,
     )
-    return serve_in_thread(app, loop=loop, http=http)
+    return serve_in_thread(app, loop=loop, http=http, max_body_bytes=None)
 
 
 def main() -> None:

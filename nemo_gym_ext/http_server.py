@@ -111,17 +111,21 @@ class RequestLimits:
 
     A declared `Content-Length` above the limit is refused before a byte is read; a chunked body
     is read up to the limit and then refused. The app behind reads whole bodies anyway (FastAPI
-    parses JSON at once), so buffering here costs no more memory than it would. Requests, not
+    parses JSON at once), so buffering here costs no more memory than it would.
+    `max_body_bytes=None` leaves bodies to an app that bounds them itself: they pass through
+    unread, since buffering here would read a whole body before the app could refuse it by its
+    length (the policy server's bound depends on its context,
+    `gymrl.generation.server.request_body`). Requests, not
     connections, are counted: agents keep many idle keep-alive connections open, which cost
     nothing (uvicorn's own `limit_concurrency` counts those too and would refuse them).
     """
 
-    def __init__(self, app, *, max_body_bytes: int, max_concurrency: int):
+    def __init__(self, app, *, max_body_bytes: int | None, max_concurrency: int):
         for name, value in (
             ("max_body_bytes", max_body_bytes),
             ("max_concurrency", max_concurrency),
         ):
-            if value < 1:
+            if value is not None and value < 1:
                 raise ValueError(f"{name}={value} must be >= 1")
         self.app = app
         self.max_body_bytes = max_body_bytes
@@ -143,13 +147,16 @@ class RequestLimits:
             return
         self.in_progress += 1
         try:
-            await self._limit_body(scope, receive, send)
+            if self.max_body_bytes is None:
+                await self.app(scope, receive, send)
+            else:
+                await self._limit_body(scope, receive, send, self.max_body_bytes)
         finally:
             self.in_progress -= 1
 
-    async def _limit_body(self, scope, receive, send) -> None:
+    async def _limit_body(self, scope, receive, send, max_body_bytes: int) -> None:
         declared = dict(scope["headers"]).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.max_body_bytes:
+        if declared.isdigit() and int(declared) > max_body_bytes:
             await self._too_large(send, int(declared))
             return
         chunks, size = [], 0
@@ -159,7 +166,7 @@ class RequestLimits:
                 return
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
-            if size > self.max_body_bytes:
+            if size > max_body_bytes:
                 await self._too_large(send, size)
                 return
             if not message.get("more_body", False):
@@ -200,18 +207,18 @@ def serve_in_thread(
     host: str = LOOPBACK,
     port: int = 0,
     start_timeout_s: float = 30.0,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
     max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
     loop: str = "auto",
     http: str = "auto",
 ):
     """Start `app` with uvicorn on `host:port` (0 = a free port) and return once it accepts.
 
-        Bodies above `max_body_bytes` get 413; beyond `max_concurrency` requests in progress, 503
-        (:class:`RequestLimits`). `loop` and `http` are uvicorn's: "auto" takes uvloop's event loop
-        and httptools' parser, dependencies of this project, where they import (asyncio's and h11
-        otherwise); the load benchmark names them to measure one against the other. Idle connections
-    are kept `SERVER_KEEP_ALIVE_S` (:mod:`nemo_gym_ext.keep_alive`)."""
+    Bodies above `max_body_bytes` get 413 (None: the app bounds its own); beyond `max_concurrency`
+    requests in progress, 503 (:class:`RequestLimits`). `loop` and `http` are uvicorn's: "auto"
+    takes uvloop's event loop and httptools' parser, dependencies of this project, where they
+    import (asyncio's and h11 otherwise); the load benchmark names them to measure one against
+    the other. Idle connections are kept `SERVER_KEEP_ALIVE_S` (:mod:`nemo_gym_ext.keep_alive`)."""
     limited = RequestLimits(app, max_body_bytes=max_body_bytes, max_concurrency=max_concurrency)
     config = uvicorn.Config(
         limited,

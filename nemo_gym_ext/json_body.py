@@ -45,10 +45,14 @@ def dumps_json(value: Any) -> bytes:
 
 async def read_json_body(request: Request, model: type[Model]) -> Model:
     """`request`'s body validated as `model`; :class:`RequestValidationError` when it is not one.
+    The body is read whole, as long as it is: bound it in front (`http_server.RequestLimits`),
+    or read it yourself and call :func:`parse_json_body_off_loop`."""
+    return await parse_json_body_off_loop(await request.body(), model)
 
-    Large bodies are parsed off the event loop, so one late-turn request of an episode does not
-    hold up every other request the server is answering."""
-    raw = await request.body()
+
+async def parse_json_body_off_loop(raw: bytes, model: type[Model]) -> Model:
+    """:func:`parse_json_body`, off the event loop for a large body, so that one late-turn
+    request of an episode does not hold up every other request the server is answering."""
     if len(raw) > OFF_LOOP_BODY_BYTES:
         return await asyncio.to_thread(parse_json_body, raw, model)
     return parse_json_body(raw, model)

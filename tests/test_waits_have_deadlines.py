@@ -150,27 +150,16 @@ ALLOWED = {
     "(the client's timeout), and bounded back-offs; the shard's caller waits with a deadline",
     (
         "nemo_gym_ext/json_body.py",
-        "read_json_body",
+        "parse_json_body_off_loop",
         "asyncio.to_thread",
-    ): "parses a body already read in full (at most the server's max_body_bytes): CPU work "
-    "with nothing to wait for; how long a large body may take is issue 42 item 5's",
+    ): "parses a body already read in full, and bounded before it was read (the policy "
+    "server's by its context, request_body.py; the other servers' by RequestLimits): CPU work "
+    "with nothing to wait for",
 }
 
 # Not bounded: known defects, each with where it is being fixed. Like ALLOWED, an entry that no
 # longer matches a call fails, so the fix removes it.
-KNOWN_UNBOUNDED = {
-    (
-        "gymrl/generation/server/app.py",
-        "ChatCompletions.answer",
-        "loop.run_in_executor",
-    ): "NOT bounded: rendering a prompt, and the answer, on the one render worker has no "
-    "deadline; issue 42 item 5",
-    (
-        "gymrl/generation/server/app.py",
-        "create_policy_server_app.lifespan",
-        "render_pool.shutdown",
-    ): "NOT bounded: waits for the render in progress, which has no deadline; issue 42 item 5",
-}
+KNOWN_UNBOUNDED: dict[tuple[str, str, str], str] = {}
 
 
 def test_every_blocking_call_in_the_package_has_a_deadline_or_a_stated_bound():

@@ -109,6 +109,8 @@ class GenerationServer:
                 default_max_tokens=server.max_tokens_per_turn,
                 max_context_tokens=policy.max_total_sequence_length,
                 request_timeout_s=server.request_timeout_s,
+                request_bytes_per_context_token=server.request_bytes_per_context_token,
+                render_timeout_s=server.render_timeout_s,
                 sampling_parity=self._sampling_parity,
                 divergence_watch=self._divergence_watch,
                 route_store=self._route_store,
@@ -117,7 +119,7 @@ class GenerationServer:
                 app,
                 host=policy_server_host(config),
                 port=server.port,
-                max_body_bytes=server.max_request_bytes,
+                max_body_bytes=None,  # the app bounds bodies by its context, before reading
                 max_concurrency=server.max_concurrent_requests,
             )
             # Requests in progress finish first; the engines close after the server.

@@ -53,6 +53,8 @@ def policy_url(tokenizer, chat_format):
         default_max_tokens=24,
         max_context_tokens=2048,
         request_timeout_s=60,
+        request_bytes_per_context_token=1024,
+        render_timeout_s=60,
     )
     with serve_in_thread(app) as server:
         yield f"{server.url}/v1"

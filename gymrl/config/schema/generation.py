@@ -35,11 +35,24 @@ class ModelServerConfig(Strict):
         "made per run. The key itself is never part of the config (Hydra writes the config to "
         "disk and W&B).",
     )
-    max_request_bytes: int = Field(
-        default=64 * 1024 * 1024,
+    request_bytes_per_context_token: int = Field(
+        default=1024,
         gt=0,
-        description="Largest request body accepted (413 above it). Each assistant turn carries "
-        "its prompt's token ids, so a long multi-turn episode posts tens of MB.",
+        description="Bytes of request body allowed per token of the context: the largest body "
+        "is policy.max_total_sequence_length x this (2 MiB at 2048 tokens, 64 MiB at 65,536), "
+        "refused with 413 by its Content-Length before it is read (chunked: when the bytes read "
+        "pass it). Rule: a token costs ~4-8 bytes as text, ~22 as a sent-back log-probability, "
+        "and 6.8 as an id in every later assistant turn's prompt_token_ids, so an episode that "
+        "fills the context posts ~30 + 3.4 x (its model calls) bytes per token; 1024 admits "
+        "~290 calls (a 200-call SWE episode: 677). Clients that send no ids back need ~16.",
+    )
+    render_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Deadline of each call on the policy server's one render worker (rendering "
+        "a request's prompt, parsing its answer), waiting included: past it the request is 504 "
+        "(it was running) or 503 with Retry-After (it was waiting), and while a render overruns "
+        "new requests are 503 at once. A full context renders in well under a second.",
     )
     max_concurrent_requests: int = Field(
         default=1024,

@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import secrets
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Field, SecretStr, StrictInt, field_validator, model_validator
 from starlette.exceptions import HTTPException
 
+from gymrl.generation.server.api_error import ApiError
 from gymrl.generation.server.chat_template import (
     ChatFormat,
     ChatFormatError,
@@ -54,6 +56,8 @@ from gymrl.generation.server.chat_template import (
     build_prompt_token_ids,
 )
 from gymrl.generation.server.divergence_watch import DivergenceWatch, Verdict
+from gymrl.generation.server.render_worker import RenderWorker
+from gymrl.generation.server.request_body import BodyBound
 from gymrl.generation.server.route_store import RouteStore, routes_from
 from gymrl.generation.server.sampling_rules import Sampling, SamplingMismatchError, SamplingParity
 from gymrl.generation.types import (
@@ -66,7 +70,6 @@ from gymrl.generation.types import (
     UnsupportedRequestError,
 )
 from nemo_gym_ext.http_server import describe_validation_errors
-from nemo_gym_ext.json_body import read_json_body
 from nemo_gym_ext.retry import retry_after_header
 from nemo_gym_ext.wire import (
     LOGPROB_TOLERANCE,
@@ -85,6 +88,7 @@ from nemo_gym_ext.wire import (
 )
 
 _OWNER = "gym-grpo-recipes"
+logger = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,18 +236,6 @@ async def await_generation(
 # ---------------------------------------------------------------------------------------------
 
 
-class ApiError(Exception):
-    """A refusal in OpenAI's error shape, raised by a step and answered by the app: a step says
-    what is wrong and the status, the app alone writes the answer."""
-
-    def __init__(self, status: int, message: str, *, error_type: str, param: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.error_type = error_type
-        self.param = param
-
-
 def check_model(body: PolicyServerRequest, model_name: str) -> None:
     """A request naming another model is a 404, so a client pointed at the wrong server learns it
     at once; one naming none is served (OpenAI requires the field, vLLM does not)."""
@@ -351,18 +343,19 @@ class ChatCompletions:
         if self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s={self.request_timeout_s} must be > 0 seconds")
 
-    async def answer(self, body: PolicyServerRequest, render_pool: Executor) -> ChatCompletion:
-        """The answer to `body`; rendering and parsing run on `render_pool` (off the event loop,
-        and one worker, so the tokenizer is only ever used from one thread). A refusal is an
-        :class:`ApiError`."""
+    async def answer(
+        self, body: PolicyServerRequest, render_worker: RenderWorker
+    ) -> ChatCompletion:
+        """The answer to `body`; rendering and parsing run on `render_worker` (off the event
+        loop, one thread, so the tokenizer is only ever used from one thread, each call within
+        its deadline). A refusal is an :class:`ApiError`."""
         check_model(body, self.model_name)
         sampling = resolve_sampling(body, self.sampling_parity)
-        loop = asyncio.get_running_loop()
-        prompt, verdict = await loop.run_in_executor(render_pool, self.render, body)
+        prompt, verdict = await render_worker.run(self.render, body)
         if self.withholds(verdict):
             return withheld_answer(prompt, self.model_name)
         output = await self.generate(self.generation_request(body, prompt, sampling))
-        return await loop.run_in_executor(render_pool, self.respond, body, prompt, output)
+        return await render_worker.run(self.respond, body, prompt, output)
 
     def render(self, body: PolicyServerRequest) -> tuple[PromptTokens, Verdict]:
         """The prompt's ids with the model's chat template, and the divergence watch's verdict on
@@ -441,6 +434,9 @@ class ChatCompletions:
 
 
 _RETRY_LATER = {503: retry_after_header()}  # "not now", said with when to come back
+# How long shutdown waits for a render in progress: the server's own close
+# (GenerationServer: 50 s) must outlast it.
+_RENDER_CLOSE_S = 5.0
 
 
 def _error_response(status: int, message: str, error_type: str, param: str | None) -> JSONResponse:
@@ -477,14 +473,22 @@ def create_policy_server_app(
     default_max_tokens: int,
     max_context_tokens: int,
     request_timeout_s: float,
+    request_bytes_per_context_token: int,
+    render_timeout_s: float,
     sampling_parity: SamplingParity | None = None,
     divergence_watch: DivergenceWatch | None = None,
     route_store: RouteStore | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible policy server over `engine` (see the module docstring): the routes,
     wired to :class:`ChatCompletions` (whose docstring says what `sampling_parity`,
-    `divergence_watch` and `route_store` do). Its render worker stops with the app's lifespan,
-    so serve it with lifespan on (`nemo_gym_ext.http_server.serve_in_thread` does)."""
+    `divergence_watch` and `route_store` do). A chat request's body is bounded by the context
+    (`max_context_tokens` x `request_bytes_per_context_token`, :mod:`.request_body`) and read
+    within `request_timeout_s`; rendering and parsing run on one worker, each call within
+    `render_timeout_s` (:mod:`.render_worker`).
+
+    The app bounds its bodies itself, before reading them: serve it with lifespan on and
+    without a buffering body limit in front
+    (`nemo_gym_ext.http_server.serve_in_thread(app, max_body_bytes=None)`)."""
     completions = ChatCompletions(
         engine=engine,
         chat_format=chat_format,
@@ -497,9 +501,8 @@ def create_policy_server_app(
         divergence_watch=divergence_watch,
         route_store=route_store,
     )
-    # One worker: rendering and tokenising stay off the event loop, and the tokenizer is only ever
-    # used from one thread.
-    render_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-server-render")
+    body_bound = BodyBound(max_context_tokens, request_bytes_per_context_token)
+    render_worker = RenderWorker(timeout_s=render_timeout_s)
     created = int(time.time())
 
     serving = threading.Event()  # between the lifespan's start and the start of its shutdown
@@ -511,7 +514,12 @@ def create_policy_server_app(
             yield
         finally:
             serving.clear()
-            render_pool.shutdown(wait=True, cancel_futures=True)
+            if not render_worker.close(_RENDER_CLOSE_S):
+                logger.warning(
+                    "the policy server's render worker was still running a call %.0f s after "
+                    "shutdown began; it is left to end on its own",
+                    _RENDER_CLOSE_S,
+                )
 
     dependencies = [] if api_key is None else [Depends(_bearer_check(api_key))]
     app = FastAPI(title=f"policy model server ({model_name})", lifespan=lifespan)
@@ -542,8 +550,8 @@ def create_policy_server_app(
 
     @app.post("/v1/chat/completions", response_model=ChatCompletion, dependencies=dependencies)
     async def chat_completions(http_request: Request) -> Response:
-        body = await read_json_body(http_request, PolicyServerRequest)
-        answer = await completions.answer(body, render_pool)
+        body = await body_bound.read(http_request, PolicyServerRequest, timeout_s=request_timeout_s)
+        answer = await completions.answer(body, render_worker)
         return Response(content=answer.model_dump_json(), media_type="application/json")
 
     return app

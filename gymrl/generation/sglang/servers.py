@@ -45,6 +45,9 @@ NCCL_LIBRARY_ENV = "SGLANG_NCCL_SO_PATH"
 NO_NCCL_LIBRARY = "/nonexistent/libnccl.so.2"
 HEALTH_POLL_INTERVAL_S = 2.0  # the longest pause between health checks (they start at 50 ms)
 STOP_GRACE_S = 30.0
+# How much longer than generation.server_start_timeout_s the group waits for its servers' actors:
+# each actor enforces that deadline itself and names its server's log, which comes first.
+START_MARGIN_S = 60.0
 
 
 def server_command(
@@ -323,16 +326,46 @@ class SGLangServerGroup:
             )
             for index in range(generation.num_engines)
         ]
-        # Start-up (model load, CUDA graphs) runs in parallel; each actor enforces the deadline.
-        self.urls: list[str] = ray.get(
-            [actor.url.remote() for actor in self._actors],
-            timeout=generation.server_start_timeout_s + 60.0,
-        )
+        # Start-up (model load, CUDA graphs) runs in parallel; each actor enforces the deadline
+        # on its server (naming its log), and this wait, START_MARGIN_S longer, names the
+        # servers whose actor did not answer at all (one that could not be placed, or hangs).
+        # A group that fails to start ends its actors: no caller holds it to shut it down.
+        try:
+            self.urls: list[str] = _wait_for_servers(
+                [actor.url.remote() for actor in self._actors],
+                timeout_s=generation.server_start_timeout_s + START_MARGIN_S,
+                what=f"the SGLang servers' start (generation.server_start_timeout_s + "
+                f"{START_MARGIN_S:g} s)",
+            )
+        except BaseException:
+            self._kill_actors()
+            raise
 
     def shutdown(self, timeout_s: float = 4 * STOP_GRACE_S + 10.0) -> None:
-        """Stop the servers and end their actors; the placement group is the run's."""
-        self._ray.get([actor.stop.remote() for actor in self._actors], timeout=timeout_s)
+        """Stop the servers and end their actors, also when a stop fails or outlives
+        `timeout_s` (then raised once the actors are killed); the placement group is the run's."""
+        try:
+            _wait_for_servers(
+                [actor.stop.remote() for actor in self._actors],
+                timeout_s=timeout_s,
+                what="stopping the SGLang servers",
+            )
+        finally:
+            self._kill_actors()
+
+    def _kill_actors(self) -> None:
         for actor in self._actors:
             # Ray types a created actor as `ActorHandle | type[cls]` (so its methods type-check);
             # kill takes the handle, which is what it is at run time.
             self._ray.kill(actor)  # pyright: ignore[reportArgumentType]
+
+
+def _wait_for_servers(refs: list[Any], *, timeout_s: float, what: str) -> list[Any]:
+    """One call to every server's actor within one deadline: `wait_for_all`, whose TimeoutError
+    names `what`, the deadline and the servers that had not answered ("SGLang server 1 (of 2)"),
+    and which raises a server's own error (its log's tail) rather than Ray's wrapper of it. It
+    runs in the generation server's actor, where no watchdog or stop handler is installed, so
+    its slices only bound the wait."""
+    from gymrl.cluster.ray_calls import wait_for_all  # imports Ray, which a dry run must not
+
+    return wait_for_all(refs, timeout_s=timeout_s, what=what, member="SGLang server")

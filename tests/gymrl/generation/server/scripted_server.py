@@ -97,11 +97,13 @@ def served(engine, chat_format, **overrides) -> Iterator[httpx.Client]:
         "default_max_tokens": 64,
         "max_context_tokens": 4096,
         "request_timeout_s": 10.0,
+        "request_bytes_per_context_token": 1024,
+        "render_timeout_s": 10.0,
     }
     settings.update(overrides)
     app = create_policy_server_app(engine, chat_format, **settings)
     with (
-        serve_in_thread(app) as server,
+        serve_in_thread(app, max_body_bytes=None) as server,  # as GenerationServer serves it
         httpx.Client(
             base_url=f"{server.url}/v1",
             headers={"Authorization": f"Bearer {KEY}"},

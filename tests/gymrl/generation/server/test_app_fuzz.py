@@ -59,9 +59,11 @@ def client(tokenizer, chat_format):
         default_max_tokens=2,
         max_context_tokens=256,
         request_timeout_s=60,
+        request_bytes_per_context_token=1024,  # 256 KiB at this context of 256 tokens
+        render_timeout_s=60,
     )
     with (
-        serve_in_thread(app, max_body_bytes=1_000_000) as server,
+        serve_in_thread(app, max_body_bytes=None) as server,
         httpx.Client(
             base_url=f"{server.url}/v1",
             headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
@@ -223,13 +225,14 @@ def test_a_tool_answer_to_an_earlier_call_and_a_max_tokens_beyond_the_context_ar
     assert usage["total_tokens"] <= 256  # the server's max_context_tokens
 
 
-def test_a_body_over_the_limit_is_refused_before_it_is_parsed(client):
-    """The server's body limit (generation.server.max_request_bytes; 1 MB here) answers 413 from
-    the declared length, before a byte is parsed or tokenised: 2 MB of text that would take
-    seconds to tokenise and then not fit the context."""
+def test_a_body_over_the_contexts_bound_is_refused_before_it_is_parsed(client):
+    """The server's body bound (its context x generation.server.request_bytes_per_context_token:
+    256 x 1024 bytes here) answers 413 from the declared length, before a byte is parsed or
+    tokenised: 2 MB of text that would take seconds to tokenise and then not fit the context.
+    tests/gymrl/generation/server/test_request_body.py shows it is refused before being read."""
     body = {**VALID, "messages": [{"role": "user", "content": "x " * 1_000_000}]}
     response = _post(client, body)
     assert response.status_code == 413, response.text[:300]
     error = response.json()["error"]
-    assert error["param"] == "body" and "1000000" in error["message"]
+    assert error["param"] == "body" and str(256 * 1024) in error["message"]
     _serves(client)

@@ -7,7 +7,7 @@ exceptions to statuses. tests/gymrl/generation/server/test_app.py checks them be
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import pytest
 
@@ -23,6 +23,7 @@ from gymrl.generation.server.app import (
 )
 from gymrl.generation.server.chat_template import ChatFormat, build_prompt_token_ids
 from gymrl.generation.server.divergence_watch import DivergenceWatch, Verdict
+from gymrl.generation.server.render_worker import RenderWorker
 from gymrl.generation.server.sampling_rules import Sampling, SamplingParity, SamplingRules
 from gymrl.generation.types import (
     EngineFailedError,
@@ -236,8 +237,11 @@ def test_answer_runs_the_steps_and_parses_the_generation(chat_format):
             prompt_token_ids=prompt.token_ids,
         )
     )
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        answer = asyncio.run(steps.answer(request(model=MODEL), pool))
+    worker = RenderWorker(timeout_s=10.0)
+    try:
+        answer = asyncio.run(steps.answer(request(model=MODEL), worker))
+    finally:
+        assert worker.close(timeout_s=5.0)
     (choice,) = answer.choices
     assert (choice.message.content, choice.finish_reason) == ("5", "stop")
     assert choice.message.prompt_token_ids == prompt.token_ids

@@ -411,6 +411,8 @@ def test_the_policy_server_in_front_of_the_real_server_serves_an_agents_episode(
             default_max_tokens=24,
             max_context_tokens=CONTEXT,
             request_timeout_s=300.0,
+            request_bytes_per_context_token=1024,
+            render_timeout_s=60.0,
         )
         with (
             serve_in_thread(app) as policy,
