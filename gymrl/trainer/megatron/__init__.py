@@ -3,8 +3,9 @@
 The package, by concern: `arguments` (config -> Megatron arguments), `batches` (micro-batch
 planning, the context-parallel layout), `distributed` (the torch.distributed environment),
 `logprobs` (vocabulary-parallel log-probabilities), `checkpointing` (distributed checkpoints and
-the Hugging Face export), `router_replay` (the engine's routes in the routers), `worker` (one rank, `MegatronPolicyTrainer`) and `group` (the ranks as
-Ray actors, `MegatronTrainerGroup`, which `gymrl.roles.trainer` drives).
+the Hugging Face export), `router_replay` (the engine's routes in the routers), `worker` (one
+rank, `MegatronPolicyTrainer`) and `group` (the ranks as Ray actors, `MegatronTrainerGroup`,
+which `gymrl.roles.trainer` drives).
 
 Megatron-core and Megatron-Bridge need CUDA, so they are imported inside the methods that use
 them; everything from config to Megatron arguments, micro-batch planning, the context-parallel
