@@ -24,9 +24,9 @@ def moe_config(*, ep: int, ranks: int) -> RecipeConfig:
 
 def _start_rank(rank: int, world_size: int, port: int, *, ep: int, temperature: float) -> Any:
     """This process as rank `rank` of `world_size`: the CPU shim, the rendezvous, the trainer."""
+    from cpu_standins.megatron_trainer import megatron_on_cpu
     from gymrl.trainer.megatron.distributed import distributed_env
     from gymrl.trainer.megatron.worker import MegatronPolicyTrainer
-    from tests.support.megatron_cpu_shim import megatron_on_cpu
 
     megatron_on_cpu.prepare_process()
     if torch.cuda.is_available():
