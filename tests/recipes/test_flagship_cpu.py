@@ -49,6 +49,7 @@ def test_the_flagships_code_path_trains_three_steps_on_this_cpu(tmp_path):
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-6000:]
     plan = done.stdout
     assert "MoE" in plan and "EP 2" in plan  # the tiny MoE, both sides expert-parallel
+    assert "refit over nccl, checked by weights_checker" in plan
     records = read_metrics(tmp_path)
     assert [record["step"] for record in records] == [1, 2, 3]
     assert records[0]["parity/passed"] == 1  # the real server's log-probs are Megatron's

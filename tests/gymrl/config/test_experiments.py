@@ -51,7 +51,7 @@ def test_flagship_cpu_keeps_the_flagships_groups_on_this_cpu():
     """+experiment=flagship_cpu: swe_bench_30b's generation and trainer backends and its model
     family (a mixture of experts, trained with expert parallelism and served with it), a Gym
     deployment launched instead of joined, async GRPO, truncation on in every shard and router
-    replay off; the CPU server and the two Megatron ranks in the venvs of this
+    replay off, refits checked; the CPU server and the two Megatron ranks in the venvs of this
     checkout, the ranks' processes prepared by the CPU shim found through the role's
     python_path."""
     flagship = validate_config(compose_raw(["+experiment=swe_bench_30b"]))
@@ -71,6 +71,8 @@ def test_flagship_cpu_keeps_the_flagships_groups_on_this_cpu():
     generation = config.generation
     assert generation.launch.device == "cpu"
     assert (generation.tensor_parallel_size, generation.expert_parallel_size) == (2, 2)
+    assert generation.refit.verify_weights and generation.refit.verify_method == "weights_checker"
+    assert generation.launch.env["GYMRL_CPU_WEIGHT_COMPARE"] == "1"
     assert generation.launch.python == str(ROOT / ".venv-sglang" / "bin" / "python")
     assert generation.launch.env["PYTHONPATH"] == str(ROOT / "cpu_standins" / "sglang_server")
     trainer = config.cluster.roles.trainer
@@ -80,6 +82,13 @@ def test_flagship_cpu_keeps_the_flagships_groups_on_this_cpu():
     assert trainer.setup_hook == "megatron_on_cpu.prepare_process"
     assert config.env.gym.venv == str(ROOT / ".venv-gym")
     assert config.grpo.num_steps == 3
+
+
+def test_sglang_cpu_smoke_reads_back_every_refit_from_the_server():
+    """SmolLM2's Llama class has SGLang's read-back, and the torch trainer broadcasts."""
+    refit = validate_config(compose_raw(["+experiment=sglang_cpu_smoke"])).generation.refit
+    assert (refit.transport, refit.verify_weights) == ("nccl", True)
+    assert (refit.verify_method, refit.verify_every) == ("read_back", 1)
 
 
 def test_math_1p5b_is_the_2_node_recipe_with_truncation():
