@@ -5,8 +5,8 @@ Both train SmolLM2-135M-Instruct in fp32 on the batch of `bench_trainer.py --bat
 (`--episodes` of 300-600 tokens, the last quarter generated; 8 by default) in micro-batches of 2,
 with the same loss and learning rate:
 the torch trainer (`gymrl.trainer.torch_trainer`, packing off) and the Megatron trainer
-(`gymrl.trainer.megatron`, TP 1, one rank over gloo, Megatron's local layers) through the test
-tree's device shim (`tests/support/megatron_cpu_shim/megatron_on_cpu.py`; megatron-core needs
+(`gymrl.trainer.megatron`, TP 1, one rank over gloo, Megatron's local layers) through the CPU
+device shim (`cpu_standins/megatron_trainer/megatron_on_cpu.py`; megatron-core needs
 CUDA where no config reaches). Each trainer lives in a process of its own, so each peak is its
 own; the steps alternate between the two after one warm-up step each, so a busy machine slows
 both alike.
@@ -96,10 +96,10 @@ def _build(trainer: str):
     import os
 
     sys.path.insert(0, str(REPO))  # the device shim is a test helper
+    from cpu_standins.megatron_trainer import megatron_on_cpu
     from gymrl.trainer.megatron.distributed import distributed_env
     from gymrl.trainer.megatron.worker import MegatronPolicyTrainer
     from nemo_gym_ext.ports import free_port
-    from tests.support.megatron_cpu_shim import megatron_on_cpu
 
     megatron_on_cpu.prepare_process()
     os.environ.update(distributed_env(0, 1, "127.0.0.1", free_port()))

@@ -25,6 +25,7 @@ interpreter its pinned packages are installed in.
 
 from __future__ import annotations
 
+import os
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -193,7 +194,9 @@ def runtime_env(
 
     `py_executable` is a command line Ray runs through `bash -c`, hence the quoting. Ray allows
     only `env_vars` (and `config`) next to `image_uri`, which is all this adds (the validator
-    refuses a setup hook with an image)."""
+    refuses a setup hook with an image). `python_path` goes first on the worker's PYTHONPATH,
+    before the one it inherits: Ray expands `${PYTHONPATH}` in `env_vars` from the environment
+    the worker is started in (`ray._private.utils.update_envs`)."""
     env: dict[str, Any] = {}
     if environment.python is not None:
         env["py_executable"] = shlex.quote(environment.python)
@@ -201,8 +204,11 @@ def runtime_env(
         env["image_uri"] = environment.image
     if environment.setup_hook is not None:
         env["worker_process_setup_hook"] = environment.setup_hook
-    if env_vars:
-        env["env_vars"] = dict(env_vars)
+    variables = dict(env_vars or {})
+    if environment.python_path:
+        variables["PYTHONPATH"] = os.pathsep.join([*environment.python_path, "${PYTHONPATH}"])
+    if variables:
+        env["env_vars"] = variables
     return env
 
 

@@ -12,6 +12,12 @@ models, and the YAML files keep only what a scenario chooses:
 :func:`register_schema_defaults` must run before composition, in `recipes/grpo.py` and here in
 :func:`compose_raw` (tests, notebooks, launch scripts), so a test composes exactly what
 `python recipes/grpo.py ...` would run.
+
+Hydra keeps the working directory (`hydra.job.chdir: false`), so a relative path in a config is
+read from wherever the command was started, and a Ray worker or a child process starts elsewhere
+again. A value that points into this checkout (the CPU stand-ins of `cpu_standins/`, the venvs
+`make` builds) is written `${repo_path:cpu_standins/sglang_server}` instead: the resolver
+:func:`repo_path` makes it absolute at composition, the same from any directory.
 """
 
 from __future__ import annotations
@@ -32,7 +38,9 @@ from gymrl.config.schema.recipe import RecipeConfig
 from gymrl.config.schema.trainer import TrainerConfig
 from nemo_gym_ext.config import NemoGymPostprocessConfig
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "conf"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CONFIG_DIR = REPO_ROOT / "conf"
+REPO_PATH_RESOLVER = "repo_path"
 CONFIG_NAME = "grpo"
 SCHEMA_NODE = "schema"
 BACKEND_UNIONS = {"generation": GenerationConfig, "trainer": TrainerConfig}
@@ -66,8 +74,29 @@ def recipe_defaults() -> dict[str, Any]:
     return tree
 
 
+def repo_path(relative: str) -> str:
+    """`${repo_path:<relative>}`: the absolute path of `relative` inside this checkout (the folder
+    holding conf/). An absolute path is refused: it would not mean what the resolver's name says."""
+    if Path(relative).is_absolute():
+        raise ValueError(
+            f"${{{REPO_PATH_RESOLVER}:{relative}}}: the path must be relative to the repository "
+            f"root ({REPO_ROOT}); write an absolute path without the resolver"
+        )
+    return str(REPO_ROOT / relative)
+
+
+def register_resolvers() -> None:
+    """Make `${repo_path:...}` known to OmegaConf in this process (idempotent). Resolving happens
+    where a composed tree is turned into plain values (:func:`to_plain_dict`), which may be
+    another process than the composing one (a sweep point on Slurm), so both register it."""
+    if not OmegaConf.has_resolver(REPO_PATH_RESOLVER):
+        OmegaConf.register_new_resolver(REPO_PATH_RESOLVER, repo_path)
+
+
 def register_schema_defaults() -> None:
-    """Store the schema's defaults in Hydra's ConfigStore (idempotent: a node is replaced)."""
+    """Store the schema's defaults in Hydra's ConfigStore (idempotent: a node is replaced), and
+    register the resolvers conf/ uses."""
+    register_resolvers()
     store = ConfigStore.instance()
     store.store(name=SCHEMA_NODE, node=recipe_defaults())
     for group, union in BACKEND_UNIONS.items():
@@ -85,6 +114,7 @@ def compose_raw(overrides: Sequence[str] = (), config_dir: Path = CONFIG_DIR) ->
 
 def to_plain_dict(cfg: DictConfig) -> dict[str, Any]:
     """The resolved tree without Hydra's own `hydra` node (a composed tree's keys are strings)."""
+    register_resolvers()
     container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     assert isinstance(container, dict)
     return {str(key): value for key, value in container.items() if key != "hydra"}

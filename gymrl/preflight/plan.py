@@ -8,6 +8,7 @@ append-only for the clients that call it (`gymrl.preflight.template_probe`).
 
 from __future__ import annotations
 
+import os
 import sys
 
 from gymrl.cluster.placement import generation_gpus, shares_one_gpu, trainer_gpus
@@ -175,8 +176,17 @@ def _trainer_line(config: RecipeConfig) -> str:
 def _environment_lines(config: RecipeConfig) -> list[str]:
     roles = config.cluster.roles
     described = {role: _environment(getattr(roles, role)) for role in type(roles).model_fields}
-    if not isinstance(config.generation, SGLangGenerationConfig):
+    generation = config.generation
+    if not isinstance(generation, SGLangGenerationConfig):
         described["generation"] = "the policy server's (the torch engine runs inside it)"
+    else:
+        # The actors above start each server's own process (generation.launch).
+        launch = generation.launch
+        server = "the role's interpreter" if launch.python is None else f"python {launch.python}"
+        path = launch.env.get("PYTHONPATH")
+        described["generation"] += f"; its servers: {server}" + (
+            f", PYTHONPATH {path}" if path else ""
+        )
     return [f"    {role:<15}{text}" for role, text in described.items()]
 
 
@@ -187,6 +197,8 @@ def _environment(environment: RoleEnvironmentConfig) -> str:
         where = f"image {environment.image}"
     else:
         where = f"the driver's interpreter ({sys.executable})"
+    if environment.python_path:
+        where += f", {os.pathsep.join(environment.python_path)} first on PYTHONPATH"
     hook = environment.setup_hook
     return where if hook is None else f"{where}, each worker process set up by {hook}"
 

@@ -18,6 +18,7 @@ from gymrl.config.compose import to_plain_dict
 from gymrl.config.schema.recipe import RecipeConfig
 from gymrl.preflight.plan import render_plan
 from gymrl.preflight.validate import validate_config
+from gymrl.preflight.venvs import missing_venvs, render_missing
 from gymrl.run.folder import METRICS_FILENAME
 from gymrl.tracking.records import read_records
 from gymrl.tracking.sweep import run_labels
@@ -35,7 +36,9 @@ class RunFailed(Exception):
 
 
 def prepare(cfg: DictConfig, hydra_cfg: HydraConf, *, sweeping: bool) -> tuple[RecipeConfig, Path]:
-    """The validated config (with its W&B labels) and the run's folder; prints the plan."""
+    """The validated config (with its W&B labels) and the run's folder; prints the plan. A venv
+    the run needs on this machine that `make` has not made is named with its target: by a dry run,
+    which a config that is valid elsewhere still passes, and by a run, which stops here."""
     try:
         config = validate_config(to_plain_dict(cfg))
     except ConfigError as error:
@@ -43,8 +46,13 @@ def prepare(cfg: DictConfig, hydra_cfg: HydraConf, *, sweeping: bool) -> tuple[R
     config = run_labels(config, hydra_cfg, sweeping=sweeping)
     output_dir = Path(config.run.output_dir or hydra_cfg.runtime.output_dir).resolve()
     print(render_plan(config, str(output_dir)), flush=True)
+    missing = missing_venvs(config)
     if config.dry_run:
+        if missing:
+            print(render_missing(missing))
         print("dry run: config valid, nothing started")
+    elif missing:
+        raise RunFailed(f"run not started: {render_missing(missing)}", exit_code=2)
     return config, output_dir
 
 

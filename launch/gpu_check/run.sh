@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check of the repository on one NVIDIA machine without network access
 # (`make test-gpu-quick`): the torch engine and trainer on cuda (-m gpu), then the Megatron
-# trainer's tests (-m megatron: the ones CI runs on the CPU through a test-only device shim, here
-# on CUDA without it): log-probs against Hugging Face, train step, export names and values and
+# trainer's tests (-m megatron: the ones CI runs on the CPU through the CPU device shim of
+# cpu_standins/megatron_trainer/, here on CUDA without it): log-probs against Hugging Face, train step, export names and values and
 # the export's snapshot, save and resume equal to the uninterrupted step, HF export reloaded by
 # transformers, argument dicts bound to the real signatures, a one-rank run in a spawned process;
 # with two GPUs or more also TP 2 against TP 1 and (where Ray is installed) the Ray group of two
@@ -21,7 +21,7 @@
 #               not installed; the GPU tests build tiny random models with this tokenizer
 # Without Transformer Engine the Megatron checks use Megatron's local layers
 # (trainer.transformer_impl=local) and import Bridge through bridge_without_te.py beside this
-# (tests/support/megatron_cpu_shim/megatron_on_cpu.py's import_megatron, in every process a test
+# (cpu_standins/megatron_trainer/megatron_on_cpu.py's import_megatron, in every process a test
 # starts).
 set -uo pipefail
 cd "$(dirname "$0")/../.."

@@ -41,6 +41,24 @@ def test_dry_run_prints_the_plan_and_starts_nothing(experiment, tmp_path):
     assert "HEAVY []" in done.stdout, "a dry run must not import torch, Ray or matplotlib"
 
 
+def test_a_run_whose_venv_was_not_made_stops_before_it_starts_naming_the_make_target(tmp_path):
+    """The CPU experiments' interpreters lie in this checkout's venvs; one that `make` has not
+    made stops the run with exit 2 before Ray starts (here a name no venv holds)."""
+    python = ROOT / ".venv-sglang" / "bin" / "no-such-python"
+    done = run_recipe(
+        "+experiment=sglang_cpu_smoke",
+        f"generation.launch.python={python}",
+        f"run.output_dir={tmp_path}",
+        tmp_path=tmp_path,
+        check_modules=True,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "run not started: environments missing on this machine" in done.stderr
+    assert f"generation.launch.python = '{python}'" in done.stderr
+    assert "make it with `make sglang-venv`" in done.stderr
+    assert "HEAVY []" in done.stdout, "refused before torch or Ray"
+
+
 def test_swe_plan_names_gpus_per_role_and_shards(tmp_path):
     done = run_recipe("+experiment=swe_bench_30b", "dry_run=true", tmp_path=tmp_path)
     out = done.stdout

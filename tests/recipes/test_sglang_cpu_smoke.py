@@ -1,8 +1,11 @@
-"""`python recipes/grpo.py +experiment=sglang_cpu_smoke` through the real entry point: the real
-SGLang server on this CPU (`make sglang-venv`), the torch trainer broadcasting its weights to it
-over gloo after every step, the built-in agents, the parity gate at step 1; a non-zero loss, and
-the weights the servers were last refitted to score their greedy answers otherwise than those
-they started with.
+"""`python recipes/grpo.py +experiment=sglang_cpu_smoke` as written (no override but the run's
+folder): the real SGLang server on this CPU from the venv `make sglang-venv` made in this
+checkout, with the CPU stand-ins its config names; the torch trainer broadcasting its weights to
+it over gloo after every step, each refit read back from the server and compared with what was
+sent (`verify_method: read_back`, `verify_every: 1`), the built-in agents, the parity gate at
+step 1; a non-zero loss. The server held what the trainer sent at every refit (else the run
+stops), and what it was sent last scores its greedy answers otherwise than the weights it
+started with: a refit that loads nothing fails.
 
 Marked `slow` and `sglang_cpu`: `.ci/run` builds the venv before the slow suite.
 """
@@ -21,23 +24,17 @@ from gymrl.model.loading import load_pretrained
 from gymrl.model.tokens import model_end_token_ids
 from gymrl.run.checkpoint import MODEL_FILE
 from tests.recipes.recipe_runs import read_metrics, run_recipe
-from tests.support.real_sglang import KERNEL_STANDIN, VENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang_cpu]
 
 
 def test_the_real_server_serves_a_training_run_refit_every_step(tmp_path, smollm2_dir, tokenizer):
-    if not (VENV / "bin" / "python").is_file():
-        pytest.fail(f"no SGLang venv at {VENV}: run `make sglang-venv` (or set SGLANG_VENV)")
+    # A venv `make` has not made stops the run at once, naming the target.
     done = run_recipe(
-        tmp_path,
-        "+experiment=sglang_cpu_smoke",
-        f"generation.launch.python={VENV / 'bin' / 'python'}",
-        f"+generation.launch.env.PYTHONPATH={KERNEL_STANDIN}",
-        "logger.wandb.mode=disabled",
-        timeout=1200,
+        tmp_path, "+experiment=sglang_cpu_smoke", "logger.wandb.mode=disabled", timeout=1200
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    assert "refit over nccl, checked by read_back" in done.stdout  # the plan's generation line
     records = read_metrics(tmp_path)
     assert [record["step"] for record in records] == [1, 2]
     assert records[0]["parity/passed"] == 1  # the real server's log-probs are the trainer's
@@ -48,9 +45,10 @@ def test_the_real_server_serves_a_training_run_refit_every_step(tmp_path, smollm
     # A loss of 0 is a step whose every group's rewards tied (no advantage, no update); groups of
     # 4 with guess_number's graded rewards make that rare for one step and unheard of for both.
     assert any(record["train/loss"] != 0 for record in records), records
-    # What the servers were refitted to scores its answers otherwise than what they started
-    # with. (Not the answers themselves: two steps at lr 1e-5 need not flip a greedy token, and
-    # once did not; any update moves the log-probabilities.)
+    # What the server was refitted to last (the read-back check compared it with the server's
+    # at that refit) scores its answers otherwise than what it started with. (Not the answers
+    # themselves: two steps at lr 1e-5 need not flip a greedy token, and once did not; any
+    # update moves the log-probabilities.)
     trained = tmp_path / "checkpoints" / "step_2"
     assert _greedy(smollm2_dir, tokenizer, trained) != _greedy(smollm2_dir, tokenizer, None)
 

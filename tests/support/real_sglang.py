@@ -2,9 +2,9 @@
 `sglang_cpu` tests and `benchmarks/bench_sglang_cpu.py`.
 
 The server runs from the venv `make sglang-venv` builds (`SGLANG_VENV`, default `.venv-sglang`)
-with `generation=sglang_cpu`, the CPU experiments' own generation config, and with the test-only
-`sgl_kernel` stand-in (`sgl_kernel_cpu_standin/`, with the MoE path's CPU stand-ins
-`sglang_moe_on_cpu.py`) on its PYTHONPATH.
+with `generation=sglang_cpu`, the CPU experiments' own generation config, which puts the
+`sgl_kernel` stand-in and the MoE path's CPU stand-ins (`cpu_standins/sglang_server/`) on its
+PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from cpu_standins.sglang_server.sglang_moe_on_cpu import WEIGHT_COMPARE_ENV
 from gymrl.config.compose import compose_raw
 from gymrl.config.schema.generation import SGLangGenerationConfig
 from gymrl.config.schema.policy import PolicyConfig
@@ -23,9 +24,9 @@ from nemo_gym_ext.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("SGLANG_VENV", REPO / ".venv-sglang"))
-KERNEL_STANDIN = Path(__file__).with_name("sgl_kernel_cpu_standin")
+KERNEL_STANDIN = REPO / "cpu_standins" / "sglang_server"  # what sglang_cpu.yaml's PYTHONPATH names
 # Switches on the stand-in's weight compare where the weights are (`sglang_moe_on_cpu.py`).
-CPU_WEIGHT_COMPARE_ENV = "GYMRL_CPU_WEIGHT_COMPARE"
+CPU_WEIGHT_COMPARE_ENV = WEIGHT_COMPARE_ENV
 
 
 def cpu_generation(cpu_threads: int = 1) -> SGLangGenerationConfig:
@@ -48,7 +49,8 @@ def cpu_generation(cpu_threads: int = 1) -> SGLangGenerationConfig:
 
 @contextmanager
 def kernel_standin_on_path() -> Iterator[None]:
-    """While a server is made: its environment is copied from this process's then."""
+    """While a server is made: its environment is copied from this process's then. For a
+    server whose config does not name the stand-ins itself (generation=sglang_cpu does)."""
     before = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(KERNEL_STANDIN), before]))
     try:
@@ -81,7 +83,8 @@ def start_cpu_server(
         cpu_generation(cpu_threads).model_dump() | generation_overrides
     )
     if weight_compare:
-        launch = generation.launch.model_copy(update={"env": {CPU_WEIGHT_COMPARE_ENV: "1"}})
+        env = generation.launch.env | {CPU_WEIGHT_COMPARE_ENV: "1"}
+        launch = generation.launch.model_copy(update={"env": env})
         generation = generation.model_copy(update={"launch": launch})
     policy = PolicyConfig(
         name=folder.name,
@@ -95,14 +98,13 @@ def start_cpu_server(
     command = server_command(
         generation, policy, model_path=str(folder), port=port, seed=0, host="127.0.0.1"
     )
-    with kernel_standin_on_path():
-        server = SGLangServerProcess(
-            command,
-            base_url=f"http://127.0.0.1:{port}",
-            log_path=log_path,
-            launch=generation.launch,
-            tensor_parallel_size=generation.tensor_parallel_size,
-        )
+    server = SGLangServerProcess(
+        command,
+        base_url=f"http://127.0.0.1:{port}",
+        log_path=log_path,
+        launch=generation.launch,  # its env puts the CPU stand-ins on the server's PYTHONPATH
+        tensor_parallel_size=generation.tensor_parallel_size,
+    )
     server.start()
     try:
         server.wait_healthy(generation.server_start_timeout_s)

@@ -32,8 +32,15 @@ class RoleEnvironmentConfig(Strict):
         description="Dotted path (module.function) of a function Ray calls once in each worker "
         "process of this role before any of its actors is built (runtime_env "
         "worker_process_setup_hook), for what must hold for the whole process; the module must "
-        "be importable there (PYTHONPATH). Not with image. +experiment=flagship_cpu points the "
-        "trainer's at the test tree's CPU device shim for megatron-core.",
+        "be importable there (python_path). Not with image. +experiment=flagship_cpu points the "
+        "trainer's at megatron-core's CPU device shim (cpu_standins/megatron_trainer).",
+    )
+    python_path: tuple[str, ...] = Field(
+        default=(),
+        description="Absolute folders put first on PYTHONPATH of this role's workers, before "
+        "the PYTHONPATH they inherit (runtime_env env_vars), present on every node: where "
+        "setup_hook's module lives when the role's environment does not install it. "
+        "+experiment=flagship_cpu gives the trainer ${repo_path:cpu_standins/megatron_trainer}.",
     )
 
     @property

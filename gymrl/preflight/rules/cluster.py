@@ -1,13 +1,13 @@
 """Rules on `cluster.roles` (`gymrl.config.schema.cluster`): what Ray's `runtime_env` can run
 (`gymrl.cluster.placement.runtime_env`).
 
-An interpreter is found by its absolute path on every node (a relative one would resolve against
-each worker's directory); Ray runs an image alone, so a role has an interpreter or an image. A
-role's environment only makes sense for a role with actors of its own: a torch engine runs inside
-the policy server. The SGLang servers are started by the policy server, and Ray hands a child
-actor every `runtime_env` field of its parent that it does not set itself: they must set the same
-field, or they would run in the policy server's environment (or in a mix of an interpreter and an
-image)."""
+An interpreter, and each folder of a role's python_path, is found by its absolute path on every
+node (a relative one would resolve against each worker's directory); Ray runs an image alone, so
+a role has an interpreter or an image. A role's environment only makes sense for a role with
+actors of its own: a torch engine runs inside the policy server. The SGLang servers are started
+by the policy server, and Ray hands a child actor every `runtime_env` field of its parent that it
+does not set itself: they must set the same field, or they would run in the policy server's
+environment (or in a mix of an interpreter and an image)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,12 @@ def role_environments(config: RecipeConfig) -> list[ConfigIssue]:
     return [
         issue
         for role in type(roles).model_fields
-        for check in (_absolute_interpreter, _no_hook_beside_an_image, _interpreter_or_image)
+        for check in (
+            _absolute_interpreter,
+            _absolute_python_path,
+            _no_hook_beside_an_image,
+            _interpreter_or_image,
+        )
         for issue in check(f"cluster.roles.{role}", getattr(roles, role))
     ]
 
@@ -84,6 +89,22 @@ def _absolute_interpreter(key: str, environment: RoleEnvironmentConfig) -> list[
             "node, from their own working directories",
             "give the absolute path of the environment's interpreter, e.g. "
             "/opt/envs/sglang/bin/python",
+        )
+    ]
+
+
+def _absolute_python_path(key: str, environment: RoleEnvironmentConfig) -> list[ConfigIssue]:
+    relative = [path for path in environment.python_path if not PurePosixPath(path).is_absolute()]
+    if not relative:
+        return []
+    return [
+        ConfigIssue(
+            f"{key}.python_path",
+            list(environment.python_path),
+            f"{', '.join(map(repr, relative))} must be absolute: the role's workers start on "
+            "every node from their own working directories",
+            "give absolute folders, e.g. ${repo_path:cpu_standins/megatron_trainer} for one "
+            "inside this checkout",
         )
     ]
 

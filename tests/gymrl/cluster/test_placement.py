@@ -171,6 +171,18 @@ def test_an_image_takes_env_vars_beside_it_and_ray_accepts_the_pair():
     RuntimeEnv(**options["runtime_env"])
 
 
+def test_a_roles_python_path_goes_before_the_pythonpath_its_workers_inherit():
+    """Ray expands `${PYTHONPATH}` where it starts the worker (test_setup_hook.py on real Ray)."""
+    placement = plan_placement(
+        _config("cluster.roles.trainer.python_path=['/opt/shims','/opt/more']")
+    )
+    options = actor_options(placement.trainer, 0, None, env_vars={"RANK": "0"})
+    assert options["runtime_env"] == {
+        "env_vars": {"RANK": "0", "PYTHONPATH": "/opt/shims:/opt/more:${PYTHONPATH}"}
+    }
+    RuntimeEnv(**options["runtime_env"])
+
+
 def test_env_vars_alone_make_a_runtime_env_and_nothing_makes_none():
     unset = plan_placement(_config()).trainer.environment
     assert runtime_env(unset, {"RANK": "3"}) == {"env_vars": {"RANK": "3"}}

@@ -1,6 +1,7 @@
 """Every shipped config composes and validates; typos in experiment files are named."""
 
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -8,6 +9,8 @@ from gymrl.config.compose import CONFIG_DIR, compose_raw, experiment_names
 from gymrl.preflight.plan import render_plan
 from gymrl.preflight.validate import validate_config
 from nemo_gym_ext.config_errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_the_shipped_experiments_exist():
@@ -45,10 +48,12 @@ def test_swe_bench_30b_is_the_16_node_moe_recipe():
 
 
 def test_flagship_cpu_keeps_the_flagships_groups_on_this_cpu():
-    """+experiment=flagship_cpu: swe_bench_30b's generation and trainer backends, a Gym
+    """+experiment=flagship_cpu: swe_bench_30b's generation and trainer backends and its model
+    family (a mixture of experts, trained with expert parallelism and served with it), a Gym
     deployment launched instead of joined, async GRPO, truncation on in every shard and router
-    replay off; SmolLM2 on one CPU server and one Megatron rank whose process the trainer's
-    setup hook prepares."""
+    replay off, refits checked; the CPU server and the two Megatron ranks in the venvs of this
+    checkout, the ranks' processes prepared by the CPU shim found through the role's
+    python_path."""
     flagship = validate_config(compose_raw(["+experiment=swe_bench_30b"]))
     config = validate_config(compose_raw(["+experiment=flagship_cpu"]))
     for part in ("generation", "trainer"):
@@ -56,11 +61,34 @@ def test_flagship_cpu_keeps_the_flagships_groups_on_this_cpu():
     assert (flagship.env.source, config.env.source) == ("gym_join", "gym_launch")
     assert config.grpo.async_enabled and flagship.grpo.async_enabled
     assert set(_truncation_by_shard("flagship_cpu").values()) == {True}
-    assert not config.policy.router_replay.enabled
-    assert config.policy.source == "smollm2_wheel" and config.generation.launch.device == "cpu"
-    assert config.cluster.total_gpus == 1 and config.trainer.model_parallel_size == 1
-    assert config.cluster.roles.trainer.setup_hook == "megatron_on_cpu.prepare_process"
+    assert flagship.policy.is_moe and config.policy.is_moe
+    assert config.policy.source == "tiny_random_moe"
+    assert not config.policy.router_replay.enabled and not flagship.policy.router_replay.enabled
+    assert (
+        config.trainer.expert_model_parallel_size == 2 and config.trainer.model_parallel_size == 1
+    )
+    assert config.cluster.total_gpus == 2  # the two ranks' GPU bundles, which the shim maps
+    generation = config.generation
+    assert generation.launch.device == "cpu"
+    assert (generation.tensor_parallel_size, generation.expert_parallel_size) == (2, 2)
+    assert generation.refit.verify_weights and generation.refit.verify_method == "weights_checker"
+    assert generation.launch.env["GYMRL_CPU_WEIGHT_COMPARE"] == "1"
+    assert generation.launch.python == str(ROOT / ".venv-sglang" / "bin" / "python")
+    assert generation.launch.env["PYTHONPATH"] == str(ROOT / "cpu_standins" / "sglang_server")
+    trainer = config.cluster.roles.trainer
+    assert trainer.python == str(ROOT / ".venv-megatron" / "bin" / "python")
+    assert trainer.python_path == (str(ROOT / "cpu_standins" / "megatron_trainer"),)
+    assert (ROOT / "cpu_standins" / "megatron_trainer" / "megatron_on_cpu.py").is_file()
+    assert trainer.setup_hook == "megatron_on_cpu.prepare_process"
+    assert config.env.gym.venv == str(ROOT / ".venv-gym")
     assert config.grpo.num_steps == 3
+
+
+def test_sglang_cpu_smoke_reads_back_every_refit_from_the_server():
+    """SmolLM2's Llama class has SGLang's read-back, and the torch trainer broadcasts."""
+    refit = validate_config(compose_raw(["+experiment=sglang_cpu_smoke"])).generation.refit
+    assert (refit.transport, refit.verify_weights) == ("nccl", True)
+    assert (refit.verify_method, refit.verify_every) == ("read_back", 1)
 
 
 def test_math_1p5b_is_the_2_node_recipe_with_truncation():

@@ -21,7 +21,7 @@ def test_the_plan_names_each_roles_interpreter_or_image():
     )
     driver = f"the driver's interpreter ({sys.executable})"
     assert lines == {
-        "generation": "python /opt/envs/sglang/bin/python",
+        "generation": "python /opt/envs/sglang/bin/python; its servers: the role's interpreter",
         "policy_server": driver,
         "trainer": "image nvcr.io/megatron:1",
         "gym_shards": driver,
@@ -43,4 +43,21 @@ def test_the_plan_names_a_roles_setup_hook():
     )
     assert lines["trainer"] == (
         "python /opt/megatron/bin/python, each worker process set up by shim.prepare_process"
+    )
+
+
+def test_the_plan_names_what_goes_first_on_a_roles_pythonpath_and_the_servers_interpreter():
+    lines = _environment_lines(
+        "+experiment=math_1p5b",
+        "cluster.roles.trainer.python_path=['/opt/shims','/opt/more']",
+        "generation.launch.python=/opt/sglang/bin/python",
+        "+generation.launch.env.PYTHONPATH=/opt/kernels",
+    )
+    assert (
+        lines["trainer"]
+        == f"the driver's interpreter ({sys.executable}), /opt/shims:/opt/more first on PYTHONPATH"
+    )
+    assert lines["generation"] == (
+        f"the driver's interpreter ({sys.executable}); its servers: python /opt/sglang/bin/python, "
+        "PYTHONPATH /opt/kernels"
     )

@@ -263,6 +263,15 @@ def test_a_role_interpreter_must_be_an_absolute_path_and_exclusive_with_an_image
     )
 
 
+def test_a_roles_python_path_must_be_absolute_folders():
+    issues = _issues(["cluster.roles.trainer.python_path=['/opt/shims','shims/megatron']"])
+    (issue,) = issues.values()
+    assert issue.key == "cluster.roles.trainer.python_path"
+    assert issue.value == ["/opt/shims", "shims/megatron"]
+    assert issue.problem.startswith("'shims/megatron' must be absolute")
+    assert "${repo_path:" in issue.fix
+
+
 def test_a_setup_hook_is_refused_beside_an_image():
     issues = _issues(
         ["cluster.roles.buffer.image=nvcr.io/core:1", "cluster.roles.buffer.setup_hook=m.f"]

@@ -19,14 +19,14 @@ def swe_config():
 
 @pytest.fixture(scope="session")
 def megatron_runtime():
-    """megatron-core and Megatron-Bridge importable, on CUDA or else on the CPU through the
-    test-only shim (megatron_on_cpu.py) for the rest of the session."""
+    """megatron-core and Megatron-Bridge importable, on CUDA or else on the CPU through the CPU
+    device shim (cpu_standins/megatron_trainer/megatron_on_cpu.py) for the rest of the session."""
     if importlib.util.find_spec("megatron.bridge") is None:
         pytest.fail(
             "megatron-core / megatron-bridge are not installed: `make megatron-venv`, then "
             ".venv-megatron/bin/python -m pytest -m megatron"
         )
-    from tests.support.megatron_cpu_shim import megatron_on_cpu
+    from cpu_standins.megatron_trainer import megatron_on_cpu
 
     megatron_on_cpu.prepare_process()
     yield "cuda" if torch.cuda.is_available() else "cpu"

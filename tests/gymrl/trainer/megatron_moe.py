@@ -33,9 +33,9 @@ def _start_rank(
 ) -> Any:
     """This process as rank `rank` of `world_size`: the CPU shim, the rendezvous, the trainer
     (of `config`, else :func:`moe_config`'s)."""
+    from cpu_standins.megatron_trainer import megatron_on_cpu
     from gymrl.trainer.megatron.distributed import distributed_env
     from gymrl.trainer.megatron.worker import MegatronPolicyTrainer
-    from tests.support.megatron_cpu_shim import megatron_on_cpu
 
     megatron_on_cpu.prepare_process()
     if torch.cuda.is_available():

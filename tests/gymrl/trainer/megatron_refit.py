@@ -46,10 +46,10 @@ def _refit(trainer: Any, engine: SGLangEngine, url: str, version: int) -> tuple[
 
 def refit_run(rank: int, folder: str, url: str, prompt: list[int], port: int, out: str) -> None:
     """Rank 0 of the trainer (a `multiprocessing` spawn target); saves what it saw to `out`."""
+    from cpu_standins.megatron_trainer import megatron_on_cpu
     from gymrl.trainer.megatron.distributed import distributed_env
     from gymrl.trainer.megatron.worker import MegatronPolicyTrainer
     from tests.gymrl.trainer.megatron_setup import tiny_config
-    from tests.support.megatron_cpu_shim import megatron_on_cpu
 
     megatron_on_cpu.prepare_process()
     torch.set_num_threads(1)

@@ -106,9 +106,9 @@ def tensor_parallel_run(
     after it; rank 0 saves them to `out`."""
     import os
 
+    from cpu_standins.megatron_trainer import megatron_on_cpu
     from gymrl.trainer.megatron.distributed import distributed_env
     from gymrl.trainer.megatron.worker import MegatronPolicyTrainer
-    from tests.support.megatron_cpu_shim import megatron_on_cpu
 
     megatron_on_cpu.prepare_process()
     if torch.cuda.is_available():

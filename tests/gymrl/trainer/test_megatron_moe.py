@@ -1,7 +1,7 @@
 """The tiny Qwen3-MoE (`policy=tiny_qwen3_moe`) trained by the real Megatron trainer with expert
 parallelism (`trainer.expert_model_parallel_size`), on the real megatron-core 0.19.2 and
 Megatron-Bridge 0.6.2 (`make megatron-venv`): on CUDA where there is one, else on the CPU over
-gloo through the test-only device shim `megatron_on_cpu.py`.
+gloo through the CPU device shim `cpu_standins/megatron_trainer/megatron_on_cpu.py`.
 
 Each run is processes of its own (`megatron_moe.py`): EP 1 on one rank, EP 2 on two, where each
 rank holds 4 of the 8 experts of every layer, the all-to-all dispatcher sends each token to the

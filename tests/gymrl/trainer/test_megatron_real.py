@@ -1,8 +1,8 @@
 """The Megatron trainer on the real megatron-core and Megatron-Bridge (`make megatron-venv`).
 
 On CUDA where there is one (`launch/gpu_check/run.sh`), else on the CPU over gloo through the
-test-only device shim `megatron_on_cpu.py`. A generated tiny Llama with grouped-query attention
-(4 heads, 2 KV heads, SmolLM2's vocabulary) stands in for the policy.
+CPU device shim `cpu_standins/megatron_trainer/megatron_on_cpu.py`. A generated tiny Llama with
+grouped-query attention (4 heads, 2 KV heads, SmolLM2's vocabulary) stands in for the policy.
 """
 
 from __future__ import annotations
@@ -299,7 +299,7 @@ def test_megatron_trainer_group_on_ray_with_two_ranks(tp1_run, tiny_llama):
     runtime_env = {
         "env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, path))},
         "worker_process_setup_hook": (
-            "tests.support.megatron_cpu_shim.megatron_on_cpu.prepare_process"
+            "cpu_standins.megatron_trainer.megatron_on_cpu.prepare_process"
         ),
     }
     ray.init(num_gpus=2, num_cpus=4, include_dashboard=False, runtime_env=runtime_env)

@@ -3,7 +3,7 @@ CPU, against transformers on the same files.
 
 The server is started as `test_sglang_cpu.py`'s are (`real_sglang.start_cpu_server`), launched for
 router replay (`--enable-return-routed-experts`), with the MoE path's CPU stand-ins
-(`sgl_kernel_cpu_standin/sglang_moe_on_cpu.py`) on its PYTHONPATH. On a CPU without AMX SGLang
+(`cpu_standins/sglang_server/sglang_moe_on_cpu.py`) on its PYTHONPATH. On a CPU without AMX SGLang
 routes with `fused_topk_torch_native` (softmax in float32, top-k, renormalised) and runs the
 experts with `moe_forward_native`, plain torch both. Marker `sglang_cpu`; the expert-parallel
 server (two ranks, 60-130 s to start on two busy cores) is also `slow`.

@@ -1,14 +1,15 @@
-"""Stand-in for the `sgl_kernel` CPU extension, test tree only: the one op the real SGLang 0.5.23
-server runs on a CPU when no CPU build of sgl-kernel is installed.
+"""Stand-in for the `sgl_kernel` CPU extension: the one op the real SGLang 0.5.23 server runs on a
+CPU when no CPU build of sgl-kernel is installed (`cpu_standins/README.md`).
 
 SGLang on a CPU (`--device cpu`) imports `assign_req_to_token_pool_cpu` from `sgl_kernel` at
 start-up (`sglang/srt/mem_cache/allocation.py`) and calls it for every batch. It imports other
 `*_cpu` ops at start-up too (speculative decoding's, KV moves between slots), for paths these
 servers never take; here each of those refuses when called. The PyPI `sglang-kernel` wheel carries
 CUDA ops only. Everything else takes SGLang's torch-native paths because this module registers no
-`torch.ops.sgl_kernel.convert_weight_packed` (`cpu_has_amx_support()` is then false). The tests
-that start a real server (marker `sglang_cpu`) put this folder on the server's PYTHONPATH; nothing
-outside the tests sees it.
+`torch.ops.sgl_kernel.convert_weight_packed` (`cpu_has_amx_support()` is then false).
+`generation=sglang_cpu` (the CPU experiments and the tests that start a real server) puts this
+folder on the server's PYTHONPATH; a server on a GPU, or with sgl-kernel's own CPU build, never
+sees it.
 """
 
 from __future__ import annotations
@@ -47,12 +48,12 @@ def __getattr__(name: str):
     moves between slots, ...) belongs to a path these servers never take: it refuses if called.
     """
     if not name.endswith("_cpu"):
-        raise AttributeError(f"module 'sgl_kernel' (test stand-in) has no attribute {name!r}")
+        raise AttributeError(f"module 'sgl_kernel' (the CPU stand-in) has no attribute {name!r}")
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise NotImplementedError(
-            f"the test-only sgl_kernel stand-in has no {name}: the servers the tests start "
-            "never take the SGLang path that needs it"
+            f"the sgl_kernel CPU stand-in (cpu_standins/sglang_server) has no {name}: the CPU "
+            "servers it is made for never take the SGLang path that needs it"
         )
 
     return refuse

@@ -1,10 +1,12 @@
-"""Megatron-core 0.19 and Megatron-Bridge 0.6 on a machine without CUDA, for tests only.
+"""Megatron-core 0.19 and Megatron-Bridge 0.6 on a machine without CUDA: the Megatron tests and
+`+experiment=flagship_cpu` (whose `cluster.roles.trainer.setup_hook` names `prepare_process`).
 
 megatron-core assumes CUDA in places that no configuration reaches (device strings, the CUDA RNG,
 streams, NCCL). `install()` puts CPU stand-ins there, in this process, with nothing edited on
 disk, so the trainer's own code (`gymrl/trainer/megatron/`) runs unchanged on the CPU over gloo.
 Every part below names the megatron source it works around. Where CUDA exists the tests run
-without any of it (`launch/gpu_check/run.sh`): this module never ships with the trainer.
+without any of it (`launch/gpu_check/run.sh`), and a GPU run needs none of it: this module never
+ships with the trainer (`cpu_standins/README.md`).
 
 `install()` is idempotent and meant for the whole process (a pytest session, a spawned rank, a
 Ray worker's `worker_process_setup_hook`); `uninstall()` undoes it. `prepare_process()` is what
@@ -24,7 +26,7 @@ import torch
 import torch.distributed
 from torch.overrides import TorchFunctionMode
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
 
 

@@ -1,6 +1,6 @@
 """Three places where SGLang 0.5.23 assumes CUDA on the mixture-of-experts path, replaced in plain
-torch for the real server on a CPU (test tree only, beside the `sgl_kernel` stand-in and put on
-the server's PYTHONPATH with it; `sitecustomize.py` installs them in every server process).
+torch for the real server on a CPU (beside the `sgl_kernel` stand-in and put on the server's
+PYTHONPATH with it; `sitecustomize.py` installs them in every server process).
 
 Each replacement is applied right after SGLang's module is first imported (a post-import hook), so
 nothing in the venv is edited, and only on the path that fails without it:
@@ -16,9 +16,10 @@ nothing in the venv is edited, and only on the path that fails without it:
   experts run in a plain loop instead; the all-reduce after the MoE layer adds the other ranks'.
 * The weight checker's compare (`POST /weights_checker`, `generation.refit.verify_weights`):
   `sglang/srt/utils/weight_checker_comparator.py` moves every chunk to CUDA before comparing.
-  Only when the server's environment sets `GYMRL_CPU_WEIGHT_COMPARE=1` are the chunks compared
-  where they are, so a test can still see what stock SGLang does on a CPU (the compare cannot
-  run, and the project's check says so before it changes any weight).
+  Only when the server's environment sets `GYMRL_CPU_WEIGHT_COMPARE=1` (the CPU experiments do,
+  in `generation.launch.env`) are the chunks compared where they are, so a test can still see
+  what stock SGLang does on a CPU (the compare cannot run, and the project's check says so before
+  it changes any weight).
 """
 
 from __future__ import annotations
