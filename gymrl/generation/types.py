@@ -30,7 +30,7 @@ class SamplingParams:
     seed: int | None = None
 
 
-_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class RouteLayout:
         """From a Hugging Face `config.json` (the expert count is Qwen3-MoE's `num_experts`, or
         `num_local_experts` as newer transformers write it, or DeepSeek's `n_routed_experts`); a
         dense model's config is an error naming the missing keys."""
-        named = [config[key] for key in _EXPERT_COUNT_KEYS if key in config]
+        named = [config[key] for key in EXPERT_COUNT_KEYS if key in config]
         experts = named[0] if named else None
         per_token = config.get("num_experts_per_tok")
         layers = config.get("num_hidden_layers")

@@ -49,6 +49,7 @@ RULES: tuple[Rule, ...] = (
     policy.tiny_heads_divide_hidden_size,
     policy.pretrained_needs_path,
     policy.router_replay_needs_moe,
+    policy.expert_parallelism_divides_experts,
     token_capture.receipt_mode_not_implemented,
     loss.overlong_penalty_below_limit,
     loss.failed_reward_when_failures_are_rewards,

@@ -6,7 +6,8 @@
 # the export's snapshot, save and resume equal to the uninterrupted step, HF export reloaded by
 # transformers, argument dicts bound to the real signatures, a one-rank run in a spawned process;
 # with two GPUs or more also TP 2 against TP 1 and (where Ray is installed) the Ray group of two
-# ranks. About 2 minutes after the install (limits: 2 + 6 minutes). The flagship's CPU run is not
+# ranks; the MoE's expert parallelism and router replay. About 4 minutes after the install
+# (limits: 2 + 6 + 6 minutes). The flagship's CPU run is not
 # one of these (below).
 #
 #   WHEELS=/path/to/wheels bash launch/gpu_check/run.sh [LOG_DIR]
@@ -68,6 +69,11 @@ run torch 120 gpu "$PWD:$SITE/base" \
 # imports the SGLang client's packages, which the base wheels do not hold.
 run megatron 360 "megatron and not slow" "$PWD:$SITE/megatron:$SITE/base" \
   tests/gymrl/trainer/test_megatron_real.py
+# The mixture of experts: EP 2 against EP 1, its checkpoint and export, and router replay in the
+# routers (test_megatron_router_replay.py), on the tiny Qwen3-MoE; EP 2 needs two GPUs (skipped
+# with one). The refit into SGLang in test_megatron_moe.py skips itself without the SGLang venv.
+run megatron_moe 360 "megatron and not slow" "$PWD:$SITE/megatron:$SITE/base" \
+  tests/gymrl/trainer/test_megatron_moe.py tests/gymrl/trainer/test_megatron_router_replay.py
 # Not here: +experiment=flagship_cpu (tests/recipes/test_flagship_cpu.py), the flagship's code
 # path on a CPU. It needs Ray and the venvs of `make gym-venv sglang-venv megatron-venv`, which a
 # machine without network lacks, and it is the CPU form by design: its SGLang server runs on the

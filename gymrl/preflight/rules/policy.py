@@ -3,12 +3,16 @@ it is rendered and which backends can honour its settings."""
 
 from __future__ import annotations
 
-from gymrl.config.context_length import context_issues
-from gymrl.config.schema.generation import TorchGenerationConfig
+import json
+
+from gymrl.config.context_length import context_issues, local_model_config
+from gymrl.config.schema.generation import SGLangGenerationConfig, TorchGenerationConfig
+from gymrl.config.schema.policy import PolicyConfig
 from gymrl.config.schema.recipe import RecipeConfig
-from gymrl.config.schema.trainer import TorchTrainerConfig
+from gymrl.config.schema.trainer import MegatronTrainerConfig, TorchTrainerConfig
 from gymrl.generation.server.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from gymrl.generation.server.templates import bundled_chat_templates, chat_template_path
+from gymrl.generation.types import EXPERT_COUNT_KEYS
 from nemo_gym_ext.config_errors import ConfigIssue
 
 
@@ -167,3 +171,44 @@ def sglang_needs_a_checkpoint(config: RecipeConfig) -> list[ConfigIssue]:
             "select generation=torch for a tiny model, or a policy with a checkpoint",
         )
     ]
+
+
+def expert_parallelism_divides_experts(config: RecipeConfig) -> list[ConfigIssue]:
+    """Each expert-parallel rank holds an equal share of every layer's experts, in Megatron and in
+    SGLang alike: an expert count the degree does not divide fails only once the model loads on
+    the cluster. Checked where the count is known here (the tiny MoE, a local folder)."""
+    experts = _expert_count(config.policy)
+    if experts is None:
+        return []
+    degrees = []
+    if isinstance(config.trainer, MegatronTrainerConfig):
+        degrees.append(
+            ("trainer.expert_model_parallel_size", config.trainer.expert_model_parallel_size)
+        )
+    if isinstance(config.generation, SGLangGenerationConfig):
+        degrees.append(("generation.expert_parallel_size", config.generation.expert_parallel_size))
+    return [
+        ConfigIssue(
+            key,
+            degree,
+            f"the policy has {experts} experts per layer, which {degree} expert-parallel ranks "
+            "cannot share equally",
+            f"set {key} to a divisor of {experts}",
+        )
+        for key, degree in degrees
+        if experts % degree
+    ]
+
+
+def _expert_count(policy: PolicyConfig) -> int | None:
+    """Experts per layer of an MoE policy whose config is at hand; None otherwise."""
+    if not policy.is_moe:
+        return None
+    if policy.source == "tiny_random_moe":
+        return policy.tiny_moe.num_experts
+    config_file = local_model_config(policy)
+    if config_file is None or not config_file.is_file():
+        return None
+    model_config = json.loads(config_file.read_text())
+    counts = [model_config[key] for key in EXPERT_COUNT_KEYS if key in model_config]
+    return counts[0] if counts and isinstance(counts[0], int) else None

@@ -30,17 +30,41 @@ def test_router_replay_with_truncation_is_refused_for_every_shard():
     assert {s for s in shards for i in raised.value.issues if f"'{s}'" in i.problem} == shards
 
 
-def test_router_replay_without_truncation_passes_the_guard_but_no_trainer_replays_yet():
+def test_router_replay_without_truncation_is_the_flagships_to_turn_on():
+    """The flagship's layout (SGLang, Megatron, an MoE) with truncation off takes router replay;
+    the torch engine, which reports no routes, and a dense policy are refused by name."""
+    config = validate_config(
+        compose_raw(
+            [
+                "+experiment=swe_bench_30b",
+                "policy.router_replay.enabled=true",
+                "env.nemo_gym.truncate_noncontiguous_episodes=false",
+            ]
+        )
+    )
+    assert config.policy.router_replay.enabled
+    issues = _issues(["policy.router_replay.enabled=true"])  # the default: torch, SmolLM2
+    assert issues["generation.backend"].fix.startswith("set generation=sglang")
+    assert issues["policy.router_replay.enabled"].problem in {
+        "router replay needs an MoE policy",
+        "the torch trainer does not replay MoE routing (only the Megatron trainer installs the "
+        "engine's routes in its routers)",
+    }
+
+
+def test_an_expert_parallel_degree_that_does_not_divide_the_experts_is_refused():
     issues = _issues(
         [
-            "+experiment=swe_bench_30b",
-            "policy.router_replay.enabled=true",
-            "env.nemo_gym.truncate_noncontiguous_episodes=false",
+            "+experiment=moe_r3_cpu",
+            "generation.tensor_parallel_size=3",
+            "generation.expert_parallel_size=3",
+            "trainer.expert_model_parallel_size=3",
+            "cluster.gpus_per_node=3",
         ]
     )
-    (issue,) = issues.values()
-    assert "truncate_noncontiguous_episodes" not in issue.problem
-    assert issue.problem.startswith("the megatron trainer does not replay MoE routing")
+    for key in ("generation.expert_parallel_size", "trainer.expert_model_parallel_size"):
+        assert issues[key].problem.startswith("the policy has 8 experts per layer"), issues
+        assert issues[key].fix == f"set {key} to a divisor of 8"
 
 
 def test_megatron_limits_are_reported_at_composition_time():
