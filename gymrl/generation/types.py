@@ -51,9 +51,13 @@ class RouteLayout:
         dense model's config is an error naming the missing keys."""
         named = [config[key] for key in EXPERT_COUNT_KEYS if key in config]
         experts = named[0] if named else None
-        per_token = config.get("num_experts_per_tok")
-        layers = config.get("num_hidden_layers")
-        if not all(isinstance(value, int) and value > 0 for value in (experts, per_token, layers)):
+        layers, per_token = config.get("num_hidden_layers"), config.get("num_experts_per_tok")
+        if not (
+            isinstance(layers, int)
+            and isinstance(per_token, int)
+            and isinstance(experts, int)
+            and min(layers, per_token, experts) > 0
+        ):
             raise ValueError(
                 "router replay needs an MoE model: its config.json must give num_hidden_layers, "
                 f"num_experts_per_tok and num_experts (got {layers!r}, {per_token!r}, {experts!r})"

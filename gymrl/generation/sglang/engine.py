@@ -438,9 +438,9 @@ class SGLangEngine:
                 piece = parse_routed_experts(
                     url,
                     body,
-                    self._route_layout,
+                    self._layout(),
                     start=routes_from,
-                    sequence_length=len(answered),
+                    sequence_length=len(sent) + len(new_tokens),
                     aborted=finish == "abort",
                 )
                 routes += [piece] if piece is not None else []
@@ -464,6 +464,11 @@ class SGLangEngine:
             "come faster than one generation takes: lower max_new_tokens or refit less often"
         )
 
+    def _layout(self) -> RouteLayout:
+        if self._route_layout is None:  # _validate refuses such requests before they run
+            raise ValueError("this engine was made without a route layout")
+        return self._route_layout
+
     @staticmethod
     def _routes_from(request: GenerationRequest, routes: Sequence[RoutedExperts]) -> int | None:
         """The first position the next piece asks routes for: the request's, or past the
@@ -486,7 +491,7 @@ class SGLangEngine:
         if request.routes_from is not None:
             routed = joined_routes(
                 routes,
-                self._route_layout,
+                self._layout(),
                 start=request.routes_from,
                 end=len(prompt) + len(tokens) - 1,
             )

@@ -25,6 +25,7 @@ replay (`gymrl.trainer.megatron.arguments.provider_overrides`) and checked here.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -72,15 +73,16 @@ def install_route_replay(model_chunks: Iterable[torch.nn.Module]) -> list[Engine
         for module in chunk.modules():
             if not isinstance(module, TopKRouter):
                 continue
-            if module.config.moe_router_fusion:
+            router: Any = module  # megatron-core is not typed
+            if router.config.moe_router_fusion:
                 raise ValueError(
                     "router replay needs moe_router_fusion=False: the fused top-k kernel skips "
                     "the router's replay without a word"
                 )
-            if module.layer_number is None:
+            if router.layer_number is None:
                 raise ValueError("an MoE router without a layer number cannot be given routes")
-            module.router_replay = EngineRoutes(module.layer_number - 1)
-            replays.append(module.router_replay)
+            router.router_replay = EngineRoutes(router.layer_number - 1)
+            replays.append(router.router_replay)
     if not replays:
         raise ValueError("router replay found no MoE router in the model (is it an MoE model?)")
     return replays
