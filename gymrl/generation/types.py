@@ -16,6 +16,8 @@ from typing import Literal, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from gymrl.config.schema.policy import EXPERT_COUNT_KEYS
+
 FinishReason = Literal["stop", "length"]
 
 
@@ -28,9 +30,6 @@ class SamplingParams:
     top_p: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
-
-
-EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,11 @@ class TinyMoeConfig(Strict):
         return self
 
 
+# Where a Hugging Face MoE config.json gives its experts per layer: Qwen3-MoE's `num_experts`,
+# `num_local_experts` as newer transformers write it, DeepSeek's `n_routed_experts`.
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
 class RouterReplayConfig(Strict):
     enabled: bool = Field(
         default=False,

@@ -7,12 +7,11 @@ import json
 
 from gymrl.config.context_length import context_issues, local_model_config
 from gymrl.config.schema.generation import SGLangGenerationConfig, TorchGenerationConfig
-from gymrl.config.schema.policy import PolicyConfig
+from gymrl.config.schema.policy import EXPERT_COUNT_KEYS, PolicyConfig
 from gymrl.config.schema.recipe import RecipeConfig
 from gymrl.config.schema.trainer import MegatronTrainerConfig, TorchTrainerConfig
 from gymrl.generation.server.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from gymrl.generation.server.templates import bundled_chat_templates, chat_template_path
-from gymrl.generation.types import EXPERT_COUNT_KEYS
 from nemo_gym_ext.config_errors import ConfigIssue
 
 
