@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import ray
 import torch
 from pydantic import SecretStr
@@ -29,7 +30,7 @@ from gymrl.generation.server.announce import policy_server_host
 from gymrl.generation.server.app import create_policy_server_app
 from gymrl.generation.server.chat_template import ChatFormat
 from gymrl.generation.server.divergence_watch import DivergenceCounts, DivergenceWatch
-from gymrl.generation.server.route_store import EpisodeRoutes, RouteStore, RouteStoreCounts
+from gymrl.generation.server.route_store import RouteStore, RouteStoreCounts
 from gymrl.generation.server.sampling_rules import SamplingCounts, SamplingParity, SamplingRules
 from gymrl.generation.sglang.engine import SGLangEngine
 from gymrl.generation.sglang.servers import SGLangServerGroup
@@ -154,7 +155,7 @@ class GenerationServer:
 
     def assemble_routes(
         self, episodes: Sequence[tuple[Sequence[int], Sequence[int]]]
-    ) -> list[EpisodeRoutes]:
+    ) -> list[np.ndarray]:
         """Router replay: the routes of each `(token_ids, call_ends)` episode, from the calls
         the policy server held (`RouteStore.assemble`)."""
         store = self._require_routes()
@@ -340,7 +341,7 @@ class GenerationRole:
         )
         attached = list(trajectories)
         for index, routes in zip(wanted, assembled, strict=True):
-            attached[index] = dataclasses.replace(attached[index], routed_experts=routes.rows)
+            attached[index] = dataclasses.replace(attached[index], routed_experts=routes)
         return attached
 
 

@@ -4,6 +4,7 @@ logged so far, and every process it started (found by a marker in their environm
 workers inherit), so a test can tell that nothing is left behind."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -29,10 +30,23 @@ def recipe_command(out: Path, *overrides: str) -> list[str]:
     ]
 
 
-def run_recipe(out: Path, *overrides: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
-    """The run of `recipe_command` to its end, its output captured."""
+def run_recipe(
+    out: Path, *overrides: str, timeout: int = 300, this_checkout_first: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """The run of `recipe_command` to its end, its output captured. `this_checkout_first`: this
+    checkout's code first on PYTHONPATH, whichever checkout the editable install points at, for
+    runs whose roles start in venvs of their own (Ray's workers inherit the path)."""
+    env = None
+    if this_checkout_first:
+        path = [str(ROOT), os.environ.get("PYTHONPATH", "")]
+        env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, path))}
     return subprocess.run(
-        recipe_command(out, *overrides), cwd=ROOT, capture_output=True, text=True, timeout=timeout
+        recipe_command(out, *overrides),
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 

@@ -15,18 +15,13 @@ for the three venvs: `.ci/run` runs it after `make megatron-venv` with
 """
 
 import math
-import os
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.recipes.recipe_runs import read_metrics, recipe_command
+from tests.recipes.recipe_runs import read_metrics, run_recipe
 
 pytestmark = [pytest.mark.slow, pytest.mark.megatron, pytest.mark.sglang_cpu]
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_flagships_code_path_trains_three_steps_on_this_cpu(tmp_path):
@@ -37,14 +32,12 @@ def test_the_flagships_code_path_trains_three_steps_on_this_cpu(tmp_path):
         )
     # A venv `make` has not made stops the run at once, naming its target. This checkout's
     # code, whichever checkout the editable install points at (Ray's workers inherit it).
-    path = [str(ROOT), os.environ.get("PYTHONPATH", "")]
-    done = subprocess.run(
-        recipe_command(tmp_path, "+experiment=flagship_cpu", "logger.wandb.mode=disabled"),
-        cwd=ROOT,
-        env=os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, path))},
-        capture_output=True,
-        text=True,
+    done = run_recipe(
+        tmp_path,
+        "+experiment=flagship_cpu",
+        "logger.wandb.mode=disabled",
         timeout=2400,
+        this_checkout_first=True,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-6000:]
     plan = done.stdout

@@ -9,18 +9,14 @@ which `.ci/run` runs with `python -m pytest -m 'slow and megatron'`.
 """
 
 import math
-import os
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.recipes.recipe_runs import read_metrics, recipe_command
+from tests.recipes.recipe_runs import read_metrics, run_recipe
 
 pytestmark = [pytest.mark.slow, pytest.mark.megatron, pytest.mark.sglang_cpu]
 
-ROOT = Path(__file__).resolve().parents[2]
 # The tiny MoE's routes per position: 4 layers x 2 experts, one byte each.
 ROUTE_BYTES_PER_TOKEN = 8.0
 
@@ -30,14 +26,12 @@ def test_router_replay_trains_the_tiny_moe_with_every_tokens_routes(tmp_path):
         pytest.skip("moe_r3_cpu is the CPU form (its SGLang server runs on the CPU)")
     # The command as a user runs it (a venv `make` has not made stops it, naming its target),
     # with this checkout's code whichever checkout the editable install points at.
-    path = [str(ROOT), os.environ.get("PYTHONPATH", "")]
-    done = subprocess.run(
-        recipe_command(tmp_path, "+experiment=moe_r3_cpu", "logger.wandb.mode=disabled"),
-        cwd=ROOT,
-        env=os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, path))},
-        capture_output=True,
-        text=True,
+    done = run_recipe(
+        tmp_path,
+        "+experiment=moe_r3_cpu",
+        "logger.wandb.mode=disabled",
         timeout=1800,
+        this_checkout_first=True,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-6000:]
     records = read_metrics(tmp_path)

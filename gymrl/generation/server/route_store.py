@@ -45,17 +45,6 @@ def routes_from(reused_token_count: int) -> int:
 
 
 @dataclass(frozen=True)
-class EpisodeRoutes:
-    """An episode's routes, one row per token (`missing` where none arrived), and the counts
-    behind `router_replay/...`: `expected` positions need routes (every token but the last,
-    whose output no loss reads), `received` of them got the engine's."""
-
-    rows: np.ndarray
-    received: int
-    expected: int
-
-
-@dataclass(frozen=True)
 class RouteStoreCounts:
     """The store's totals: calls held now, their bytes, and calls dropped unread."""
 
@@ -109,9 +98,10 @@ class RouteStore:
                 self._bytes -= dropped.rows.nbytes
                 self._evicted += 1
 
-    def assemble(self, token_ids: Sequence[int], call_ends: Sequence[int]) -> EpisodeRoutes:
+    def assemble(self, token_ids: Sequence[int], call_ends: Sequence[int]) -> np.ndarray:
         """The routes of an episode whose model calls end (one past their last generated
-        token) at `call_ends` in `token_ids`; each call's routes are handed out once."""
+        token) at `call_ends` in `token_ids`: one row per token, the layout's `missing` id where
+        none arrived (the last token's always); each call's routes are handed out once."""
         length = len(token_ids)
         layout = self.layout
         rows = np.full(
@@ -125,8 +115,7 @@ class RouteStore:
             fresh = ~covered[routes.start : routes.end]
             rows[routes.start : routes.end][fresh] = routes.rows[fresh]
             covered[routes.start : routes.end] = True
-        expected = max(length - 1, 0)
-        return EpisodeRoutes(rows=rows, received=int(covered[:expected].sum()), expected=expected)
+        return rows
 
     def _take(self, sequence: Sequence[int]) -> RoutedExperts | None:
         key = sequence_key(sequence)

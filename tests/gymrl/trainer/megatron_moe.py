@@ -5,7 +5,6 @@ rank, over gloo on the CPU through `megatron_on_cpu.py`): what the tests of
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -33,16 +32,10 @@ def _start_rank(
 ) -> Any:
     """This process as rank `rank` of `world_size`: the CPU shim, the rendezvous, the trainer
     (of `config`, else :func:`moe_config`'s)."""
-    from cpu_standins.megatron_trainer import megatron_on_cpu
-    from gymrl.trainer.megatron.distributed import distributed_env
     from gymrl.trainer.megatron.worker import MegatronPolicyTrainer
+    from tests.gymrl.trainer.megatron_setup import join_as_rank
 
-    megatron_on_cpu.prepare_process()
-    if torch.cuda.is_available():
-        torch.cuda.set_device(rank)
-    torch.set_num_threads(1)
-    os.environ.update(distributed_env(rank, world_size, "127.0.0.1", port))
-    os.environ["LOCAL_RANK"] = str(rank)  # all ranks on this machine
+    join_as_rank(rank, world_size, port)
     config = config or moe_config(ep=ep, ranks=world_size)
     return MegatronPolicyTrainer(config, temperature=temperature)
 

@@ -9,7 +9,6 @@ the server's greedy output, its weight checksums and the refit's seconds and byt
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -46,15 +45,10 @@ def _refit(trainer: Any, engine: SGLangEngine, url: str, version: int) -> tuple[
 
 def refit_run(rank: int, folder: str, url: str, prompt: list[int], port: int, out: str) -> None:
     """Rank 0 of the trainer (a `multiprocessing` spawn target); saves what it saw to `out`."""
-    from cpu_standins.megatron_trainer import megatron_on_cpu
-    from gymrl.trainer.megatron.distributed import distributed_env
     from gymrl.trainer.megatron.worker import MegatronPolicyTrainer
-    from tests.gymrl.trainer.megatron_setup import tiny_config
+    from tests.gymrl.trainer.megatron_setup import join_as_rank, tiny_config
 
-    megatron_on_cpu.prepare_process()
-    torch.set_num_threads(1)
-    os.environ.update(distributed_env(rank, 1, "127.0.0.1", port))
-    os.environ["LOCAL_RANK"] = str(rank)
+    join_as_rank(rank, 1, port)
     trainer = MegatronPolicyTrainer(tiny_config(Path(folder)), temperature=1.0)
     request = GenerationRequest(
         prompt, SamplingParams(max_new_tokens=GREEDY_TOKENS, temperature=0.0)

@@ -98,17 +98,14 @@ def exported_gradients(trainer: Any) -> dict[str, torch.Tensor]:
             param.data = saved
 
 
-def tensor_parallel_run(
-    rank: int, world_size: int, tp: int, folder: str, port: int, out: str
-) -> None:
-    """One rank of a run at TP `tp` over `world_size` ranks (a `torch.multiprocessing.spawn`
-    target): log-probabilities of the fixed batch, one train step, its gradients and the weights
-    after it; rank 0 saves them to `out`."""
+def join_as_rank(rank: int, world_size: int, port: int) -> None:
+    """Make this spawned process rank `rank` of `world_size` on this machine, before its trainer
+    is built: the CPU device shim (a no-op where CUDA is), its GPU, one thread, the rendezvous
+    environment at `port`."""
     import os
 
     from cpu_standins.megatron_trainer import megatron_on_cpu
     from gymrl.trainer.megatron.distributed import distributed_env
-    from gymrl.trainer.megatron.worker import MegatronPolicyTrainer
 
     megatron_on_cpu.prepare_process()
     if torch.cuda.is_available():
@@ -116,6 +113,17 @@ def tensor_parallel_run(
     torch.set_num_threads(1)
     os.environ.update(distributed_env(rank, world_size, "127.0.0.1", port))
     os.environ["LOCAL_RANK"] = str(rank)  # all ranks on this machine
+
+
+def tensor_parallel_run(
+    rank: int, world_size: int, tp: int, folder: str, port: int, out: str
+) -> None:
+    """One rank of a run at TP `tp` over `world_size` ranks (a `torch.multiprocessing.spawn`
+    target): log-probabilities of the fixed batch, one train step, its gradients and the weights
+    after it; rank 0 saves them to `out`."""
+    from gymrl.trainer.megatron.worker import MegatronPolicyTrainer
+
+    join_as_rank(rank, world_size, port)
     config = tiny_config(Path(folder), tp=tp, ranks=world_size)
     trainer = MegatronPolicyTrainer(config, temperature=0.8)
     trajectories, advantages = megatron_batch(trainer._vocab_size)
