@@ -20,6 +20,7 @@ CLIENT_READS: dict[str, tuple[str, ...]] = {
         "meta_info.output_token_logprobs",
         "meta_info.completion_tokens",
         "meta_info.weight_version",
+        "meta_info.routed_experts",  # sglang_engine.parse_routed_experts (router replay)
     ),
     "/update_weights_from_disk": _OUTCOME,  # SGLangEngine.refit_from_disk
     # weight_sync: the session, group and bucket calls
