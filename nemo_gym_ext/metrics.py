@@ -5,6 +5,11 @@ any verifier field), each agent gets `<agent>/<field>/mean`, `/min` and `/max`. 
 a field does not count towards that field; agents are keyed by `agent_ref.name`. So the share of an
 agent's episodes that were truncated is `<agent>/noncontiguous_truncated/mean`. The trainer logs
 these under `train/`. Every key is documented in docs/metrics.md.
+
+One figure is a ratio of sums, not a mean: `<agent>/compaction_declared_share`, of the
+divergences in episodes whose agent declares its compactions (`compactions`), the share it
+declared (against `compaction_undeclared_divergences`): a mean of per-episode shares would weigh
+an episode with one divergence like one with fifty.
 """
 
 from __future__ import annotations
@@ -14,9 +19,11 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from nemo_gym_ext.postprocess import COMPACTIONS_FIELD, UNDECLARED_FIELD
 from nemo_gym_ext.wire import agent_name_of
 
 REDUCTIONS = ("mean", "min", "max")
+DECLARED_SHARE = "compaction_declared_share"
 
 
 def per_agent_metrics(results: Iterable[Mapping[str, Any]]) -> dict[str, float]:
@@ -34,6 +41,11 @@ def per_agent_metrics(results: Iterable[Mapping[str, Any]]) -> dict[str, float]:
         metrics[f"{prefix}/mean"] = math.fsum(numbers) / len(numbers)
         metrics[f"{prefix}/min"] = min(numbers)
         metrics[f"{prefix}/max"] = max(numbers)
+    for agent in sorted({agent for agent, _ in values}):
+        declared = math.fsum(values.get((agent, COMPACTIONS_FIELD), ()))
+        divergences = declared + math.fsum(values.get((agent, UNDECLARED_FIELD), ()))
+        if divergences:
+            metrics[f"{agent}/{DECLARED_SHARE}"] = declared / divergences
     return metrics
 
 

@@ -18,6 +18,13 @@ Either way the divergence is classified by cause (:func:`divergence_cause`), so 
 to fix: the error names it, and a truncated episode's result carries one 0/1 field per cause
 (`noncontiguous_cause/<cause>`), which per-agent metrics turn into shares of divergent episodes.
 
+A divergence the agent declared is none of this. An agent that compacts its context (NeMo-Gym's
+`simple_agent_with_compaction`) says where in a contract on its result; once the contract is
+verified against the token arrays (`nemo_gym_ext.compaction_contract`), each declared segment is
+a sequence of its own, trained with the episode's advantage like split mode's tails, with or
+without truncation, and counted (`compactions`, `compaction_*`). Inside a segment the rules above
+hold unchanged.
+
 Cost matters: a 200-turn SWE episode repeats its history in every prompt, millions of ids in all.
 The walk compares list slices (C speed), converts nothing per turn but the new delta, and copies
 the result shallowly.
@@ -31,6 +38,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from nemo_gym_ext.compaction_contract import (
+    MalformedCompactionContractError,
+    declared_segments,
+    has_contract,
+)
 from nemo_gym_ext.config import NemoGymPostprocessConfig
 from nemo_gym_ext.overlong import (
     OVERLONG_FLAG,
@@ -51,6 +63,11 @@ MALFORMED_FLAG = "malformed_sample"
 TURNS_FIELD = "trainable_turns"
 GENERATED_TOKENS_FIELD = "generated_tokens"
 LONGEST_CALL_FIELD = "longest_call_tokens"
+COMPACTIONS_FIELD = "compactions"
+COMPACTION_SEGMENTS_FIELD = "compaction_segments"
+COMPACTION_SEGMENT_TOKENS_FIELD = "compaction_segment_tokens"
+COMPACTION_DROPPED_FIELD = "compaction_dropped_tokens"
+UNDECLARED_FIELD = "compaction_undeclared_divergences"
 _WINDOW = 8
 _ROW_ID_FIELDS = ("id", "task_id", "instance_id")
 
@@ -141,9 +158,35 @@ _VERDICT_FIELDS = frozenset(
         SEGMENT_TOKENS_FIELD,
         STOPPED_FLAG,
         WITHHELD_FLAG,
+        COMPACTIONS_FIELD,
+        COMPACTION_SEGMENTS_FIELD,
+        COMPACTION_SEGMENT_TOKENS_FIELD,
+        COMPACTION_DROPPED_FIELD,
+        UNDECLARED_FIELD,
         *ALL_CAUSE_FIELDS,
     )
 )
+# What a segment after an episode's first is: opened by a compaction its agent declared, or kept
+# by split mode after a divergence nobody declared.
+DECLARED = "declared"
+TAIL = "tail"
+
+
+@dataclass(frozen=True)
+class Compaction:
+    """What an episode whose agent declared its compactions (`nemo_gym_ext.compaction_contract`)
+    did with its context, for per-agent metrics."""
+
+    compactions: int
+    """Compactions the agent declared: its segments less one."""
+
+    dropped_tokens: int
+    """Context tokens the compactions removed, net of what they inserted, summed over them
+    (:func:`_context_dropped`)."""
+
+    undeclared_divergences: int
+    """Divergences inside a declared segment: what the contract did not declare, handled by
+    `truncate_noncontiguous_episodes` as in any episode."""
 
 
 @dataclass(frozen=True)
@@ -162,9 +205,19 @@ class PostprocessedEpisode:
     "generation_logprobs"}`); empty for a masked malformed result."""
 
     segments: list[MessageLog] | None
-    """With `split_noncontiguous_segments`, the message logs of the contiguous tail segments kept
-    after the divergences (each starts with its first turn's whole prompt as the delta; at most
-    that many, later turns dropped), empty when none was kept; None without split mode."""
+    """The message logs of the sequences trained after the first, each starting with its first
+    turn's whole prompt as the delta: the segments the agent opened by a declared compaction,
+    and with `split_noncontiguous_segments` the contiguous tail segments kept after undeclared
+    divergences (at most that many, later turns dropped); empty when none was kept; None for an
+    episode with neither split mode nor a compaction contract. `segment_kinds` says which is
+    which."""
+
+    segment_kinds: tuple[str, ...]
+    """`DECLARED` or `TAIL` for each of `segments`."""
+
+    compaction: Compaction | None
+    """For an episode whose result carries a compaction contract, what its compactions did;
+    None otherwise."""
 
     result: dict[str, Any]
     """The Gym result (a shallow copy, without the fields of an earlier pass), its `agent_ref`
@@ -220,8 +273,20 @@ class PostprocessedEpisode:
 
     @property
     def segment_tokens(self) -> int:
-        """The tail segments' generated tokens."""
-        return sum(_generations(segment)[1] for segment in self.segments or ())
+        """The tail segments' generated tokens (split mode's, after undeclared divergences)."""
+        return self._tokens_of(TAIL)
+
+    @property
+    def compaction_segment_tokens(self) -> int:
+        """The generated tokens of the declared segments after the first."""
+        return self._tokens_of(DECLARED)
+
+    def _tokens_of(self, kind: str) -> int:
+        return sum(
+            _generations(segment)[1]
+            for segment, segment_kind in zip(self.segments or (), self.segment_kinds, strict=True)
+            if segment_kind == kind
+        )
 
     @property
     def full_result(self) -> dict[str, Any]:
@@ -249,6 +314,12 @@ class PostprocessedEpisode:
         }
         if self.withheld is not None:
             fields[WITHHELD_FLAG] = self.withheld
+        if self.compaction is not None:
+            fields[COMPACTIONS_FIELD] = self.compaction.compactions
+            fields[COMPACTION_SEGMENTS_FIELD] = 1 + self.segment_kinds.count(DECLARED)
+            fields[COMPACTION_SEGMENT_TOKENS_FIELD] = self.compaction_segment_tokens
+            fields[COMPACTION_DROPPED_FIELD] = self.compaction.dropped_tokens
+            fields[UNDECLARED_FIELD] = self.compaction.undeclared_divergences
         if not self.truncated:
             return fields
         fields[DROPPED_TOKENS_FIELD] = self.dropped_tokens
@@ -257,7 +328,7 @@ class PostprocessedEpisode:
         if self.stopped is not None:
             fields[STOPPED_FLAG] = self.stopped
         if self.segments is not None:
-            fields[SEGMENTS_FIELD] = len(self.segments)
+            fields[SEGMENTS_FIELD] = self.segment_kinds.count(TAIL)
             fields[SEGMENT_TOKENS_FIELD] = self.segment_tokens
         return fields
 
@@ -289,9 +360,12 @@ def postprocess_gym_result(
     row_id = row_id_of(row, result)
     agent_ref = _agent_ref_of(row, result, row_id)
     agent = agent_ref["name"]
+    contracted = has_contract(result)
     episode = PostprocessedEpisode(
         message_log=[],
-        segments=[] if config.split_noncontiguous_segments else None,
+        segments=[] if config.split_noncontiguous_segments or contracted else None,
+        segment_kinds=(),
+        compaction=None,
         result=_fresh_result(result, agent_ref),
         overlong=hit_token_limit(result),
         malformed=False,
@@ -308,28 +382,47 @@ def postprocess_gym_result(
     _check_reward(result, agent, row_id)
     try:
         turns = _trainable_turns(result, agent, row_id)
+        declared = (
+            declared_segments(result, f"row {row_id!r} (agent {agent!r})") if contracted else None
+        )
         # Of every call, kept or not: the episode the overlong penalty judges is all of it.
         episode = replace(episode, longest_call_tokens=max(len(turn[2]) for turn in turns))
         withheld = _withheld_turn(result, turns) if server_stops_divergences else None
         if server_stops_divergences:
             episode = replace(episode, withheld=withheld is not None)
-        (message_log, *tails), dropped, cause = _walk(
-            turns, withheld, config, agent, row_id, vocab_size, decode
+        walk = _walk(
+            turns,
+            withheld,
+            config,
+            agent,
+            row_id,
+            vocab_size,
+            decode,
+            declared_starts=declared.starts if declared else frozenset(),
         )
-    except MalformedGymResultError:
+    except (MalformedGymResultError, MalformedCompactionContractError):
         if config.on_malformed_result == "raise":
             raise
         return replace(episode, malformed=True)
-    episode = replace(episode, message_log=message_log)
-    if not cause:
+    first, *more = walk.segments
+    episode = replace(episode, message_log=first)
+    if episode.segments is not None:
+        episode = replace(episode, segments=more, segment_kinds=walk.kinds)
+    if declared is not None:
+        compaction = Compaction(
+            compactions=declared.segments - 1,
+            dropped_tokens=walk.context_dropped,
+            undeclared_divergences=walk.undeclared,
+        )
+        episode = replace(episode, compaction=compaction)
+    if not walk.cause:
         return episode
     return replace(
         episode,
-        cause=cause,
-        dropped_turns=dropped,
-        dropped_tokens=sum(len(turn[2]) for turn in turns[len(turns) - dropped :]),
+        cause=walk.cause,
+        dropped_turns=walk.dropped,
+        dropped_tokens=sum(len(turn[2]) for turn in turns[len(turns) - walk.dropped :]),
         stopped=_stopped(withheld, turns[-1]) if server_stops_divergences else None,
-        segments=tails if config.split_noncontiguous_segments else None,
     )
 
 
@@ -354,6 +447,29 @@ def _generations(message_log: MessageLog) -> tuple[int, int]:
     return len(generations), sum(map(len, generations))
 
 
+@dataclass(frozen=True)
+class _Walk:
+    """What :func:`_walk` found: the kept sequences and what was dropped, declared or not."""
+
+    segments: list[MessageLog]
+    """The message log of each kept sequence: the first, then the others in episode order."""
+
+    kinds: tuple[str, ...]
+    """`DECLARED` or `TAIL` for each sequence after the first."""
+
+    dropped: int
+    """Trainable turns dropped after the last kept sequence."""
+
+    cause: str
+    """The first undeclared divergence's cause; "" when there was none."""
+
+    undeclared: int
+    """Undeclared divergences met (the walk stops at the one it cannot keep a segment after)."""
+
+    context_dropped: int
+    """Context tokens the declared compactions removed (:func:`_context_dropped`)."""
+
+
 def _walk(
     turns: list[tuple[int, list[int], list[int], list[float]]],
     withheld: tuple[int, list[int]] | None,
@@ -362,29 +478,42 @@ def _walk(
     row_id: str,
     vocab_size: int | None,
     decode: Decode | None,
-) -> tuple[list[MessageLog], int, str]:
-    """Walk trainable turns; return the message log of each kept contiguous segment (the prefix
-    first, then with `split_noncontiguous_segments` the tail segments), the number of dropped
-    turns and, when the episode diverged, the first divergence's cause ("" otherwise).
+    *,
+    declared_starts: frozenset[int],
+) -> _Walk:
+    """Walk trainable turns into the sequences to train: the first from the episode's start, a
+    new one at each turn whose output item opens a segment its agent declared
+    (`declared_starts`, from the compaction contract), and at an undeclared divergence either
+    the end (truncation; an error without it) or, with `split_noncontiguous_segments`, a tail
+    segment (at most that many).
 
-    `seen` is never materialised: while the episode is contiguous, everything seen before turn k
+    `seen` is never materialised: while a sequence is contiguous, everything seen before turn k
     is exactly turn k-1's prompt followed by its generation, so two slice comparisons suffice.
     Turn 0 has seen nothing, so it is always contiguous and a truncated prefix is never empty. A
-    tail segment starts at a divergent turn with that turn's whole prompt as its first delta, so
+    new sequence starts at its first turn with that turn's whole prompt as its first delta, so
     it is contiguous from there on by the same two comparisons. A `withheld` turn (item index,
-    prompt) comes last: it diverges or not like any turn, and adds nothing to a segment.
+    prompt) comes last: it diverges or not like any turn, and adds nothing to a sequence.
     """
     segments: list[MessageLog] = [[]]
+    kinds: list[str] = []
     first_cause = ""
+    undeclared = 0
+    context_dropped = 0
     segment_start = 0
     previous_prompt: list[int] = []
     previous_generation: list[int] = []
     probe = [] if withheld is None else [(*withheld, [], [])]
     for turn, (item_index, prompt, generation, logprobs) in enumerate([*turns, *probe]):
         seen_len = len(previous_prompt) + len(previous_generation)
-        if turn == len(turns) and _extends(prompt, previous_prompt, previous_generation):
+        extends = _extends(prompt, previous_prompt, previous_generation)
+        if turn == len(turns) and extends:
             break  # a withheld turn that extends the history: nothing to add (flagged withheld)
-        if not _extends(prompt, previous_prompt, previous_generation):
+        if 0 < turn < len(turns) and item_index in declared_starts:
+            context_dropped += _context_dropped(prompt, previous_prompt, previous_generation)
+            segments.append([])
+            kinds.append(DECLARED)
+            segment_start, seen_len = turn, 0
+        elif not extends:
             position = _first_difference(prompt, previous_prompt, previous_generation)
             cause = divergence_cause(turns[segment_start:turn], prompt, position, decode)
             if not config.truncate_noncontiguous_episodes:
@@ -401,9 +530,14 @@ def _walk(
                     cause=cause,
                 )
             first_cause = first_cause or cause
-            if turn == len(turns) or len(segments) > config.split_noncontiguous_segments:
-                return segments, len(turns) - turn, first_cause
+            undeclared += 1
+            if turn == len(turns) or kinds.count(TAIL) >= config.split_noncontiguous_segments:
+                dropped = len(turns) - turn
+                return _Walk(
+                    segments, tuple(kinds), dropped, first_cause, undeclared, context_dropped
+                )
             segments.append([])
+            kinds.append(TAIL)
             segment_start, seen_len = turn, 0
         delta = prompt[seen_len:]
         where = f"row {row_id!r} (agent {agent!r}) output item {item_index}"
@@ -419,7 +553,29 @@ def _walk(
             }
         )
         previous_prompt, previous_generation = prompt, generation
-    return segments, 0, first_cause
+    return _Walk(segments, tuple(kinds), 0, first_cause, undeclared, context_dropped)
+
+
+def _context_dropped(
+    prompt: list[int], previous_prompt: list[int], previous_generation: list[int]
+) -> int:
+    """Context tokens a compaction removed, net of the markers it inserted: of what the previous
+    call saw (its prompt and generation), the part before that generation's end in the compacted
+    `prompt` is kept. The generation is found as the last run of its ids in `prompt` after the
+    prefix both share (recency policies keep the latest turn whole); where it is not found (the
+    policy rewrote the latest turn too), everything the previous call saw after the first
+    changed position counts as removed. Never below 0 (markers longer than what they replace).
+    """
+    seen = len(previous_prompt) + len(previous_generation)
+    shared = _first_difference(prompt, previous_prompt, previous_generation)
+    width = len(previous_generation)
+    if width:
+        for start in range(len(prompt) - width, shared - 1, -1):
+            if prompt[start] == previous_generation[0] and (
+                prompt[start : start + width] == previous_generation
+            ):
+                return max(0, seen - (start + width))
+    return seen - shared
 
 
 def _extends(prompt: list[int], previous_prompt: list[int], previous_generation: list[int]) -> bool:
@@ -434,10 +590,15 @@ def _extends(prompt: list[int], previous_prompt: list[int], previous_generation:
 
 def generated_tokens_of(result: Mapping[str, Any]) -> tuple[int, int]:
     """(kept, dropped) generated tokens of a postprocessed `full_result` (or its summary): those
-    of the turns kept for training (the prefix and split mode's tail segments), and those of the
+    of the turns kept for training (the first sequence, the declared segments and split mode's
+    tail segments), and those of the
     turns truncation dropped (absent unless one was). A mapping that did not come through the
     postprocessor has none: (0, 0)."""
-    kept = result.get(GENERATED_TOKENS_FIELD, 0) + result.get(SEGMENT_TOKENS_FIELD, 0)
+    kept = (
+        result.get(GENERATED_TOKENS_FIELD, 0)
+        + result.get(SEGMENT_TOKENS_FIELD, 0)
+        + result.get(COMPACTION_SEGMENT_TOKENS_FIELD, 0)
+    )
     return int(kept), int(result.get(DROPPED_TOKENS_FIELD, 0))
 
 

@@ -26,7 +26,8 @@ from gymrl.experience.ledger import untrained_episodes
 from gymrl.experience.rollout_group import RolloutGroup, scalar_fields
 from gymrl.experience.rows import RowStream
 from gymrl.run.progress import progressed, waiting
-from nemo_gym_ext.postprocess import row_id_of
+from nemo_gym_ext.config_errors import ConfigError, ConfigIssue
+from nemo_gym_ext.postprocess import DECLARED, PostprocessedEpisode, row_id_of
 from nemo_gym_ext.rollout import FailureBudget, GroupOutcome, UnknownAgentError
 from nemo_gym_ext.wire import agent_name_of
 
@@ -349,6 +350,7 @@ class RolloutProducer(threading.Thread):
             )
         if not baseline:
             return
+        self._check_declared_segments(outcome.agent, outcome.episodes)
         heads = [
             self._rules.shape(
                 Trajectory.from_postprocessed(episode, group_id=group_id, weight_version=version)
@@ -392,6 +394,30 @@ class RolloutProducer(threading.Thread):
         progressed(f"group {group_id} reached the replay buffer")
         with self._condition:
             self._accepted += 1
+
+    def _check_declared_segments(
+        self, agent: str, episodes: Sequence[PostprocessedEpisode]
+    ) -> None:
+        """Refuse, by the loss's keys, an episode trained as declared compaction segments under
+        a loss that weighs each sequence whole. Split mode's tails are refused at composition
+        (`gymrl.preflight.rules.env`); whether an agent compacts is known only from its results,
+        since a remote agent's config is not the recipe's to read."""
+        choices = self._rules.loss.whole_sequence_choices()
+        if not choices or not any(DECLARED in episode.segment_kinds for episode in episodes):
+            return
+        raise ConfigError(
+            [
+                ConfigIssue(
+                    key,
+                    value,
+                    f"agent {agent!r} declares context compactions, whose segments are trained "
+                    "as sequences of their own, so this would weigh (or judge) a compacted "
+                    "episode once per segment",
+                    fix,
+                )
+                for key, (value, fix) in choices.items()
+            ]
+        )
 
     def _drops_as_uniform(self, group: Sequence[Trajectory], failed: int) -> bool:
         """Dynamic sampling: whether to drop this group, which teaches nothing, within the

@@ -130,3 +130,22 @@ class LossConfig(Strict):
     def episode_rules(self, agent: str) -> EpisodeRulesConfig:
         """The rules `agent`'s episodes follow."""
         return self.episodes_per_agent.get(agent, self.episodes)
+
+    def whole_sequence_choices(self) -> dict[str, tuple[Any, str]]:
+        """`{key: (value, fix)}` of the choices that weigh or judge each trained sequence as a
+        whole (a per-sequence mean, a sequence-level importance ratio): wrong for an episode
+        trained as several sequences (split mode's tail segments, declared compaction
+        segments), which they would count once per sequence. Empty when the loss sees tokens."""
+        choices: dict[str, tuple[Any, str]] = {}
+        if not self.token_level_normalization:
+            choices["loss.token_level_normalization"] = (
+                False,
+                "set loss.token_level_normalization=true",
+            )
+        mode = self.off_policy_correction.mode
+        if mode.startswith("sequence_"):
+            choices["loss.off_policy_correction.mode"] = (
+                mode,
+                "use a token mode (token_truncate or token_mask)",
+            )
+        return choices

@@ -114,19 +114,6 @@ def split_segments_weigh_the_episode_once(
     sequence as a whole (a per-sequence mean, a sequence-level importance ratio) would count it
     once per segment, on a ratio of part of it. Refused until the loss sees episodes. The keys
     reported are the loss's (`loss.*`), the shard's split the other fix."""
-    loss = config.loss
-    whole_sequence = {
-        "loss.token_level_normalization": (
-            False if not loss.token_level_normalization else None,
-            "set loss.token_level_normalization=true",
-        ),
-        "loss.off_policy_correction.mode": (
-            loss.off_policy_correction.mode
-            if loss.off_policy_correction.mode.startswith("sequence_")
-            else None,
-            "use a token mode (token_truncate or token_mask)",
-        ),
-    }
     return [
         ConfigIssue(
             key,
@@ -139,6 +126,5 @@ def split_segments_weigh_the_episode_once(
         )
         for shard in shards
         if shard.postprocess.split_noncontiguous_segments
-        for key, (value, fix) in whole_sequence.items()
-        if value is not None
+        for key, (value, fix) in config.loss.whole_sequence_choices().items()
     ]

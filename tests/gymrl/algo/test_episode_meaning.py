@@ -1,6 +1,7 @@
 """One meaning of "the episode" for every rule, under truncation and split mode
 (docs/configuration.md, "What the episode is"): everything the model generated in it, whether
-trained on as the prefix, kept as a tail segment, or dropped.
+trained on as the prefix, kept as a tail segment, or dropped; and for an episode whose agent
+declared its compactions, one episode however many segments it is trained as.
 
 A real postprocessed result goes through the trajectory and the episode rules as a run takes
 it: the soft overlong penalty sees the episode's longest call wherever it lies; a group whose
@@ -8,6 +9,9 @@ failed episodes count with a reward keeps a lone survivor; the loss options that
 split episode once per segment are refused with split mode."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 
@@ -97,3 +101,43 @@ def test_split_mode_refuses_loss_options_that_would_weigh_an_episode_per_segment
     assert "once per segment" in issue.problem
     validate_config(compose_raw(SPLIT))  # the token-level defaults see each token once
     validate_config(compose_raw([override]))  # and without split mode a sequence is an episode
+
+
+COMPACTED = Path(__file__).resolve().parents[2] / "data" / "compaction" / "episodes.json"
+
+
+def _compacted_group() -> list[Trajectory]:
+    """Gym's two compacted episodes (three declared segments each) as one group, with rewards
+    1 and 0: each episode's trajectory, then its segments, as the producer builds a group."""
+    trajectories = []
+    for reward, result in zip((1.0, 0.0), json.loads(COMPACTED.read_text()).values(), strict=True):
+        result = {**result, "reward": reward}
+        row = {"id": result["id"], "agent_ref": result["agent_ref"]}
+        out = postprocess_gym_result(row, result, NemoGymPostprocessConfig())
+        trajectories.append(Trajectory.from_postprocessed(out, group_id="g", weight_version=0))
+        trajectories += Trajectory.segments_from_postprocessed(out, group_id="g", weight_version=0)
+    return trajectories
+
+
+def test_a_compacted_episode_counts_once_in_its_baseline_and_each_segment_shares_its_advantage():
+    group = _compacted_group()
+    assert [t.segment for t in group] == [0, 1, 2, 0, 1, 2]
+    rules = EpisodeRules(LossConfig(), default_limit_tokens=LIMIT)
+    advantages = rules.advantages(group, {}).tolist()
+    # Two episodes, rewards 1 and 0: the baseline is their mean, whatever the segment counts.
+    alone = rules.advantages([group[0], group[3]], {}).tolist()
+    assert advantages == [alone[0]] * 3 + [alone[1]] * 3
+    assert alone[0] == pytest.approx(-alone[1]) and alone[0] > 0
+
+
+def test_no_sampled_token_of_a_compacted_episode_is_trained_twice():
+    group = _compacted_group()
+    results = json.loads(COMPACTED.read_text()).values()
+    sampled = [
+        len(item["generation_token_ids"])
+        for result in results
+        for item in result["response"]["output"]
+        if "generation_token_ids" in item
+    ]
+    assert sum(t.num_generated_tokens for t in group) == sum(sampled)
+    assert sum(sum(t.loss_mask) for t in group) == sum(sampled)

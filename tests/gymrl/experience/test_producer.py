@@ -6,8 +6,10 @@ The producer may have `(step - first_step + 1 + lookahead) * prompts_per_step` g
 evicted; a group that comes back without a baseline (fewer than two episodes) uses no credit.
 """
 
+import json
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +21,7 @@ from gymrl.experience.replay_buffer import ReplayBuffer
 from gymrl.experience.rows import RowStream
 from gymrl.run.progress import ProgressWatch
 from nemo_gym_ext.config import NemoGymPostprocessConfig
+from nemo_gym_ext.config_errors import ConfigError
 from nemo_gym_ext.postprocess import postprocess_gym_result
 from nemo_gym_ext.rollout import (
     FailureBudget,
@@ -30,6 +33,7 @@ from nemo_gym_ext.rollout import (
 AGENT = "calc_agent"
 LIMIT = 8  # the per-call token limit of the soft overlong penalty
 RULES = EpisodeRules(LossConfig(), default_limit_tokens=LIMIT)
+COMPACTED = Path(__file__).resolve().parents[2] / "data" / "compaction" / "episodes.json"
 GROUP_DEADLINE_S = 60.0  # what the no-progress watchdog would report as a group's deadline
 
 
@@ -586,3 +590,35 @@ def test_a_run_whose_every_prompt_is_refused_stops_saying_so(started):
     producer = started(grpo, runner, _buffer(grpo), rows=_rows(2))
     _eventually(lambda: producer.fatal is not None)
     assert "refused the prompt of every one of the 2 rows" in str(producer.fatal)
+
+
+def _compacted_outcome(row, size):
+    """Gym's compacted episode (three declared segments), `size` times."""
+    result = json.loads(COMPACTED.read_text())["two_per_chunk"]
+    result = {**result, "agent_ref": {"name": AGENT}}
+    episode = postprocess_gym_result(result, result, NemoGymPostprocessConfig())
+    return GroupOutcome(row_id=row["id"], agent=AGENT, episodes=[episode] * size, failures=[])
+
+
+def test_a_compacted_episode_under_a_per_sequence_loss_stops_the_run_naming_the_key(started):
+    """Whether an agent compacts shows only in its results: the producer refuses the loss that
+    would weigh a compacted episode once per segment when the first one arrives."""
+    grpo = _grpo(max_age=0, prompts=2)
+    loss = LossConfig(token_level_normalization=False)
+    producer = started(grpo, FakeRunner(_compacted_outcome), _buffer(grpo), loss=loss)
+    _eventually(lambda: producer.fatal is not None)
+    assert isinstance(producer.fatal, ConfigError)
+    (issue,) = producer.fatal.issues
+    assert issue.key == "loss.token_level_normalization" and issue.value is False
+    assert AGENT in issue.problem and "once per segment" in issue.problem
+
+
+def test_a_compacted_episode_under_the_token_level_loss_reaches_the_buffer_whole(started):
+    grpo = _grpo(max_age=0, prompts=2)
+    buffer = _buffer(grpo)
+    producer = started(grpo, FakeRunner(_compacted_outcome), buffer)
+    groups = buffer.get_batch(2, current_step=0, timeout_s=5.0)
+    assert producer.fatal is None
+    for group in groups:  # three episodes of three sequences each, one summary per episode
+        assert [t.segment for t in group.trajectories] == [0, 1, 2] * 3
+        assert [summary["compactions"] for summary in group.summaries] == [2, 2, 2]
