@@ -82,6 +82,8 @@ FLATTENED_BUCKET = "flattened_bucket"
 WEIGHT_SYNC_NCCL_ENV: Mapping[str, str] = {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}
 _POLL_S = 0.002
 _CLEANUP_TIMEOUT_S = 10.0  # destroying a failed group is best effort, never another long wait
+_LIVENESS_PROBE_S = 2.0  # after a failed refit, how long each server has to say it is alive
+LIVENESS_ROUTE = "/get_model_info"  # answered by SGLang's front end without generating
 _REFUSAL_GRACE_S = 2.0  # after a broken broadcast, how long the servers' answers may take
 _connection_numbers = itertools.count()
 
@@ -317,6 +319,10 @@ class WeightSender:
         self._call_all("/begin_weight_update", lambda _: {})
         try:
             self._send_in_session(named, version, samples)
+        except WeightSyncError as error:
+            self._disconnect()
+            self._end_session(quiet=True)
+            raise WeightSyncError(f"{error}; {self._liveness()}") from error
         except BaseException:
             self._disconnect()
             self._end_session(quiet=True)
@@ -330,6 +336,25 @@ class WeightSender:
             start = time.perf_counter()
             self._check.verify(self._client, self._urls, samples)
             self.check_seconds += time.perf_counter() - start
+
+    def _liveness(self) -> str:
+        """Which servers still answer at all, asked after a failed refit: a refusal or a
+        broken broadcast can surface at a server that is fine (its peer in the group died), so
+        the one that is gone is named here. `GET LIVENESS_ROUTE` is answered by the server's
+        front end without generating (its `/health` generates a token, which a paused server
+        does not), each within `_LIVENESS_PROBE_S`."""
+        gone = []
+        for url in self._urls:
+            try:
+                answered = self._client.get(f"{url}{LIVENESS_ROUTE}", timeout=_LIVENESS_PROBE_S)
+                alive = answered.status_code == 200
+            except httpx.HTTPError:
+                alive = False
+            if not alive:
+                gone.append(url)
+        if not gone:
+            return f"every server still answers GET {LIVENESS_ROUTE}"
+        return f"servers that no longer answer GET {LIVENESS_ROUTE}: {', '.join(gone)}"
 
     def _send_in_session(
         self,
@@ -532,9 +557,26 @@ class WeightSender:
 
 
 def _broadcast_bucket(group: Any, flat: torch.Tensor) -> None:
-    """Broadcast one bucket from rank 0 and wait for it (on a pool thread)."""
-    work = start_broadcast(group, flat)
-    work.wait()
+    """Broadcast one bucket from rank 0 and wait for it (on a pool thread).
+
+    A failure is raised as text only, with the group already let go: a traceback holding this
+    frame would keep the group alive for as long as anyone keeps the error (a caller that logs
+    or stores it), and a group alive at rank 0 keeps its connections open, so a server still
+    inside the broadcast waits on them until the group's timeout instead of failing at once,
+    and the next refit's rendezvous waits behind it."""
+    failure = _broadcast_and_wait(group, flat)
+    del group, flat
+    if failure is not None:
+        raise RuntimeError(failure)
+
+
+def _broadcast_and_wait(group: Any, flat: torch.Tensor) -> str | None:
+    """None once the broadcast finished; what failed it otherwise."""
+    try:
+        start_broadcast(group, flat).wait()
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return None
 
 
 def _finished(work: Any, route: str, what: str) -> bool:

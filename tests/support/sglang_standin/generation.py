@@ -143,6 +143,11 @@ def add_generation_routes(app: FastAPI, state: StandInState, end_token_ids: Sequ
         state.resume.set()
         return {"message": "Generation continued successfully.", "status": "ok"}
 
+    @app.get("/get_model_info")
+    async def model_info():
+        """Answered without generating, paused or not: what the refit's liveness probe asks."""
+        return {"model_path": "stand-in", "is_generation": True}
+
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush():
         state.events.append(("flush", None))

@@ -292,13 +292,18 @@ def test_a_server_refusing_a_bucket_fails_the_refit_at_once_and_the_group_is_reb
         first_group = sender.group_name
         state_b.groups.clear()  # server b restarted
         start = time.monotonic()
-        with pytest.raises(WeightSyncError, match=rf"{url_b} refused .*not in"):
+        with pytest.raises(WeightSyncError, match=rf"{url_b} refused .*not in") as refused:
             sender.send(_state_dict().items(), version=2)
+        # b refused but is alive: the liveness probe says so (a dead one would be named).
+        assert "every server still answers GET /get_model_info" in str(refused.value)
         assert time.monotonic() - start < 10  # not the 20 s broadcast deadline
         assert not sender.connected
         assert not state_a.groups, "the surviving server kept the failed group"
         assert not state_a.session_open and not state_b.session_open
-        sender.send(_state_dict().items(), version=2)  # a fresh group, a fresh name
+        # A fresh group, a fresh name, while the error is still held (`refused`): the failed
+        # broadcast's traceback must not keep the old group open, or server a waits on it until
+        # the group's timeout and this rendezvous behind it (_broadcast_bucket).
+        sender.send(_state_dict().items(), version=2)
         assert sender.group_name != first_group
         assert state_a.weight_version == state_b.weight_version == "2"
     finally:
