@@ -257,6 +257,13 @@ class ChatCompletionRequest(BaseModel):
     logprobs: bool = False
     top_logprobs: int | None = None
     return_tokens_as_token_ids: bool = False
+    required_prefix_token_ids: list[StrictInt] | None = Field(
+        default=None,
+        description="Gym's exact-prefix contract (its vllm_model_with_compaction adapter): the "
+        "ids the prompt must start with, the previous call's prompt and generated ids, followed "
+        "by what the template writes after the last assistant message; null (sent explicitly) "
+        "at the first call of a segment, whose history the agent rewrote on purpose.",
+    )
 
     @field_validator("temperature", "top_p", "n", "stream", "logprobs", mode="before")
     @classmethod
@@ -335,6 +342,15 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeAnswer(BaseModel):
+    """vLLM's answer to `POST /tokenize`: the prompt's ids as generation would see them, their
+    count and the context limit (Gym's compaction agent measures prompts with it)."""
+
+    tokens: list[int]
+    count: int
+    max_model_len: int
 
 
 def chat_tools(tools: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -22,7 +22,8 @@ class ModelServerConfig(Strict):
         default=True,
         description="Keep the exact token ids clients send back on earlier assistant messages and "
         "render only new messages (the on-policy prefix fix). false re-tokenises the whole "
-        "conversation from text.",
+        "conversation from text. A request's required_prefix_token_ids (Gym's exact-prefix "
+        "contract) is honoured either way: the client checks its prompt against it.",
     )
     max_tokens_per_turn: MaxTokensPerTurn
     request_timeout_s: float = Field(

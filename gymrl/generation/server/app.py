@@ -4,11 +4,18 @@ NeMo-Gym agents call the policy through its `vllm_model` adapter, which posts no
 `{base_url}/chat/completions` requests (users set `base_url` to `http://host:port/v1`, so the
 routes are under `/v1`, besides the unauthenticated `GET /health` that probes poll) and reads
 the token bundle (`prompt_token_ids`, `generation_token_ids`, `generation_log_probs`) from
-`choices[0].message`. This server:
+`choices[0].message`. Its `vllm_model_with_compaction` adapter (for Gym's compaction agent) also
+sends `required_prefix_token_ids` and measures prompts with `POST {base_url without /v1}/tokenize`,
+as vLLM serves it. This server:
 
 * renders messages and tools with the model's own chat template
   (:mod:`gymrl.generation.server.chat_template`), keeping the exact ids clients send back on earlier
-  assistant turns (the on-policy prefix fix) when `honor_prompt_token_ids` is set;
+  assistant turns (the on-policy prefix fix) when `honor_prompt_token_ids` is set, and starting
+  the prompt with exactly the `required_prefix_token_ids` a request names (Gym's exact-prefix
+  contract; honoured whatever `honor_prompt_token_ids` says, since the client checks its prompt
+  against it), or refusing it by name, never rendering from text instead;
+* answers `POST /tokenize` (vLLM's chat form: `{"tokens", "count", "max_model_len"}`) with the
+  very rendering a chat completion of the same body would generate from;
 * hands each request to the engine alone as it arrives (`RequestScheduler.submit`): both engines
   batch concurrent requests themselves (the torch engine admits a new request into the rows
   already decoding at its next step, SGLang on the server), so no answer waits for the slowest
@@ -24,7 +31,13 @@ them with; this module adds only what the server refuses (:class:`PolicyServerRe
 
 Errors use OpenAI's `{"error": {"message", "type", "param", "code"}}` shape. A prompt that leaves
 no room in the context is a 400 whose message contains "maximum context length", which the
-`vllm_model` adapter turns into an empty `finish_reason: "length"` answer (the episode ends).
+`vllm_model` adapter turns into an empty `finish_reason: "length"` answer (the episode ends);
+`/tokenize` counts such a prompt without refusing it, as vLLM's does, so a client can measure it.
+
+No `/v1/responses`: every Gym agent reaches a policy through one of Gym's model servers (an agent
+names its model server by Gym server name), and the `vllm_model` adapters call this server's
+`/v1/chat/completions`; their Responses-native mode, the one that would call `/v1/responses`,
+refuses token ids (`return_token_id_information`) and compaction alike.
 """
 
 from __future__ import annotations
@@ -53,6 +66,7 @@ from gymrl.generation.server.chat_template import (
     ChatFormat,
     ChatFormatError,
     PromptTokens,
+    build_prompt_after_required_prefix,
     build_prompt_token_ids,
 )
 from gymrl.generation.server.divergence_watch import DivergenceWatch, Verdict
@@ -82,6 +96,7 @@ from nemo_gym_ext.wire import (
     ChoiceLogprobs,
     ModelCard,
     ModelList,
+    TokenizeAnswer,
     TokenLogprob,
     ToolSpec,
     Usage,
@@ -110,7 +125,8 @@ class PolicyServerRequest(ChatCompletionRequest):
     `temperature` and `top_p` stay null when left out, so that a training server can tell "not
     sent" from "sent at OpenAI's default" (`gymrl.generation.server.sampling_rules`). A `max_tokens`
     beyond the context is not an error: generation stops at the context's end
-    (`finish_reason: "length"`), as vLLM does.
+    (`finish_reason: "length"`), as vLLM does. `required_prefix_token_ids` is checked where it
+    is rendered (against the vocabulary and the history: `build_prompt_after_required_prefix`).
     """
 
     temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
@@ -196,6 +212,16 @@ class PolicyServerRequest(ChatCompletionRequest):
                     "tool_calls (ids as the server returned them) before the tool's answer"
                 )
         return self
+
+    @property
+    def starts_segment(self) -> bool:
+        """`required_prefix_token_ids` sent as null: the client declares that this call starts a
+        segment (Gym's compaction agent rewrote the history it renders from), so its prompt is
+        not meant to extend the previous answer. Leaving the field out declares nothing."""
+        return (
+            self.required_prefix_token_ids is None
+            and "required_prefix_token_ids" in self.model_fields_set
+        )
 
     @field_validator("tool_choice")
     @classmethod
@@ -312,7 +338,8 @@ class ChatCompletions:
     """`POST /v1/chat/completions` over the server's settings, as the steps :meth:`answer` runs:
     check the model, resolve the sampling, render (and check for divergence), withhold or
     generate, respond. Each step is a method or a function of its own, so a test can run one
-    without HTTP; the app only reads the body and hands it here.
+    without HTTP; the app only reads the body and hands it here. `POST /tokenize` is
+    :meth:`tokenize`: the same model check and rendering, nothing generated.
 
     With `sampling_parity` (a training run's server) each request's sampling is resolved against
     the run's (:func:`resolve_sampling`). With `divergence_watch` each answer is remembered and
@@ -358,10 +385,26 @@ class ChatCompletions:
         return await render_worker.run(self.respond, body, prompt, output)
 
     def render(self, body: PolicyServerRequest) -> tuple[PromptTokens, Verdict]:
-        """The prompt's ids with the model's chat template, and the divergence watch's verdict on
-        them (`UNKNOWN` without a watch); what the template refuses is a 400 naming the field."""
+        """The prompt's ids (:meth:`prompt_tokens`), and the divergence watch's verdict on them:
+        `UNKNOWN` without a watch, and for a declared segment start
+        (:attr:`PolicyServerRequest.starts_segment`), whose history was rewritten on purpose and
+        is neither checked nor counted."""
+        prompt = self.prompt_tokens(body)
+        if self.divergence_watch is None or body.starts_segment:
+            return prompt, Verdict.UNKNOWN
+        return prompt, self.divergence_watch.check(body.messages, prompt.token_ids)
+
+    def prompt_tokens(self, body: PolicyServerRequest) -> PromptTokens:
+        """The prompt's ids with the model's chat template: after the request's
+        `required_prefix_token_ids` when it names them, else with the ids sent back on earlier
+        turns when honoured; what the template refuses is a 400 naming the field. `/tokenize`
+        answers with these very ids."""
         try:
-            prompt = build_prompt_token_ids(
+            if body.required_prefix_token_ids is not None:
+                return build_prompt_after_required_prefix(
+                    body.messages, body.tools, self.chat_format, body.required_prefix_token_ids
+                )
+            return build_prompt_token_ids(
                 body.messages,
                 body.tools,
                 self.chat_format,
@@ -371,9 +414,20 @@ class ChatCompletions:
             raise ApiError(
                 400, str(error), error_type="invalid_request_error", param=error.param
             ) from error
-        if self.divergence_watch is None:
-            return prompt, Verdict.UNKNOWN
-        return prompt, self.divergence_watch.check(body.messages, prompt.token_ids)
+
+    async def tokenize(
+        self, body: PolicyServerRequest, render_worker: RenderWorker
+    ) -> TokenizeAnswer:
+        """`POST /tokenize`: the ids a chat completion of `body` would generate from, rendered
+        on `render_worker`, with the context limit; a prompt longer than the context is counted,
+        not refused (vLLM's `/tokenize` does the same), so a client can measure it."""
+        check_model(body, self.model_name)
+        prompt = await render_worker.run(self.prompt_tokens, body)
+        return TokenizeAnswer(
+            tokens=prompt.token_ids,
+            count=len(prompt.token_ids),
+            max_model_len=self.max_context_tokens,
+        )
 
     def withholds(self, verdict: Verdict) -> bool:
         """Whether a request with this verdict is answered without generating."""
@@ -552,6 +606,14 @@ def create_policy_server_app(
     async def chat_completions(http_request: Request) -> Response:
         body = await body_bound.read(http_request, PolicyServerRequest, timeout_s=request_timeout_s)
         answer = await completions.answer(body, render_worker)
+        return Response(content=answer.model_dump_json(), media_type="application/json")
+
+    @app.post("/tokenize", response_model=TokenizeAnswer, dependencies=dependencies)
+    async def tokenize(http_request: Request) -> Response:
+        """vLLM's `/tokenize` (chat form), at the root as vLLM serves it: Gym's clients call
+        `{base_url without /v1}/tokenize`. The body is a chat completion's, bounded alike."""
+        body = await body_bound.read(http_request, PolicyServerRequest, timeout_s=request_timeout_s)
+        answer = await completions.tokenize(body, render_worker)
         return Response(content=answer.model_dump_json(), media_type="application/json")
 
     return app

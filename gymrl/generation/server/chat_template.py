@@ -15,6 +15,10 @@ exact prompt tokens of every model call. Two rules matter for training:
   boundary differently, tool-call JSON re-serialised with other whitespace, Qwen3's template
   dropping earlier reasoning) gives a prompt that does not start with what the sampler saw, and
   the episode stops being contiguous.
+* Gym's exact-prefix contract (:func:`build_prompt_after_required_prefix`): a client that
+  rewrites its history on purpose (Gym's compaction agent) sends no ids on its messages but
+  names the ids the prompt must start with, `required_prefix_token_ids`; the prompt is those ids
+  and what the template writes after the last assistant message, rendered the same way.
 
 The message types are the wire vocabulary of `nemo_gym_ext.wire`, shared with the Gym agents.
 """
@@ -45,6 +49,12 @@ if TYPE_CHECKING:
     from gymrl.config.schema.policy import PolicyConfig
 
 
+# The request field of Gym's exact-prefix contract (build_prompt_after_required_prefix).
+REQUIRED_PREFIX_PARAM = "required_prefix_token_ids"
+# How a client of sent-back ids gets its history rendered from text instead.
+_HONOR_OFF = "set generation.server.honor_prompt_token_ids=false"
+
+
 class ChatFormatError(ValueError):
     """A request the chat format cannot render; `param` names the offending field."""
 
@@ -57,9 +67,10 @@ class ChatFormatError(ValueError):
 class PromptTokens:
     """The prompt of one model call and how much of it was taken verbatim from the client.
 
-    `reused_from_message` is the index of the assistant message whose `prompt_token_ids +
-    generation_token_ids` start the prompt (None when the whole conversation was rendered from
-    text); `reused_token_count` is the length of that verbatim prefix.
+    `reused_from_message` is the index of the assistant message whose ids start the prompt (its
+    own `prompt_token_ids + generation_token_ids`, or the request's `required_prefix_token_ids`
+    ending with it; None when the whole conversation was rendered from text);
+    `reused_token_count` is the length of that verbatim prefix.
     """
 
     token_ids: list[int]
@@ -250,9 +261,80 @@ def build_prompt_token_ids(
         )
     chat_format.check_token_ids(prompt_ids, param=f"messages[{anchor}].prompt_token_ids")
     chat_format.check_token_ids(generation_ids, param=f"messages[{anchor}].generation_token_ids")
-    prefix = [*prompt_ids, *generation_ids]
     closed = bool(generation_ids) and generation_ids[-1] == chat_format.end_of_turn_id
-    suffix = _text_after_anchor(messages, tools, anchor, chat_format, closed=closed)
+    prefix = [*prompt_ids, *generation_ids]
+    return _prompt_after_anchor(
+        messages, tools, chat_format, anchor, prefix, closed=closed, text_instead=_HONOR_OFF
+    )
+
+
+def build_prompt_after_required_prefix(
+    messages: Sequence[ChatMessage],
+    tools: Sequence[ToolSpec] | None,
+    chat_format: ChatFormat,
+    required_prefix: Sequence[int],
+) -> PromptTokens:
+    """The prompt of a request under Gym's exact-prefix contract (`required_prefix_token_ids`).
+
+    Gym's compaction agent strips the token ids from the history it sends and instead names the
+    ids the prompt must start with: inside a segment, the previous call's prompt and sampled
+    ids. The prompt is exactly `required_prefix`, then what the template writes after the LAST
+    assistant message (the anchor; the previous call's answer), as for sent-back ids
+    (:func:`_text_after_anchor`, `closed` when the prefix ends with the end-of-turn token). The
+    anchor's own ids, if it carries any, are not read: the contract names the prefix.
+
+    Never a re-render: an empty prefix, an id outside the vocabulary, or a history with no
+    assistant message to anchor on raises :class:`ChatFormatError` naming
+    `required_prefix_token_ids` (the agent checks the prompt against the prefix and fails the
+    whole rollout on a mismatch, so a prompt that ignored it would only fail later).
+    """
+    param = REQUIRED_PREFIX_PARAM
+    if not required_prefix:
+        raise ChatFormatError(
+            f"{param} is empty; send the previous call's prompt and generated ids, or null for "
+            "a call that starts a segment (the prompt is then rendered from the messages)",
+            param=param,
+        )
+    chat_format.check_token_ids(required_prefix, param=param)
+    anchor = next(
+        (i for i in range(len(messages) - 1, -1, -1) if messages[i].role == "assistant"), None
+    )
+    if anchor is None:
+        raise ChatFormatError(
+            f"{param} is given but no message is an assistant's, so there is no turn for the "
+            "prefix to end with and nothing to render after it; send the previous call's answer "
+            f"as an assistant message, or {param}=null for a call that starts a segment",
+            param=param,
+        )
+    closed = required_prefix[-1] == chat_format.end_of_turn_id
+    prefix = list(required_prefix)
+    return _prompt_after_anchor(
+        messages,
+        tools,
+        chat_format,
+        anchor,
+        prefix,
+        closed=closed,
+        text_instead=f"send {param}=null (the prompt is then rendered from the messages)",
+    )
+
+
+def _prompt_after_anchor(
+    messages: Sequence[ChatMessage],
+    tools: Sequence[ToolSpec] | None,
+    chat_format: ChatFormat,
+    anchor: int,
+    prefix: list[int],
+    *,
+    closed: bool,
+    text_instead: str,
+) -> PromptTokens:
+    """`prefix` (the ids ending with messages[anchor]'s answer) verbatim, then the template's
+    text after the anchor; `text_instead` is how the client renders from text instead, for the
+    refusal of a template that cannot append."""
+    suffix = _text_after_anchor(
+        messages, tools, anchor, chat_format, closed=closed, text_instead=text_instead
+    )
     return PromptTokens(
         token_ids=prefix + chat_format.encode(suffix),
         reused_from_message=anchor,
@@ -280,6 +362,7 @@ def _text_after_anchor(
     chat_format: ChatFormat,
     *,
     closed: bool,
+    text_instead: str,
 ) -> str:
     """What the template writes after the anchor's answer, by rendering with and without the
     later messages and keeping the difference.
@@ -323,7 +406,7 @@ def _text_after_anchor(
             f"to that turn's token ids (its turn ends {ends!r} without them, the rendering with "
             f"them reads {reads!r} "
             "there); use a template whose earlier turns do not depend on later ones "
-            "(policy.chat_template) or set generation.server.honor_prompt_token_ids=false",
+            f"(policy.chat_template) or {text_instead}",
             param=f"messages[{anchor}]",
         )
     closing = without[without.rindex(end_of_turn) :]
