@@ -82,7 +82,7 @@ def main() -> None:
         times = []
         for _ in range(7):
             start = time.perf_counter()
-            with_ids, text_only = probe_chat_format(chat_format, honor_prompt_token_ids=True)
+            with_ids, text_only, _ = probe_chat_format(chat_format, honor_prompt_token_ids=True)
             times.append(time.perf_counter() - start)
         print(
             f"| {label} | {_verdict(with_ids)} | {_verdict(text_only)} | "

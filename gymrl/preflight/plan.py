@@ -92,6 +92,12 @@ def _template_lines(config: RecipeConfig) -> list[str]:
             f"      {ids}: {probe.with_ids.describe()}",
             f"      text only: {probe.text_only.describe()}",
         ]
+    if probe.required_prefix is not None:
+        lines.append(
+            "      Gym's compaction agent (text + required_prefix_token_ids), inside a segment: "
+            f"{probe.required_prefix.describe()}; where it compacts it opens a segment the "
+            "recipe trains as declared (docs/environments.md, Compaction)"
+        )
     for shard in config.gym_shards:
         clients = describe_clients(config, shard_clients(config, shard))
         lines.append(f"    clients   {shard.shard}: {clients}")

@@ -17,6 +17,14 @@ do, so a break is the template's). Each generation is the family's own way of wr
 (its tool-call and reasoning syntax), tokenised canonically: a probe that passes does not promise
 that a sampled, non-canonical tokenisation re-tokenises to the same ids.
 
+A third client is Gym's compaction agent (`simple_agent_with_compaction`): it sends text only
+but names the ids each prompt must start with (`required_prefix_token_ids`, the previous prompt
+and generation inside a segment), and starts a new, declared segment where it rewrites the
+history (reasoning recency drops an earlier reasoning block: a template such as Qwen3's, which
+drops it anyway once a new user message follows, needs no more). Inside a segment the server
+builds each prompt from the prefix (:func:`build_prompt_after_required_prefix`), so the verdict
+says whether the template lets it: append-only, or the server's refusal.
+
 It also says whether a configured `policy.chat_template` renders this model's chats the way the
 template in the model's own folder does: a template made for another model (SmolLM2's default
 system prompt on a Qwen model) renders silently otherwise.
@@ -41,6 +49,7 @@ from gymrl.config.schema.policy import PolicyConfig
 from gymrl.generation.server.chat_template import (
     ChatFormat,
     ChatFormatError,
+    build_prompt_after_required_prefix,
     build_prompt_token_ids,
 )
 from gymrl.generation.server.parsers import ParsedGeneration
@@ -152,6 +161,7 @@ class TemplateProbe:
     not_run: str | None = None
     with_ids: EpisodeVerdict | None = None
     text_only: EpisodeVerdict | None = None
+    required_prefix: EpisodeVerdict | None = None
     replaced: str | None = None
     replaces_differently: bool = False
 
@@ -181,7 +191,7 @@ def probe_policy(policy: PolicyConfig, *, honor_prompt_token_ids: bool) -> Templ
         chat_format = ChatFormat.from_policy(policy, tokenizer)
     except ValueError as error:  # the policy server would refuse to start the same way
         return TemplateProbe(template, folder, not_run=str(error))
-    with_ids, text_only = probe_chat_format(
+    with_ids, text_only, required_prefix = probe_chat_format(
         chat_format, honor_prompt_token_ids=honor_prompt_token_ids
     )
     replaced, differs = (
@@ -194,6 +204,7 @@ def probe_policy(policy: PolicyConfig, *, honor_prompt_token_ids: bool) -> Templ
         folder,
         with_ids=with_ids,
         text_only=text_only,
+        required_prefix=required_prefix,
         replaced=replaced,
         replaces_differently=differs,
     )
@@ -207,25 +218,33 @@ def read_tokenizer(folder: str) -> PreTrainedTokenizerBase:
 
 def probe_chat_format(
     chat_format: ChatFormat, *, honor_prompt_token_ids: bool
-) -> tuple[EpisodeVerdict, EpisodeVerdict]:
-    """(with the ids sent back, text only): the synthetic episode through the server's builder."""
+) -> tuple[EpisodeVerdict, EpisodeVerdict, EpisodeVerdict]:
+    """(with the ids sent back, text only, text with `required_prefix_token_ids` as Gym's
+    compaction agent sends it inside a segment): the synthetic episode through the server's
+    builder. The required prefix is honoured whatever `honor_prompt_token_ids` says (the
+    contract names the prefix; it is not a sent-back id the server may ignore)."""
     return (
-        _play(chat_format, send_ids=True, honor_prompt_token_ids=honor_prompt_token_ids),
-        _play(chat_format, send_ids=False, honor_prompt_token_ids=honor_prompt_token_ids),
+        _play(chat_format, client="ids", honor_prompt_token_ids=honor_prompt_token_ids),
+        _play(chat_format, client="text", honor_prompt_token_ids=honor_prompt_token_ids),
+        _play(chat_format, client="prefix", honor_prompt_token_ids=honor_prompt_token_ids),
     )
 
 
-def _play(
-    chat_format: ChatFormat, *, send_ids: bool, honor_prompt_token_ids: bool
-) -> EpisodeVerdict:
+def _play(chat_format: ChatFormat, *, client: str, honor_prompt_token_ids: bool) -> EpisodeVerdict:
+    """`client`: "ids" sends each answer back with its ids, "text" and "prefix" without, "prefix"
+    naming the previous prompt + generation as the next prompt's required prefix."""
     messages = list(_OPENING)
     history: list[int] = []
     divergences: list[Divergence] = []
     for turn in range(1, PROBED_TURNS + 1):
         try:
-            prompt = build_prompt_token_ids(
-                messages, [_TOOL], chat_format, honor_prompt_token_ids=honor_prompt_token_ids
-            ).token_ids
+            if client == "prefix" and history:
+                built = build_prompt_after_required_prefix(messages, [_TOOL], chat_format, history)
+            else:
+                built = build_prompt_token_ids(
+                    messages, [_TOOL], chat_format, honor_prompt_token_ids=honor_prompt_token_ids
+                )
+            prompt = built.token_ids
         except ChatFormatError as error:
             return EpisodeVerdict(tuple(divergences), refused=f"turn {turn}: {error}")
         if prompt[: len(history)] != history:
@@ -237,7 +256,7 @@ def _play(
             chat_format.end_of_turn_id,
         ]
         parsed = chat_format.parse(generation)
-        messages.append(_answer_message(parsed, (prompt, generation) if send_ids else None))
+        messages.append(_answer_message(parsed, (prompt, generation) if client == "ids" else None))
         messages.append(_reply(parsed, turn))
         history = prompt + generation
     return EpisodeVerdict(tuple(divergences))

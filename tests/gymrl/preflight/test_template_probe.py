@@ -40,22 +40,22 @@ def test_each_parser_has_a_writer_whose_text_it_reads_back():
 
 
 def test_smollm2_with_its_tools_template_is_append_only_both_ways(chat_format):
-    with_ids, text_only = probe_chat_format(chat_format, honor_prompt_token_ids=True)
-    assert with_ids.append_only and text_only.append_only
+    with_ids, text_only, prefix = probe_chat_format(chat_format, honor_prompt_token_ids=True)
+    assert with_ids.append_only and text_only.append_only and prefix.append_only
     assert "append-only (turns 2-3" in text_only.describe()
 
 
 def test_llama3_is_append_only_both_ways(llama3_tokenizer):
     llama = ChatFormat(llama3_tokenizer, parser=GenerationParser("llama3_json"))
-    with_ids, text_only = probe_chat_format(llama, honor_prompt_token_ids=True)
-    assert with_ids.append_only and text_only.append_only
+    with_ids, text_only, prefix = probe_chat_format(llama, honor_prompt_token_ids=True)
+    assert with_ids.append_only and text_only.append_only and prefix.append_only
 
 
 def test_qwen3_thinking_drops_earlier_reasoning_at_the_follow_up(qwen3_tokenizer):
     """After the tool output the reasoning is still written back; once the user speaks again,
     Qwen3's template drops the first turn's <think> block from the history."""
     qwen = ChatFormat(qwen3_tokenizer, parser=QWEN)
-    with_ids, text_only = probe_chat_format(qwen, honor_prompt_token_ids=True)
+    with_ids, text_only, _ = probe_chat_format(qwen, honor_prompt_token_ids=True)
     assert with_ids.append_only
     broken = text_only.divergence
     assert broken is not None and broken.turn == 3
@@ -66,10 +66,23 @@ def test_qwen3_thinking_drops_earlier_reasoning_at_the_follow_up(qwen3_tokenizer
     )
 
 
+@pytest.mark.parametrize("thinking", [True, False], ids=["thinking", "non-thinking"])
+def test_qwen3_under_the_compaction_agent_keeps_each_segment_append_only(qwen3_tokenizer, thinking):
+    """The flagship's family with Gym's compaction agent: it sends text only, as the client
+    above whose history breaks, but names each prompt's prefix; the server builds every turn of a
+    segment from it, so the episode stays append-only where the text-only one does not. A
+    reasoning-recency compaction opens a new segment, which the recipe trains as declared."""
+    kwargs = {} if thinking else {"enable_thinking": False}
+    qwen = ChatFormat(qwen3_tokenizer, parser=QWEN, template_kwargs=kwargs)
+    _, text_only, prefix = probe_chat_format(qwen, honor_prompt_token_ids=True)
+    assert not text_only.append_only
+    assert prefix.append_only, prefix.describe()
+
+
 def test_qwen3_without_thinking_breaks_at_the_first_tool_output(qwen3_tokenizer):
     """The generation prompt's empty think block is not written back into the history."""
     qwen = ChatFormat(qwen3_tokenizer, parser=QWEN, template_kwargs={"enable_thinking": False})
-    with_ids, text_only = probe_chat_format(qwen, honor_prompt_token_ids=True)
+    with_ids, text_only, _ = probe_chat_format(qwen, honor_prompt_token_ids=True)
     assert with_ids.append_only
     broken = text_only.divergence
     assert broken is not None and broken.turn == 2
@@ -80,8 +93,9 @@ def test_qwen3_without_thinking_breaks_at_the_first_tool_output(qwen3_tokenizer)
 
 def test_a_server_that_ignores_ids_gives_the_text_only_verdict_to_both(qwen3_tokenizer):
     qwen = ChatFormat(qwen3_tokenizer, parser=QWEN)
-    with_ids, text_only = probe_chat_format(qwen, honor_prompt_token_ids=False)
+    with_ids, text_only, prefix = probe_chat_format(qwen, honor_prompt_token_ids=False)
     assert with_ids == text_only and not with_ids.append_only
+    assert prefix.append_only  # the contract's prefix is not a sent-back id the server ignores
 
 
 def test_a_template_the_server_refuses_with_ids_is_named_with_the_turn(tokenizer, tmp_path):
@@ -92,8 +106,9 @@ def test_a_template_the_server_refuses_with_ids_is_named_with_the_turn(tokenizer
         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
     marked = ChatFormat(tokenizer, parser=GenerationParser("hermes"), chat_template=str(template))
-    with_ids, text_only = probe_chat_format(marked, honor_prompt_token_ids=True)
+    with_ids, text_only, prefix = probe_chat_format(marked, honor_prompt_token_ids=True)
     assert with_ids.refused is not None and with_ids.refused.startswith("turn 2: ")
+    assert prefix.refused is not None and prefix.refused.startswith("turn 2: ")
     assert "the policy server refuses turn 2" in with_ids.describe()
     assert text_only.divergence is not None and text_only.divergence.turn == 2
 
@@ -194,6 +209,10 @@ def test_the_plan_gives_both_verdicts_and_the_clients(smollm2_dir):
     assert "  template    policy.chat_template=smollm2_tools (renders tool-free chats as" in plan
     assert f"prompt builder, tokenizer from {smollm2_dir}:" in plan
     assert "      ids sent back: append-only" in plan and "      text only: append-only" in plan
+    assert (
+        "      Gym's compaction agent (text + required_prefix_token_ids), inside a segment: "
+        "append-only" in plan
+    )
     assert "    clients   default: text only: calculator_agent, guess_number_agent" in plan
 
 
