@@ -295,7 +295,10 @@ class PostprocessedEpisode:
         `overlong`, `noncontiguous_truncated`, `noncontiguous_dropped_turns`, `malformed_sample`,
         `trainable_turns`, `generated_tokens` and `longest_call_tokens` are on every result, so
         their means are rates across a batch, for stock Gym results too; `noncontiguous_withheld`
-        on every result of a run whose server stops divergences. A truncated episode's alone
+        on every result of a run whose server stops divergences; `compactions`,
+        `compaction_segments`, `compaction_segment_tokens`, `compaction_dropped_tokens` and
+        `compaction_undeclared_divergences` on every result that carries a compaction contract
+        (their means are per compacting episode). A truncated episode's alone
         also holds `noncontiguous_dropped_tokens`, `noncontiguous_stopped` (where the server
         stops divergences), `noncontiguous_segments` and `noncontiguous_segment_tokens` (split
         mode) and, for every cause the postprocessor could tell, `noncontiguous_cause/<cause>`
