@@ -81,9 +81,15 @@ INJECTED_GYM_KEYS = frozenset(
         "dry_run",
     }
 )
+AGENT_KIND = "responses_api_agents"  # Gym's kind of agent servers
 SERVER_KINDS = frozenset(
     {"resources_servers", "responses_api_agents", "responses_api_models", "environment_servers"}
 )
+# Gym's model servers the recipe may inject as a launched deployment's `policy_model`
+# (env.gym.policy_adapter): the vllm_model adapter, or its twin that forwards a compaction
+# agent's required_prefix_token_ids (every other model server refuses that field, 422).
+PolicyAdapter = Literal["vllm_model", "vllm_model_with_compaction"]
+COMPACTION_ADAPTER: PolicyAdapter = "vllm_model_with_compaction"
 # The top-level keys each source reads (besides the recipe-only keys, `shards` and, for a
 # launched deployment, server blocks).
 _SOURCE_KEYS: dict[str, frozenset[str]] = {
@@ -253,7 +259,12 @@ def describe_shard_agents(actor: GymActorConfig) -> str:
         return f"agents of the Gym deployment at {actor.gym_config[HEAD_SERVER_URL_KEY]}"
     blocks = [key for key, value in actor.gym_config.items() if _is_server_block(value)]
     paths = list(actor.gym_config.get(CONFIG_PATHS_KEY) or [])
-    return f"agents of a launched Gym deployment: config_paths {paths}, inline servers {blocks}"
+    compacting = compaction_agents(actor.gym_config)
+    compaction = f", compacting their context: {sorted(compacting)}" if compacting else ""
+    return (
+        f"agents of a launched Gym deployment: config_paths {paths}, inline servers {blocks}"
+        f"{compaction}"
+    )
 
 
 def shard_names(nemo_gym: Mapping[str, Any]) -> list[str]:
@@ -587,6 +598,23 @@ def _source_key_issues(
             )
         )
     return issues
+
+
+def compaction_agents(gym_config: Mapping[str, Any]) -> dict[str, str]:
+    """The agents among `gym_config`'s server blocks that compact their context, by name, with
+    their server (`simple_agent_with_compaction` or an agent built on it): those whose config
+    turns on `context_history.enabled`. Such an agent sends `required_prefix_token_ids` on every
+    model call, so its model server must forward it."""
+    found = {}
+    for name, block in gym_config.items():
+        if not _is_server_block(block) or AGENT_KIND not in block:
+            continue
+        # ng_run starts the first server of a block (nemo_gym/cli/env.py).
+        for server, settings in list(block[AGENT_KIND].items())[:1]:
+            history = settings.get("context_history") if isinstance(settings, Mapping) else None
+            if isinstance(history, Mapping) and history.get("enabled") is True:
+                found[str(name)] = str(server)
+    return found
 
 
 def _is_server_block(value: Any) -> bool:

@@ -13,8 +13,19 @@ shard, also when start-up fails or the shard's actor is killed.
 What Gym receives is the shard's `env.nemo_gym` (recipe-only keys already taken out) plus what
 only the recipe knows (:func:`deployment_config`): the policy server's URL, key and model name,
 the head server's address and the shard's port range, a `policy_model` server (Gym's `vllm_model`
-adapter in training mode, returning token ids) and where each server's virtual environment is
-(Gym's own, linked per server by :func:`link_server_venvs`, so no server installs anything).
+adapter in training mode, returning token ids, or its `vllm_model_with_compaction` twin, which
+also forwards a compaction agent's `required_prefix_token_ids`; `env.gym.policy_adapter`) and
+where each server's virtual environment is (Gym's own, linked per server by
+:func:`link_server_venvs`, so no server installs anything).
+
+Servers of this project's own (`gym_servers/`, `env.gym.server_roots`) are found the way `ng_run`
+finds any server: a server block `<name>: {<kind>: {<server>: {entrypoint: app.py}}}` runs
+`<root>/<kind>/<server>/app.py` from the first search root holding that folder with a
+`requirements.txt` or `pyproject.toml`, the roots being `NEMO_GYM_EXTRA_ROOTS` (set here to the
+server roots), then `ng_run`'s working directory, then Gym's site-packages; its venv is
+`<uv_venv_dir>/<kind>/<server>/.venv`, which :func:`link_server_venvs` links for them as for the
+wheel's. Gym's own packages (`responses_api_agents`, ...) are namespace packages, so a server
+there imports the wheel's (`responses_api_agents.simple_agent_with_compaction`) as its own.
 """
 
 from __future__ import annotations
@@ -23,7 +34,7 @@ import contextlib
 import copy
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,7 +42,7 @@ from typing import Any
 import httpx
 import yaml
 
-from nemo_gym_ext.config import SERVER_KINDS
+from nemo_gym_ext.config import AGENT_KIND, SERVER_KINDS, PolicyAdapter
 from nemo_gym_ext.ports import NoFreePortError, free_port_in_range
 from nemo_gym_ext.processes import ChildProcess
 
@@ -40,7 +51,9 @@ GYM_VENV_TARGET = "make gym-venv"
 # <dir>/<server kind>/<server>/.venv).
 SERVER_VENVS_DIR = "server-venvs"
 POLICY_MODEL_SERVER = "policy_model"
-AGENT_KIND = "responses_api_agents"
+# Where ng_run (and every server it starts) looks for servers before its working directory and
+# the wheel (nemo_gym.component_search_roots), os.pathsep-separated.
+EXTRA_ROOTS_ENV = "NEMO_GYM_EXTRA_ROOTS"
 _POLL_S = 1.0
 _STOP_GRACE_S = 8.0  # the four waits of a stop fit the recipe's deadline for closing a shard
 
@@ -74,21 +87,27 @@ def gym_launcher(venv: Path) -> Path:
     return launcher
 
 
-def link_server_venvs(venv: Path) -> Path:
-    """Give every server Gym ships (`<site-packages>/<kind>/<server>/`) Gym's own environment
-    as its venv, in Gym's `uv_venv_dir` layout, and return that directory. With
-    `skip_venv_if_present`, Gym then starts each server with this interpreter instead of
-    creating and installing a venv per server (a network install of about 1.5 GB each).
-    Idempotent, so shards starting at once may all call it."""
+def link_server_venvs(venv: Path, server_roots: Sequence[Path] = ()) -> Path:
+    """Give every server Gym ships (`<site-packages>/<kind>/<server>/`) and every server under
+    `server_roots` (`<root>/<kind>/<server>/`) Gym's own environment as its venv, in Gym's
+    `uv_venv_dir` layout, and return that directory. With `skip_venv_if_present`, Gym then
+    starts each server with this interpreter instead of creating and installing a venv per
+    server (a network install of about 1.5 GB each). Gym keys a venv by `<kind>/<server>` only,
+    so a server of the roots shares the link of a wheel's server of its name (the same
+    interpreter either way). Idempotent, so shards starting at once may all call it."""
     root = venv / SERVER_VENVS_DIR
-    for kind in SERVER_KINDS:
-        for server in sorted(venv.glob(f"lib/python*/site-packages/{kind}/*/")):
-            if not ((server / "requirements.txt").exists() or (server / "pyproject.toml").exists()):
-                continue
-            link = root / kind / server.name / ".venv"
-            link.parent.mkdir(parents=True, exist_ok=True)
-            with contextlib.suppress(FileExistsError):
-                link.symlink_to(venv.resolve(), target_is_directory=True)
+    sources = [*sorted(venv.glob("lib/python*/site-packages")), *server_roots]
+    for source in sources:
+        for kind in sorted(SERVER_KINDS):
+            for server in sorted(source.glob(f"{kind}/*/")):
+                if not (
+                    (server / "requirements.txt").exists() or (server / "pyproject.toml").exists()
+                ):
+                    continue
+                link = root / kind / server.name / ".venv"
+                link.parent.mkdir(parents=True, exist_ok=True)
+                with contextlib.suppress(FileExistsError):
+                    link.symlink_to(venv.resolve(), target_is_directory=True)
     return root
 
 
@@ -100,8 +119,10 @@ def deployment_config(
     head_port: int,
     port_range: tuple[int, int],
     server_venvs: Path,
+    policy_adapter: PolicyAdapter,
 ) -> dict[str, Any]:
-    """The config Gym receives: the shard's own keys plus what only the recipe knows.
+    """The config Gym receives: the shard's own keys plus what only the recipe knows, the
+    `policy_model` server being Gym's `policy_adapter` in training mode.
 
     `gym_config` is not mutated. The validator refuses every key set here when a user writes it
     (`nemo_gym_ext.config.INJECTED_GYM_KEYS`), so nothing the user wrote is overwritten."""
@@ -119,7 +140,7 @@ def deployment_config(
     )
     config[POLICY_MODEL_SERVER] = {
         "responses_api_models": {
-            "vllm_model": {
+            policy_adapter: {
                 "entrypoint": "app.py",
                 "base_url": "${policy_base_url}",
                 "api_key": "${policy_api_key}",
@@ -143,8 +164,16 @@ def shard_port_range(index: int, shards: int, port_range: tuple[int, int]) -> tu
 class GymDeployment:
     """One shard's Gym deployment: `ng_run` and everything it starts, in one process group."""
 
-    def __init__(self, config: Mapping[str, Any], *, venv: Path, work_dir: Path):
-        """Write the config; start nothing yet (`start`)."""
+    def __init__(
+        self,
+        config: Mapping[str, Any],
+        *,
+        venv: Path,
+        work_dir: Path,
+        server_roots: Sequence[Path] = (),
+    ):
+        """Write the config; start nothing yet (`start`). `server_roots` are searched for
+        servers before Gym's working directory and wheel (module docstring)."""
         self._launcher = gym_launcher(venv)
         self.work_dir = work_dir
         self.work_dir.mkdir(parents=True, exist_ok=True)
@@ -159,7 +188,7 @@ class GymDeployment:
         self._process = ChildProcess(
             [str(self._launcher), f"+config_paths=[{self.config_path}]"],
             log_path=self.log_path,
-            env=_gym_environment(),
+            env=_gym_environment(server_roots),
             cwd=self.work_dir,
             stop_grace_s=_STOP_GRACE_S,
         )
@@ -221,8 +250,12 @@ def start_deployment(
     host: str,
     port_range: tuple[int, int],
     timeout_s: float,
+    policy_adapter: PolicyAdapter,
+    server_roots: Sequence[Path],
 ) -> GymDeployment:
-    """Launch one shard's deployment and return it once ready (stopped again if it is not)."""
+    """Launch one shard's deployment and return it once ready (stopped again if it is not):
+    `policy_adapter` is its `policy_model` server, `server_roots` the folders of servers of the
+    project's own it may name besides Gym's (module docstring)."""
     try:
         head_port = free_port_in_range(host, *port_range)
     except NoFreePortError as error:
@@ -234,9 +267,10 @@ def start_deployment(
         host=host,
         head_port=head_port,
         port_range=(head_port + 1, port_range[1]),
-        server_venvs=link_server_venvs(gym_launcher(venv).parent.parent),
+        server_venvs=link_server_venvs(gym_launcher(venv).parent.parent, server_roots),
+        policy_adapter=policy_adapter,
     )
-    deployment = GymDeployment(config, venv=venv, work_dir=work_dir)
+    deployment = GymDeployment(config, venv=venv, work_dir=work_dir, server_roots=server_roots)
     deployment.start(timeout_s)
     return deployment
 
@@ -256,11 +290,15 @@ def agent_urls(head_url: str, *, timeout_s: float) -> dict[str, str]:
     return agents
 
 
-def _gym_environment() -> dict[str, str]:
+def _gym_environment(server_roots: Sequence[Path]) -> dict[str, str]:
     """This process's environment minus what would pull Gym into the recipe's interpreter or
-    its Ray cluster: Gym starts a Ray instance of its own."""
-    return {
+    its Ray cluster (Gym starts a Ray instance of its own), plus the server roots Gym searches
+    first (none: the variable is left out, not set empty)."""
+    environment = {
         key: value
         for key, value in os.environ.items()
-        if not key.startswith("RAY_") and key not in ("PYTHONPATH", "VIRTUAL_ENV")
+        if not key.startswith("RAY_") and key not in ("PYTHONPATH", "VIRTUAL_ENV", EXTRA_ROOTS_ENV)
     }
+    if server_roots:
+        environment[EXTRA_ROOTS_ENV] = os.pathsep.join(str(root.resolve()) for root in server_roots)
+    return environment

@@ -63,6 +63,10 @@ def render_plan(config: RecipeConfig, output_dir: str) -> str:
     ]
     actors = config.gym_shards
     lines.append(f"  gym shards  {len(actors)}")
+    if config.env.source == "gym_launch":
+        gym = config.env.gym
+        roots = f", servers also from {gym.server_roots}" if gym.server_roots else ""
+        lines.append(f"    policy_model: Gym's {gym.policy_adapter} adapter{roots}")
     for actor in actors:
         described = describe_shard_agents(actor)
         lines.append(

@@ -77,12 +77,14 @@ RULES: tuple[Rule, ...] = (
     evaluation.pass_at_k_within_samples,
     evaluation.pass_at_k_positive,
     evaluation.greedy_samples_differ,
+    env.server_roots_exist,
 )
 # Last, the rules that read the Gym shards as the run builds them.
 SHARD_RULES: tuple[ShardRule, ...] = (
     env.text_only_history_survives_the_template,
     env.stop_on_divergence_needs_truncation,
     env.split_segments_weigh_the_episode_once,
+    env.compaction_agents_need_the_compaction_adapter,
 )
 
 

@@ -27,7 +27,7 @@ from gymrl.model.loading import load_tokenizer
 from gymrl.model.tokens import decode_text
 from gymrl.run.progress import raise_if_stalled
 from gymrl.run.stop import stops_held
-from nemo_gym_ext.config import HEAD_SERVER_URL_KEY, GymActorConfig
+from nemo_gym_ext.config import HEAD_SERVER_URL_KEY, GymActorConfig, PolicyAdapter
 from nemo_gym_ext.envs.registry import start_builtin_environment
 from nemo_gym_ext.gym_launch import PolicyEndpoint, shard_port_range, start_deployment
 from nemo_gym_ext.gym_launch import agent_urls as gym_agent_urls
@@ -53,6 +53,8 @@ class GymShardLaunch:
     host: str  # where Gym's servers listen (loopback on one machine)
     port_range: tuple[int, int]  # this shard's slice of env.gym.port_range
     start_timeout_s: float
+    policy_adapter: PolicyAdapter  # env.gym.policy_adapter
+    server_roots: tuple[str, ...]  # env.gym.server_roots, absolute
 
 
 @ray.remote(num_cpus=0)
@@ -89,6 +91,8 @@ class GymShard:
                     host=launch.host,
                     port_range=launch.port_range,
                     timeout_s=launch.start_timeout_s,
+                    policy_adapter=launch.policy_adapter,
+                    server_roots=[Path(root) for root in launch.server_roots],
                 )
                 started.callback(deployment.stop)
                 agent_urls = gym_agent_urls(deployment.head_url, timeout_s=_GYM_HTTP_TIMEOUT_S)
@@ -161,6 +165,8 @@ def shard_launch(config: RecipeConfig, output_dir: Path, index: int, count: int,
         host=ray.util.get_node_ip_address() if on_cluster else "127.0.0.1",
         port_range=shard_port_range(index, count, gym.port_range),
         start_timeout_s=gym.start_timeout_s,
+        policy_adapter=gym.policy_adapter,
+        server_roots=tuple(str(Path(root).resolve()) for root in gym.server_roots),
     )
 
 

@@ -4,7 +4,8 @@ It reads the config it is given the way Gym does (`+config_paths=[file]`), start
 (as Gym starts its servers), writes both pids next to the config and serves a head server with
 `/readyz` and `/server_instances`. The config's `fake_gym` block picks a behaviour: `mode`
 `ready` (default), `never_ready`, `exit` or `crash` (a server's import error, then a long
-shutdown); `stubborn_child` makes the grandchild ignore SIGTERM.
+shutdown); `stubborn_child` makes the grandchild ignore SIGTERM. The roots Gym would search for
+servers first (`NEMO_GYM_EXTRA_ROOTS`) are written next to the config, `unset` when not set.
 """
 
 import json
@@ -36,6 +37,8 @@ if mode == "crash":  # a server fails at import, then the launcher shuts everyth
 ignore = "signal.signal(signal.SIGTERM, signal.SIG_IGN); " if fake.get("stubborn_child") else ""
 child = subprocess.Popen([sys.executable, "-c", f"import signal, time; {ignore}time.sleep(600)"])
 (config_path.parent / "pids").write_text(f"{os.getpid()} {child.pid}")
+# Where Gym would look for servers first (nemo_gym.component_search_roots).
+(config_path.parent / "extra_roots").write_text(os.environ.get("NEMO_GYM_EXTRA_ROOTS", "unset"))
 INSTANCES = [
     {"process_name": "my_agent", "server_type": "responses_api_agents", "url": "http://h:1"},
     {"process_name": "policy_model", "server_type": "responses_api_models", "url": "http://h:2"},

@@ -13,7 +13,12 @@ import pytest
 import yaml
 
 from nemo_gym_ext import gym_launch
-from nemo_gym_ext.config import INJECTED_GYM_KEYS, RECIPE_ONLY_KEYS, build_gym_actor_config
+from nemo_gym_ext.config import (
+    COMPACTION_ADAPTER,
+    INJECTED_GYM_KEYS,
+    RECIPE_ONLY_KEYS,
+    build_gym_actor_config,
+)
 from nemo_gym_ext.gym_launch import (
     GymDeployment,
     GymStartError,
@@ -49,6 +54,7 @@ def _config(tmp_path, **fake):
         head_port=free_port_in_range("127.0.0.1", 21000, 22000),
         port_range=(21000, 22000),
         server_venvs=tmp_path / "server-venvs",
+        policy_adapter="vllm_model",
     )
     return config
 
@@ -86,6 +92,7 @@ def test_gym_receives_its_config_plus_exactly_the_injected_keys(tmp_path):
         head_port=20001,
         port_range=(20001, 25000),
         server_venvs=Path("/venv/server-venvs"),
+        policy_adapter="vllm_model",
     )
     assert nemo_gym == before and actor.gym_config == gym_config, "inputs are not mutated"
     assert not RECIPE_ONLY_KEYS & set(config)
@@ -117,24 +124,78 @@ def test_gym_receives_its_config_plus_exactly_the_injected_keys(tmp_path):
     assert {key: config[key] for key in gym_config} == gym_config
 
 
-def test_every_shipped_server_gets_gyms_own_venv(tmp_path):
+def test_the_compaction_adapter_is_injected_as_the_policy_model_in_training_mode():
+    config = deployment_config(
+        {"config_paths": ["x.yaml"]},
+        policy=POLICY,
+        host="127.0.0.1",
+        head_port=20001,
+        port_range=(20001, 25000),
+        server_venvs=Path("/venv/server-venvs"),
+        policy_adapter=COMPACTION_ADAPTER,
+    )
+    assert config["policy_model"] == {
+        "responses_api_models": {
+            "vllm_model_with_compaction": {
+                "entrypoint": "app.py",
+                "base_url": "${policy_base_url}",
+                "api_key": "${policy_api_key}",
+                "model": "${policy_model_name}",
+                "return_token_id_information": True,
+                "uses_reasoning_parser": False,
+            }
+        }
+    }
+
+
+def test_every_shipped_server_and_every_server_of_the_roots_gets_gyms_own_venv(tmp_path):
     venv = tmp_path / "venv"
     site = venv / "lib" / "python3.11" / "site-packages"
-    for server, marker in [
-        ("resources_servers/example_multi_step", "requirements.txt"),
-        ("responses_api_models/vllm_model", "pyproject.toml"),
-        ("responses_api_agents/not_a_server", "README.md"),
+    ours = tmp_path / "gym_servers"
+    for folder, server, marker in [
+        (site, "resources_servers/example_multi_step", "requirements.txt"),
+        (site, "responses_api_models/vllm_model", "pyproject.toml"),
+        (site, "responses_api_agents/not_a_server", "README.md"),
+        (ours, "responses_api_agents/my_compaction_agent", "requirements.txt"),
+        (ours, "not_a_kind/my_server", "requirements.txt"),
     ]:
-        (site / server).mkdir(parents=True)
-        (site / server / marker).write_text("")
-    root = link_server_venvs(venv)
-    assert link_server_venvs(venv) == root  # a second shard finds the links made
+        (folder / server).mkdir(parents=True)
+        (folder / server / marker).write_text("")
+    root = link_server_venvs(venv, [ours])
+    assert link_server_venvs(venv, [ours]) == root  # a second shard finds the links made
     linked = sorted(str(p.relative_to(root)) for p in root.glob("*/*/.venv"))
     assert linked == [
         "resources_servers/example_multi_step/.venv",
+        "responses_api_agents/my_compaction_agent/.venv",
         "responses_api_models/vllm_model/.venv",
     ]
-    assert (root / linked[0]).resolve() == venv.resolve()
+    assert all((root / link).resolve() == venv.resolve() for link in linked)
+
+
+@pytest.mark.parametrize("roots", [[], ["gym_servers", "more_servers"]])
+def test_gym_searches_the_server_roots_first(venv, tmp_path, roots):
+    """ng_run and the servers it starts find servers under NEMO_GYM_EXTRA_ROOTS before their
+    working directory and the wheel; without roots the variable is not set at all (an empty
+    one would still be read, as the working directory)."""
+    server_roots = [tmp_path / root for root in roots]
+    for root in server_roots:
+        root.mkdir()
+    deployment = start_deployment(
+        {"config_paths": ["x.yaml"]},
+        policy=POLICY,
+        venv=venv,
+        work_dir=tmp_path / "w",
+        host="127.0.0.1",
+        port_range=(21000, 22000),
+        timeout_s=60,
+        policy_adapter="vllm_model",
+        server_roots=server_roots,
+    )
+    try:
+        seen = (deployment.work_dir / "extra_roots").read_text()
+    finally:
+        deployment.stop()
+    assert seen == (os.pathsep.join(str(root) for root in server_roots) or "unset")
 
 
 def test_shards_get_disjoint_port_ranges():
@@ -156,6 +217,8 @@ def test_a_shard_range_with_no_free_port_is_a_start_error(tmp_path):
                 host="127.0.0.1",
                 port_range=(port, port + 1),
                 timeout_s=1,
+                policy_adapter="vllm_model",
+                server_roots=[],
             )
 
 

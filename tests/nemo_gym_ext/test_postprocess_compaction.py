@@ -238,3 +238,22 @@ def test_every_compaction_metric_is_documented(episode):
     documented = set(documented_keys())
     for field in (*COMPACTION_FIELDS, "compaction_declared_share"):
         assert any(field in key for key in documented), field
+
+
+@pytest.mark.parametrize(
+    ("name", "segments"),
+    [("smollm2_one_compaction.json", 2), ("scripted_two_compactions.json", 3)],
+)
+def test_the_recipes_own_compaction_runs_train_as_declared(name, segments):
+    """Results of `+experiment=compaction_gym`'s servers (Gym's agent with the tool-output
+    recency policy, the real policy server, SmolLM2's ids; tests/data/compaction/make_fixtures.py)
+    train as their contract declares, truncation off."""
+    fixture = json.loads((EPISODES.parent / name).read_text())
+    result = fixture["result"]
+    out = postprocess_gym_result(fixture["row"], result, DEFAULT, vocab_size=VOCAB_SIZE)
+    assert out.segment_kinds == ("declared",) * (segments - 1)
+    trained = [g for seq in (out.message_log, *out.segments) for g in generations(seq)]
+    assert trained == [item["generation_token_ids"] for item in calls(result)]
+    fields = out.full_result
+    assert (fields["compactions"], fields["compaction_segments"]) == (segments - 1, segments)
+    assert fields["compaction_undeclared_divergences"] == 0 and not out.truncated

@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from gymrl.config.schema.base import Strict
+from nemo_gym_ext.config import PolicyAdapter
 
 
 class RolloutConfig(Strict):
@@ -121,6 +122,23 @@ class GymLaunchConfig(Strict):
         description="Ports [low, high) the launched deployments use, split evenly between the "
         "shards: each shard's head server takes the first free port of its slice, its servers "
         "the rest.",
+    )
+    policy_adapter: PolicyAdapter = Field(
+        default="vllm_model",
+        description="The Gym model server the recipe injects as each deployment's "
+        "`policy_model`, in front of this run's policy server: vllm_model (Gym's vLLM adapter "
+        "in training mode), or vllm_model_with_compaction, which also forwards the "
+        "required_prefix_token_ids of a compaction agent (simple_agent_with_compaction and "
+        "its kind, with context_history.enabled) and measures prompts through the policy "
+        "server's /tokenize; such an agent needs it (vllm_model answers the field 422).",
+    )
+    server_roots: list[str] = Field(
+        default_factory=list,
+        description="Folders of Gym servers of this project's own, laid out as Gym's "
+        "(<root>/<kind>/<server>/app.py with a requirements.txt), searched before Gym's wheel "
+        "(ng_run's NEMO_GYM_EXTRA_ROOTS) and run with Gym's venv like the wheel's servers, so "
+        "nothing is installed; e.g. ${repo_path:gym_servers} for the agent this checkout "
+        "ships (gym_servers/README.md).",
     )
 
 

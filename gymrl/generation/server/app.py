@@ -217,7 +217,12 @@ class PolicyServerRequest(ChatCompletionRequest):
     def starts_segment(self) -> bool:
         """`required_prefix_token_ids` sent as null: the client declares that this call starts a
         segment (Gym's compaction agent rewrote the history it renders from), so its prompt is
-        not meant to extend the previous answer. Leaving the field out declares nothing."""
+        not meant to extend the previous answer. Leaving the field out declares nothing.
+
+        Gym 0.7.0's vllm_model_with_compaction adapter does send the null: it sets the field on
+        the chat request it builds from every Responses call, so its `model_dump(exclude_unset=
+        True)` keeps it (measured: every call of `+experiment=compaction_gym` without a prefix
+        arrived with the field set and null). Its plain vllm_model adapter refuses the field."""
         return (
             self.required_prefix_token_ids is None
             and "required_prefix_token_ids" in self.model_fields_set

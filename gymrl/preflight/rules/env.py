@@ -1,14 +1,29 @@
 """Rules on `env.nemo_gym` that need its Gym shards built (`RecipeConfig.gym_shards`): each shard's
-truncation settings against the policy server's, the loss's and the policy's chat template. Each
-rule takes the config and the shards; the shards' own keys are checked where they are built
-(`nemo_gym_ext.config.build_gym_actor_config`)."""
+truncation settings against the policy server's, the loss's and the policy's chat template, and
+its compaction agents against the model server the recipe injects (`env.gym.policy_adapter`).
+Each such rule takes the config and the shards; the shards' own keys are checked where they are
+built (`nemo_gym_ext.config.build_gym_actor_config`). One rule on `env.gym` alone, the server
+roots a launched deployment searches, takes the config only."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
+import yaml
+
 from gymrl.config.schema.recipe import RecipeConfig
 from gymrl.preflight.token_id_clients import HONOR_KEY, Client, shard_clients
-from nemo_gym_ext.config import TRUNCATION_KEY, GymActorConfig
+from nemo_gym_ext.config import (
+    COMPACTION_ADAPTER,
+    CONFIG_PATHS_KEY,
+    TRUNCATION_KEY,
+    GymActorConfig,
+    compaction_agents,
+)
 from nemo_gym_ext.config_errors import ConfigIssue
+
+ADAPTER_KEY = "env.gym.policy_adapter"
 
 
 def text_only_history_survives_the_template(
@@ -127,4 +142,79 @@ def split_segments_weigh_the_episode_once(
         for shard in shards
         if shard.postprocess.split_noncontiguous_segments
         for key, (value, fix) in config.loss.whole_sequence_choices().items()
+    ]
+
+
+def compaction_agents_need_the_compaction_adapter(
+    config: RecipeConfig, shards: list[GymActorConfig]
+) -> list[ConfigIssue]:
+    """A compaction agent (`context_history.enabled`) sends `required_prefix_token_ids` on every
+    model call, which Gym's plain `vllm_model` adapter refuses (422): every one of its episodes
+    would fail, each only after the deployment started. Refused unless the recipe injects the
+    compaction twin. The agents are read from each shard's inline server blocks and from the
+    Gym config files of its `config_paths` this machine holds, found as `ng_run` finds them
+    (`env.gym.server_roots`, the working directory, Gym's site-packages; not the files those
+    name in turn)."""
+    adapter = config.env.gym.policy_adapter
+    if config.env.source != "gym_launch" or adapter == COMPACTION_ADAPTER:
+        return []
+    return [
+        ConfigIssue(
+            ADAPTER_KEY,
+            adapter,
+            f"{where} runs the compaction agent {server!r} (context_history.enabled=true), which "
+            f"sends required_prefix_token_ids on every model call; Gym's {adapter} adapter "
+            "refuses that field, so every episode of that agent would fail",
+            f"set {ADAPTER_KEY}={COMPACTION_ADAPTER} (it forwards the prefix, which the policy "
+            "server honours), or turn the agent's context_history off",
+        )
+        for shard in shards
+        for where, server in _compaction_agents_of(config, shard)
+    ]
+
+
+def _compaction_agents_of(config: RecipeConfig, shard: GymActorConfig) -> Iterator[tuple[str, str]]:
+    """(where the agent is declared, its server) for each compaction agent of `shard`."""
+    for name, server in compaction_agents(shard.gym_config).items():
+        yield f"{shard.key_prefix}.{name}", server
+    for entry in shard.gym_config.get(CONFIG_PATHS_KEY) or []:
+        found = _gym_config_file(config, str(entry))
+        if found is None:
+            continue  # ng_run names a config file it cannot find
+        with found.open() as stream:
+            declared = yaml.safe_load(stream)
+        if isinstance(declared, dict):
+            for name, server in compaction_agents(declared).items():
+                yield f"{name} (in {CONFIG_PATHS_KEY} entry {entry})", server
+
+
+def _gym_config_file(config: RecipeConfig, entry: str) -> Path | None:
+    """Where `ng_run` would read a `config_paths` entry from, or None where this machine has
+    none: as is when absolute, else under the first of the server roots, the working directory
+    and Gym's site-packages that holds it (nemo_gym.component_search_roots)."""
+    if Path(entry).is_absolute():
+        return Path(entry) if Path(entry).is_file() else None
+    roots = [
+        *(Path(root) for root in config.env.gym.server_roots),
+        Path.cwd(),
+        *sorted(Path(config.env.gym.venv).glob("lib/python*/site-packages")),
+    ]
+    return next((root / entry for root in roots if (root / entry).is_file()), None)
+
+
+def server_roots_exist(config: RecipeConfig) -> list[ConfigIssue]:
+    """A server root that is not a folder would only show when `ng_run` fails to find the
+    server it should hold, after the policy and the deployment's other servers started."""
+    if config.env.source != "gym_launch":
+        return []
+    return [
+        ConfigIssue(
+            f"env.gym.server_roots[{index}]",
+            root,
+            "not a folder on this machine, so Gym would not find the servers it should hold",
+            "give a folder laid out as Gym's (<root>/<kind>/<server>/app.py), e.g. "
+            "${repo_path:gym_servers}, or remove the entry",
+        )
+        for index, root in enumerate(config.env.gym.server_roots)
+        if not Path(root).is_dir()
     ]

@@ -3,6 +3,7 @@
 import pickle
 
 import pytest
+import yaml
 
 import gymrl.preflight.validate as validate_module
 from gymrl.cluster.placement import generation_gpus, trainer_gpus
@@ -467,3 +468,52 @@ def test_failures_counted_as_a_reward_need_every_agents_failed_reward():
     validate_config(
         compose_raw(["env.rollout.on_episode_error=reward", "loss.episodes.failed_reward=0.0"])
     )
+
+
+COMPACTION_AGENT = {
+    "responses_api_agents": {
+        "simple_agent_with_compaction": {
+            "entrypoint": "app.py",
+            "model_server": {"type": "responses_api_models", "name": "policy_model"},
+            "context_history": {"enabled": True},
+        }
+    }
+}
+
+
+def test_a_compaction_agent_needs_the_compaction_adapter_wherever_it_is_declared(tmp_path):
+    """Gym's vllm_model adapter answers required_prefix_token_ids 422: an agent with
+    context_history on, inline or in a config file of config_paths, is refused with it."""
+    config_file = tmp_path / "agents.yaml"
+    config_file.write_text(yaml.safe_dump({"file_agent": COMPACTION_AGENT}))
+    off = {"responses_api_agents": {"simple_agent": {"entrypoint": "app.py"}}}
+
+    def raw(*overrides):
+        composed = compose_raw(["env=gym_launch", *overrides])
+        composed["env"]["nemo_gym"].update(
+            config_paths=[str(config_file)], inline_agent=COMPACTION_AGENT, plain_agent=off
+        )
+        return composed
+
+    with pytest.raises(ConfigError) as raised:
+        validate_config(raw())
+    issues = raised.value.issues
+    assert [issue.key for issue in issues] == ["env.gym.policy_adapter"] * 2
+    assert all(issue.value == "vllm_model" for issue in issues)
+    assert issues[0].problem.startswith(
+        "env.nemo_gym.inline_agent runs the compaction agent 'simple_agent_with_compaction' "
+        "(context_history.enabled=true)"
+    )
+    assert issues[1].problem.startswith(f"file_agent (in config_paths entry {config_file}) runs")
+    assert issues[0].fix.startswith("set env.gym.policy_adapter=vllm_model_with_compaction")
+    fixed = validate_config(raw("env.gym.policy_adapter=vllm_model_with_compaction"))
+    assert fixed.env.gym.policy_adapter == "vllm_model_with_compaction"
+
+
+def test_a_server_root_that_is_not_a_folder_is_named(tmp_path):
+    issues = _issues(
+        ["+experiment=compaction_gym", f"env.gym.server_roots=[{tmp_path},{tmp_path}/none]"]
+    )
+    issue = issues["env.gym.server_roots[1]"]
+    assert issue.value == f"{tmp_path}/none" and "not a folder" in issue.problem
+    assert "env.gym.server_roots[0]" not in issues
