@@ -292,13 +292,16 @@ def agent_urls(head_url: str, *, timeout_s: float) -> dict[str, str]:
 
 def _gym_environment(server_roots: Sequence[Path]) -> dict[str, str]:
     """This process's environment minus what would pull Gym into the recipe's interpreter or
-    its Ray cluster (Gym starts a Ray instance of its own), plus the server roots Gym searches
-    first (none: the variable is left out, not set empty)."""
+    its Ray cluster, plus the server roots Gym searches first (none: the variable is left out,
+    not set empty). Gym's launcher calls `ray.init()` without an address, which joins the latest
+    cluster a `ray start` left on the machine (under launch/ray.sub, the recipe's own, of
+    another Ray version); `RAY_ADDRESS=local` makes it start an instance of its own."""
     environment = {
         key: value
         for key, value in os.environ.items()
         if not key.startswith("RAY_") and key not in ("PYTHONPATH", "VIRTUAL_ENV", EXTRA_ROOTS_ENV)
     }
+    environment["RAY_ADDRESS"] = "local"
     if server_roots:
         environment[EXTRA_ROOTS_ENV] = os.pathsep.join(str(root.resolve()) for root in server_roots)
     return environment

@@ -5,7 +5,8 @@ It reads the config it is given the way Gym does (`+config_paths=[file]`), start
 `/readyz` and `/server_instances`. The config's `fake_gym` block picks a behaviour: `mode`
 `ready` (default), `never_ready`, `exit` or `crash` (a server's import error, then a long
 shutdown); `stubborn_child` makes the grandchild ignore SIGTERM. The roots Gym would search for
-servers first (`NEMO_GYM_EXTRA_ROOTS`) are written next to the config, `unset` when not set.
+servers first (`NEMO_GYM_EXTRA_ROOTS`) and the Ray cluster it would join (`RAY_ADDRESS`) are
+written next to the config, `unset` when not set.
 """
 
 import json
@@ -39,6 +40,8 @@ child = subprocess.Popen([sys.executable, "-c", f"import signal, time; {ignore}t
 (config_path.parent / "pids").write_text(f"{os.getpid()} {child.pid}")
 # Where Gym would look for servers first (nemo_gym.component_search_roots).
 (config_path.parent / "extra_roots").write_text(os.environ.get("NEMO_GYM_EXTRA_ROOTS", "unset"))
+# Which Ray cluster Gym's `ray.init()` would join (RAY_ADDRESS; "local" starts its own).
+(config_path.parent / "ray_address").write_text(os.environ.get("RAY_ADDRESS", "unset"))
 INSTANCES = [
     {"process_name": "my_agent", "server_type": "responses_api_agents", "url": "http://h:1"},
     {"process_name": "policy_model", "server_type": "responses_api_models", "url": "http://h:2"},

@@ -303,3 +303,29 @@ def test_a_server_ignoring_sigterm_is_killed_with_its_group(venv, tmp_path, monk
     deployment.stop()
     assert not _alive(launcher) and not _alive(child)
     assert os.getpgid(os.getpid()) != launcher, "the group stopped is Gym's, not ours"
+
+
+def test_gym_starts_a_ray_instance_of_its_own_whatever_cluster_runs_here(
+    venv, tmp_path, monkeypatch
+):
+    """Gym's launcher calls `ray.init()` with no address, which joins the latest cluster a
+    `ray start` left on the machine (/tmp/ray/ray_current_cluster) or the one RAY_ADDRESS names:
+    under launch/ray.sub, the recipe's own cluster, of another Ray version and with its own
+    token. Gym gets RAY_ADDRESS=local, which always starts a new instance."""
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    deployment = start_deployment(
+        {"config_paths": ["x.yaml"]},
+        policy=POLICY,
+        venv=venv,
+        work_dir=tmp_path / "w",
+        host="127.0.0.1",
+        port_range=(22000, 23000),
+        timeout_s=60,
+        policy_adapter="vllm_model",
+        server_roots=[],
+    )
+    try:
+        seen = (deployment.work_dir / "ray_address").read_text()
+    finally:
+        deployment.stop()
+    assert seen == "local"
