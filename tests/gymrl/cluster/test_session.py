@@ -15,7 +15,7 @@ import pytest
 import ray
 
 import gymrl.cluster.session
-from gymrl.cluster.session import ClusterSession, start_ray
+from gymrl.cluster.session import ClusterSession, NodeLabelsUnmatchedError, start_ray
 from gymrl.config.compose import compose_raw
 from gymrl.config.schema.cluster import ClusterConfig
 from gymrl.preflight.validate import validate_config
@@ -145,3 +145,22 @@ def test_a_start_that_fails_half_way_is_undone_by_close(closed, monkeypatch):
     session.close()  # a recipe's cleanup may run twice
     assert closed == ["Ray"]
     assert not ray.is_initialized()
+
+
+def test_node_labels_no_node_carries_stop_the_start_naming_the_role_and_the_nodes(closed):
+    """A local Ray's one node carries Ray's own labels only: the role's labels are named, with
+    what the nodes carry, before any actor waits on a node that will never come; Ray is closed."""
+    config = validate_config(
+        compose_raw(
+            ["cluster.cpus_per_node=1", "+cluster.roles.trainer.node_labels={slurm-node-index:'1'}"]
+        )
+    )
+    session = ClusterSession()
+    with pytest.raises(NodeLabelsUnmatchedError) as raised:
+        session.start(config)
+    session.close()
+    assert closed == ["Ray"]
+    assert str(raised.value).startswith(
+        "cluster.roles.trainer.node_labels={'slurm-node-index': '1'} match no node of the Ray "
+        "cluster (its 1 node(s) carry: none but Ray's own)"
+    )

@@ -467,3 +467,19 @@ def test_failures_counted_as_a_reward_need_every_agents_failed_reward():
     validate_config(
         compose_raw(["env.rollout.on_episode_error=reward", "loss.episodes.failed_reward=0.0"])
     )
+
+
+def test_node_labels_match_by_equality_and_a_torch_engine_has_no_nodes_of_its_own():
+    issues = _issues(
+        [
+            "+cluster.roles.trainer.node_labels={slurm-node-index:'!0'}",
+            "+cluster.roles.generation.node_labels={slurm-node-index:'1'}",
+        ]
+    )
+    assert set(issues) == {
+        "cluster.roles.trainer.node_labels",
+        "cluster.roles.generation.node_labels",
+    }
+    assert "match by equality" in issues["cluster.roles.trainer.node_labels"].problem
+    fix = issues["cluster.roles.generation.node_labels"].fix
+    assert fix.startswith("set cluster.roles.policy_server.node_labels instead")
