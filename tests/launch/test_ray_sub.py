@@ -445,3 +445,50 @@ def test_a_loopback_head_ip_is_refused_on_several_nodes(fake_slurm):
     assert result.returncode == 1
     assert "the head's IP 127.0.1.1 is a loopback address" in result.stderr
     assert not (fake_slurm / "ray.log").exists()
+
+
+@pytest.mark.slurm
+def test_the_fake_slurm_answers_what_ray_sub_reads_as_the_real_one_does(local_slurm, fake_slurm):
+    """The fake above stands in for Slurm where the real one cannot go here (pyxis containers,
+    GPU GRES, 16 nodes); this asks it and the real local Slurm (launch/local_slurm/: nodes n0,
+    n1, no GRES) what ray.sub reads, through ray.sub's own functions, and fails where they
+    disagree: `scontrol show hostnames` (one name a line), `scontrol show node --oneliner` (one
+    line of Key=value fields, the fake's a subset of the real one's, with the Gres and NodeAddr
+    the script reads), and an `srun` step's output and exit status (the probes, the steps)."""
+    real = _env(SLURM_CONF=str(local_slurm.conf))
+    fake = _env(
+        PATH=f"{fake_slurm / 'bin'}:{os.environ['PATH']}",
+        FAKE=str(fake_slurm),
+        FAKE_NODES="n0 n1",
+        FAKE_GRES="(null)",
+    )
+
+    def ask(env: dict[str, str], command: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["bash", "-c", f"source {SCRIPT}; {command}"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+
+    def fields(line: str) -> list[str]:
+        return [field.split("=", 1)[0] for field in line.split() if "=" in field]
+
+    hostnames = "scontrol show hostnames 'n[0-1]'"
+    assert ask(real, hostnames).stdout == ask(fake, hostnames).stdout == "n0\nn1\n"
+
+    node = "scontrol show node --oneliner n1"
+    real_node, fake_node = ask(real, node).stdout, ask(fake, node).stdout
+    assert len(real_node.splitlines()) == len(fake_node.splitlines()) == 1, (real_node, fake_node)
+    assert set(fields(fake_node)) <= set(fields(real_node)), (fake_node, real_node)
+    assert {"NodeName", "Gres", "NodeAddr"} <= set(fields(fake_node))
+    assert ask(real, "gpu_gres n1").stdout == ask(fake, "gpu_gres n1").stdout == "0\n"
+    # The real nodes share this host's address; the fake's are named as their NodeAddr.
+    assert re.fullmatch(r"\d+\.\d+\.\d+\.\d+\n", ask(real, "node_addr n1").stdout)
+    assert ask(fake, "node_addr n1").stdout == "n1\n"
+
+    step = "srun --overlap --nodes=1 --ntasks=1 --nodelist=n1 bash -c 'echo out; exit 3'"
+    real_step, fake_step = ask(real, step), ask(fake, step)
+    assert real_step.stdout == fake_step.stdout == "out\n", (real_step.stderr, fake_step.stderr)
+    assert real_step.returncode == fake_step.returncode == 3
