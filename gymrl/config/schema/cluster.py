@@ -50,9 +50,8 @@ class RoleEnvironmentConfig(Strict):
         "value (Ray's label selector; GPU bundles of the role get it as their bundle label "
         "selector). launch/ray.sub labels every node with its Slurm name and its index in the "
         "allocation (0 = the head): {slurm-node-index: '1'} puts the role on the second node. "
-        "Quote numbers: labels are strings. Empty = any node (Ray places CPU actors next to "
-        "the driver, on the head). A run stops before any role starts when no node carries "
-        "them.",
+        "Quote numbers: labels are strings. Empty = any node Ray chooses. A run stops before "
+        "any role starts when no node carries them.",
     )
 
     @property
