@@ -186,12 +186,11 @@ def reserve(placement: Placement, timeout_s: float) -> Any:
         return None
     from ray.util.placement_group import placement_group
 
-    labels = list(placement.bundle_labels)
-    group = placement_group(
-        list(placement.bundles),
-        strategy="PACK",
-        bundle_label_selector=labels if any(labels) else None,
-    )
+    bundles, labels = list(placement.bundles), list(placement.bundle_labels)
+    if any(labels):
+        group = placement_group(bundles, strategy="PACK", bundle_label_selector=labels)
+    else:  # no selector at all (Ray refuses an empty list beside bundles)
+        group = placement_group(bundles, strategy="PACK")
     if not group.wait(timeout_s):
         raise TimeoutError(
             f"Ray could not place the run's GPU bundles {list(placement.bundles)} within "
