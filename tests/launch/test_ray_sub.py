@@ -280,8 +280,21 @@ def test_dry_run_prints_the_cluster_plan_and_forwards_overrides():
         ]
         for index in (1, 2)
     ]
-    assert recipe[:6] == [*step, "--nodelist=n0", "--cpus-per-task=32"]
-    assert recipe[6:] == [
+    assert recipe[:7] == [
+        "srun",
+        "--job-name=gym-grpo-recipe",
+        *step[1:],
+        "--nodelist=n0",
+        "--cpus-per-task=32",
+    ]
+    # The step writes the recipe's pid where ray.sub passes a stop signal from, then execs it.
+    assert recipe[7:11] == [
+        "bash",
+        "-c",
+        '{ echo $$ >"$0"; } 2>/dev/null; exec "$@"',
+        "/tmp/ray-dry-run/recipe.pid",
+    ]
+    assert recipe[11:] == [
         "python",
         "recipes/grpo.py",
         "cluster.ray_address=auto",
@@ -319,14 +332,15 @@ def test_dry_run_creates_each_nodes_container_and_attaches_to_the_heads():
             "--container-mounts=/lustre:/lustre",
             workdir,
         ]
-    assert recipe[4:8] == [
+    assert recipe[5:9] == [
         "--nodelist=n0",
         "--cpus-per-task=16",
         "--container-name=gym-grpo-ray-dry-run:exec",
         workdir,
     ]
     polls = re.findall(r"DRY_RUN: would poll (.*) until", result.stderr)
-    assert [shlex.split(poll)[:8] for poll in polls] == [recipe[:8]] * 2
+    # The polls attach to the same container as the recipe's step (which alone is named).
+    assert [shlex.split(poll)[:8] for poll in polls] == [[recipe[0], *recipe[2:9]]] * 2
 
 
 def test_the_wait_polls_until_every_node_and_gpu_is_registered(stub_ray):
