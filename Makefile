@@ -3,7 +3,7 @@
 PYTHON ?= python
 
 .PHONY: install train test test-slow test-gpu test-gpu-quick envs-lock envs-check lint format gym-venv \
-	sglang-venv megatron-venv test-sglang test-megatron
+	sglang-venv megatron-venv test-sglang test-megatron local-slurm-install test-slurm
 
 # Installing is skipped while the stamp is newer than what defines the environment.
 INSTALL_STAMP := .make/installed
@@ -104,6 +104,23 @@ $(MEGATRON_VENV)/.installed: locks/megatron.txt Makefile
 
 test-gpu:
 	$(PYTHON) -m pytest -m gpu
+
+# A real Slurm on this machine (launch/local_slurm/start.sh: two nodes on this host): Debian's
+# slurm-wlm 22.05 (slurmctld, slurmd, the client commands) and munge, from apt-get, skipped once
+# their commands are there.
+local-slurm-install:
+	@if command -v slurmctld >/dev/null && command -v slurmd >/dev/null && \
+	    command -v sbatch >/dev/null && command -v munged >/dev/null; then \
+	  echo "slurm-wlm and munge already installed"; \
+	else \
+	  apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends slurm-wlm munge; \
+	fi
+
+# launch/ray.sub through that Slurm (tests marked slurm: one cluster for the session, started and
+# stopped by the tests): a two-node job, failing jobs, a preemption and its requeue, a sweep.
+test-slurm: install local-slurm-install
+	$(PYTHON) -m pytest -m slurm
 
 # The flagship's libraries for real on this CPU (docs/cluster.md): the SGLang server's tests
 # (the end-to-end run against it is in test-slow), and the Megatron trainer's in its own venv.

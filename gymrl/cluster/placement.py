@@ -20,7 +20,9 @@ on a 2-core machine four actors could never be placed otherwise; each bounds its
 Each role also carries its environment (`cluster.roles.<role>`: an interpreter or a container
 image), which :func:`actor_options`, the one place that builds actors' options, hands to Ray as
 the actor's `runtime_env`: one Ray cluster runs SGLang, Megatron and the core roles, each in the
-interpreter its pinned packages are installed in.
+interpreter its pinned packages are installed in. Its `node_labels` choose the Ray nodes the role
+runs on: the label selector of its bundles in the placement group, or of its actors where they
+have none (CPU actors), so generation and training can be put on nodes of their own.
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ _CPU_ROLE = RolePlacement(gpus_per_actor=0.0, cpus_per_actor=0.0)
 
 @dataclass(frozen=True)
 class Placement:
-    """Every role's placement. `bundles` is the run's one placement group (none when empty).
+    """Every role's placement. `bundles` is the run's one placement group (none when empty);
+    `bundle_labels[i]` is the label selector of bundle `i` (its role's `node_labels`).
 
     `generation`: the engines: the torch engine (inside the policy server) or the SGLang servers
     (one actor per engine). `policy_server`: the actor serving the OpenAI API, which holds the
@@ -73,6 +76,7 @@ class Placement:
     trainer: RolePlacement
     gym_shards: RolePlacement = _CPU_ROLE
     buffer: RolePlacement = _CPU_ROLE
+    bundle_labels: tuple[dict[str, str], ...] = ()
 
 
 def generation_gpus(config: RecipeConfig) -> int:
@@ -119,30 +123,38 @@ def plan_placement(config: RecipeConfig, *, with_trainer: bool = True) -> Placem
     """The placement of every role of a validated config; without the trainer's GPUs when
     nothing trains (`with_trainer=False`: an eval, whose trainer role is then left unplaced)."""
     bundles: list[dict[str, float]] = []
+    bundle_labels: list[dict[str, str]] = []
+    roles = config.cluster.roles
 
-    def add(new: list[dict[str, float]]) -> list[int]:
+    def add(new: list[dict[str, float]], labels: dict[str, str]) -> list[int]:
         bundles.extend(new)
+        bundle_labels.extend(dict(labels) for _ in new)
         return list(range(len(bundles) - len(new), len(bundles)))
 
     generation = config.generation
+    # A torch engine lives inside the policy server, so it runs in the policy server's environment.
+    sglang = isinstance(generation, SGLangGenerationConfig)
+    engine_labels = (roles.generation if sglang else roles.policy_server).node_labels
     if isinstance(generation, SGLangGenerationConfig) and generation.launch.device == "cpu":
         generation_role = server_role = _CPU_ROLE  # real SGLang servers on the CPU (docs)
     elif isinstance(generation, SGLangGenerationConfig):
         tp = generation.tensor_parallel_size
-        engines = add([{"GPU": float(tp), "CPU": 1.0}] * generation.num_engines)
+        engines = add([{"GPU": float(tp), "CPU": 1.0}] * generation.num_engines, engine_labels)
         generation_role = RolePlacement(float(tp), 1.0, tuple(engines))
         server_role = _CPU_ROLE
     elif generation_gpus(config):
         share = 0.5 if shares_one_gpu(config) else 1.0
-        generation_role = server_role = RolePlacement(share, 0.0, tuple(add([{"GPU": 1.0}])))
+        engine = tuple(add([{"GPU": 1.0}], engine_labels))
+        generation_role = server_role = RolePlacement(share, 0.0, engine)
     else:
         generation_role = server_role = _CPU_ROLE
 
     world_size = trainer_gpus(config)
+    trainer_labels = roles.trainer.node_labels
     if not with_trainer:
         trainer_role = _CPU_ROLE
     elif isinstance(config.trainer, MegatronTrainerConfig):
-        nodes = add(trainer_node_bundles(world_size, config.cluster.gpus_per_node))
+        nodes = add(trainer_node_bundles(world_size, config.cluster.gpus_per_node), trainer_labels)
         per_node = min(world_size, config.cluster.gpus_per_node)
         trainer_role = RolePlacement(
             1.0, 1.0, tuple(nodes[rank // per_node] for rank in range(world_size))
@@ -150,13 +162,10 @@ def plan_placement(config: RecipeConfig, *, with_trainer: bool = True) -> Placem
     elif shares_one_gpu(config):
         trainer_role = RolePlacement(0.5, 0.0, generation_role.bundle_of_actor)
     elif world_size:
-        trainer_role = RolePlacement(1.0, 0.0, tuple(add([{"GPU": 1.0}])))
+        trainer_role = RolePlacement(1.0, 0.0, tuple(add([{"GPU": 1.0}], trainer_labels)))
     else:
         trainer_role = _CPU_ROLE
 
-    roles = config.cluster.roles
-    # A torch engine lives inside the policy server, so it runs in the policy server's environment.
-    sglang = isinstance(generation, SGLangGenerationConfig)
     return Placement(
         tuple(bundles),
         generation=replace(
@@ -166,6 +175,7 @@ def plan_placement(config: RecipeConfig, *, with_trainer: bool = True) -> Placem
         trainer=replace(trainer_role, environment=roles.trainer),
         gym_shards=replace(_CPU_ROLE, environment=roles.gym_shards),
         buffer=replace(_CPU_ROLE, environment=roles.buffer),
+        bundle_labels=tuple(bundle_labels),
     )
 
 
@@ -176,12 +186,16 @@ def reserve(placement: Placement, timeout_s: float) -> Any:
         return None
     from ray.util.placement_group import placement_group
 
-    group = placement_group(list(placement.bundles), strategy="PACK")
+    bundles, labels = list(placement.bundles), list(placement.bundle_labels)
+    if any(labels):
+        group = placement_group(bundles, strategy="PACK", bundle_label_selector=labels)
+    else:  # no selector at all (Ray refuses an empty list beside bundles)
+        group = placement_group(bundles, strategy="PACK")
     if not group.wait(timeout_s):
         raise TimeoutError(
             f"Ray could not place the run's GPU bundles {list(placement.bundles)} within "
-            f"{timeout_s} s; check `ray status` against cluster.num_nodes and "
-            "cluster.gpus_per_node"
+            f"{timeout_s} s (label selectors {labels}); check `ray status` against "
+            "cluster.num_nodes, cluster.gpus_per_node and cluster.roles.<role>.node_labels"
         )
     return group
 
@@ -230,7 +244,8 @@ def actor_options(
 ) -> dict[str, Any]:
     """`.options(...)` of actor `index` of `role`: its GPUs and CPUs, its role's interpreter or
     image and `env_vars` (the actor's `runtime_env`, when there is one) and, when it has a
-    bundle, the scheduling strategy that puts it there.
+    bundle, the scheduling strategy that puts it there (the bundle carries the role's node
+    labels), else the role's node labels as its label selector.
 
     An actor started by another actor inherits its parent's `runtime_env` field by field unless
     it sets its own; the validator makes sure the SGLang servers, which the policy server starts,
@@ -245,4 +260,6 @@ def actor_options(
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
             placement_group=group, placement_group_bundle_index=role.bundle_of_actor[index]
         )
+    elif role.environment.node_labels:
+        options["label_selector"] = dict(role.environment.node_labels)
     return options

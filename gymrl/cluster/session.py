@@ -1,5 +1,6 @@
 """The cluster prologue every recipe and benchmark shares: join the configured Ray cluster (or
-start this run's own), plan and reserve the placement, and keep one stack of closers that
+start this run's own), check that it has the nodes the roles ask for, plan and reserve the
+placement, and keep one stack of closers that
 undoes all of it, and every role started on it, in reverse.
 
     session = ClusterSession()          # starts nothing: a recipe's cleanup may run before setup
@@ -27,7 +28,7 @@ from ray._private import services
 from ray.util.placement_group import remove_placement_group
 
 from gymrl.cluster.placement import Placement, plan_placement, reserve
-from gymrl.config.schema.cluster import ClusterConfig
+from gymrl.config.schema.cluster import ClusterConfig, RoleEnvironmentsConfig
 from gymrl.config.schema.recipe import RecipeConfig
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,31 @@ OnCleanup = Callable[[str, Callable[[], object]], None]
 
 class ClusterUnavailableError(RuntimeError):
     """The configured Ray cluster cannot be reached."""
+
+
+class NodeLabelsUnmatchedError(ClusterUnavailableError):
+    """A role's `node_labels` match no node of the Ray cluster."""
+
+
+def check_node_labels(roles: RoleEnvironmentsConfig, nodes: list[dict[str, Any]]) -> None:
+    """Raise NodeLabelsUnmatchedError when a role's `node_labels` match no alive node of `nodes`
+    (`ray.nodes()`). Ray would keep such an actor or bundle pending without a word, and the run
+    would stop only at its role's start-up deadline, naming a timeout instead of the labels."""
+    alive = [node.get("Labels", {}) for node in nodes if node.get("Alive")]
+    for role in type(roles).model_fields:
+        wanted = getattr(roles, role).node_labels
+        if wanted and not any(wanted.items() <= labels.items() for labels in alive):
+            carried = "; ".join(
+                ", ".join(f"{k}={v}" for k, v in sorted(labels.items()) if "ray.io/" not in k)
+                or "none but Ray's own"
+                for labels in alive
+            )
+            raise NodeLabelsUnmatchedError(
+                f"cluster.roles.{role}.node_labels={wanted} match no node of the Ray cluster "
+                f"(its {len(alive)} node(s) carry: {carried}). launch/ray.sub labels each node "
+                "slurm-node=<name> and slurm-node-index=<0, 1, ...>; a local Ray has no such "
+                "labels, so leave node_labels empty there"
+            )
 
 
 def start_ray(cluster: ClusterConfig) -> None:
@@ -150,6 +176,7 @@ class ClusterSession:
         self.on_cleanup("Ray", ray.shutdown)
         if install_signals is not None:
             install_signals()
+        check_node_labels(config.cluster.roles, ray.nodes())
         self.placement = plan_placement(config, with_trainer=with_trainer)
         self.group = group = reserve(self.placement, config.cluster.ray_start_timeout_s)
         if group is not None:

@@ -51,7 +51,13 @@ from gymrl.roles.gym_shard import RayGroupRunner, start_gym_shards
 from gymrl.roles.replay_buffer_actor import start_replay_buffer
 from gymrl.roles.trainer import start_trainer
 from gymrl.run.checkpoint import latest_verified_checkpoint
-from gymrl.run.folder import METRICS_FILENAME, RunIdentity, claim_run_folder
+from gymrl.run.folder import (
+    METRICS_FILENAME,
+    TRAINED_ROWS_FILENAME,
+    RunIdentity,
+    append_trained_rows,
+    claim_run_folder,
+)
 from gymrl.run.progress import ProgressWatch, progressed, waiting
 from gymrl.run.stop import StopSignals
 from gymrl.tracking.metrics_logger import build_logger
@@ -97,6 +103,8 @@ class GRPORecipe:
         self.finished_step = self.saved_step = 0
         self._finished_data = self._step_end_data = DataState(0)
         self._trainer_ahead = False
+        # The rows (position, id) of the step under way, for trained_rows.jsonl.
+        self._step_rows: list[tuple[int | None, str]] = []
         # Generated tokens accounted since the last record, trained or not (`ledger/...`).
         self.ledger = TokenLedger()
 
@@ -290,6 +298,15 @@ class GRPORecipe:
         checkpoint, rejected = latest_verified_checkpoint(self.checkpoint_dir)
         for problem in rejected:
             log.warning(f"skipping a damaged checkpoint: {problem}")
+        if (
+            checkpoint is None
+            and not rejected
+            and not (self.output_dir / TRAINED_ROWS_FILENAME).exists()
+        ):
+            # No step of this folder's run ever ended (a Slurm job stopped during its setup and
+            # requeued with resume=true by launch/ray.sub): nothing was trained, nothing is lost.
+            log.info("resume=true: no step of this run ever ended; starting at step 0")
+            return 0, DataState(0)
         if checkpoint is None:
             raise FileNotFoundError(
                 f"resume=true but there is no complete checkpoint under {self.checkpoint_dir} "
@@ -324,6 +341,7 @@ class GRPORecipe:
                         step + 1, self._step_end_data
                     )
                 self.logger.log(step + 1, metrics)
+                append_trained_rows(self.output_dir, step + 1, self._step_rows)
                 self.finished_step, self._finished_data = step + 1, self._step_end_data
                 self._trainer_ahead = False
                 progressed(f"step {step + 1} ended")
@@ -404,6 +422,8 @@ class GRPORecipe:
         started = time.monotonic()
         groups = self._wait_for_batch(step)
         waited = time.monotonic() - started
+        # A group's id is "<row id>#<serial>" (gymrl.experience.producer).
+        self._step_rows = [(g.row_position, g.group_id.rpartition("#")[0]) for g in groups]
         trajectories = [t for group in groups for t in group.trajectories]
         advantages = self.episode_rules.advantages(
             trajectories, {group.group_id: group.failed_episodes for group in groups}

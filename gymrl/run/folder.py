@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 RUN_FILENAME = "run.json"
 # What a run leaves in its folder; Hydra's own `.hydra/` is written before the run starts.
 METRICS_FILENAME = "metrics.jsonl"  # one JSON object per logged step (gymrl.tracking)
+TRAINED_ROWS_FILENAME = "trained_rows.jsonl"  # the rows each step trained on (append_trained_rows)
 _USED_MARKERS = (RUN_FILENAME, METRICS_FILENAME, "checkpoints", "wandb")
 
 
@@ -54,3 +56,22 @@ def claim_run_folder(output_dir: Path, *, resume: bool) -> RunIdentity:
     output_dir.mkdir(parents=True, exist_ok=True)
     run_file.write_text(json.dumps(asdict(identity)) + "\n")
     return identity
+
+
+def append_trained_rows(
+    output_dir: Path, step: int, rows: Sequence[tuple[int | None, str]]
+) -> None:
+    """Append one line to `trained_rows.jsonl`: the rows step `step` trained on, each as its
+    position in the run's row stream and its id, in position order. Metrics cannot say which
+    rows a step saw, and that is what shows a resumed run equal to an uninterrupted one end to
+    end (in sync mode the same rows at every step; generation itself is not bit-exact,
+    docs/reliability.md). A resume appends, as it does to metrics.jsonl."""
+    record = {
+        "step": step,
+        "rows": [
+            {"position": position, "row": row}
+            for position, row in sorted(rows, key=lambda pair: (pair[0] is None, pair[0] or 0))
+        ],
+    }
+    with (output_dir / TRAINED_ROWS_FILENAME).open("a", encoding="utf-8") as file:
+        file.write(json.dumps(record) + "\n")

@@ -1,5 +1,5 @@
 """launch/ray.sub without Slurm: syntax, the dry-run plan, whole runs against a fake Slurm, and
-the GPU wait against a stub `ray`.
+the wait for the cluster against a stub `ray`.
 
 The fake Slurm (`fake_slurm`) is a set of scripts on PATH: `srun` logs its arguments and runs the
 command as pyxis would (a `--container-image` step creates the node's named container, a
@@ -8,7 +8,7 @@ GRES, `getent`/`ip` answer the head's route, and `ray`/`python` record where the
 `FAKE_IMAGE_ONLY=1` they exist only inside a container, as on a cluster whose hosts have no Ray.
 
 The script runs its `main` only when executed, so a test can also source it and call
-`wait_for_gpus` with `RAY` pointing at a stub that prints `ray status` output.
+`wait_for_cluster` with `RAY` pointing at a stub that prints `ray status` output.
 """
 
 from __future__ import annotations
@@ -22,22 +22,31 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "launch" / "ray.sub"
-PHASE = re.compile(r"^\[ray\.sub (\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ)\] phase: (.+)$")
+PHASE = re.compile(r"^\[ray\.sub (\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z)\] phase: (.+)$")
 
-_STATUS = """======== Autoscaler status ========
+# `ray status` of Ray 2.60 as it prints it (read on this machine); the stub puts one " 1 node_<i>"
+# line per node at NODES and the GPU total at {gpus}.
+_STATUS = """======== Autoscaler status: 2026-12-06 07:45:59.739891 ========
 Node status
 ---------------------------------------------------------------
 Active:
- 1 node_0123
+NODES
+Pending:
+ (no pending nodes)
+Recent failures:
+ (no failures)
 
 Resources
 ---------------------------------------------------------------
-Usage:
+Total Usage:
  0.0/64.0 CPU
  0.0/{gpus}.0 GPU
- 0B/100.00GiB memory
+ 0B/29.01GiB memory
+ 0B/12.43GiB object_store_memory
 
-Demands:
+From request_resources:
+ (none)
+Pending Demands:
  (no resource demands)
 """
 
@@ -101,8 +110,10 @@ case "$1" in
     trap 'echo "$where stopped" >>"$FAKE/ray.log"; exit 0' TERM
     while :; do sleep 0.05; done ;;
   status)
+    echo "Active:"
+    for started in "$FAKE"/gpus.*; do [[ -e "$started" ]] && echo " 1 node_${started##*.}"; done
     total=$(cat "$FAKE"/gpus.* 2>/dev/null | awk '{ total += $1 } END { print total + 0 }')
-    printf 'Resources\n Usage:\n 0.0/64.0 CPU\n 0.0/%s.0 GPU\n' "$total" ;;
+    printf 'Pending:\n (no pending nodes)\nResources\n Usage:\n 0.0/%s.0 GPU\n' "$total" ;;
 esac
 """
 
@@ -126,7 +137,8 @@ def fake_slurm(tmp_path: Path):
         bin_dir / "scontrol",
         """case "$1 $2" in
   "show hostnames") printf '%s\\n' $FAKE_NODES ;;
-  "show node") echo "NodeName=$4 Arch=x86_64 CoresPerSocket=32 Gres=$FAKE_GRES State=ALLOCATED" ;;
+  "show node") echo "NodeName=$4 Arch=x86_64 CoresPerSocket=32 Gres=$FAKE_GRES NodeAddr=$4" \
+    "NodeHostName=$4 State=ALLOCATED" ;;
 esac
 """,
     )
@@ -160,6 +172,8 @@ def _run_job(fake: Path, *overrides: str, **env: str) -> subprocess.CompletedPro
             PYTHON=str(fake / "bin" / "python"),
             RAY_POLL_S="0.05",
             RAY_WAIT_TIMEOUT_S="20",
+            RAY_PORT="6379",
+            RAY_TMP_DIR=str(fake / "ray-tmp"),
         )
         | env,
     )
@@ -184,8 +198,10 @@ def _steps(fake: Path) -> list[list[str]]:
 
 @pytest.fixture
 def stub_ray(tmp_path: Path):
-    """A `ray` whose status reports 8 more GPUs at each call, up to `limit` (file-controlled)."""
-    (tmp_path / "limit").write_text("16")
+    """A `ray` whose status reports one more node at each call (from the second), up to
+    `limit` nodes, each with `gpus_per_node` GPUs (both file-controlled)."""
+    (tmp_path / "limit").write_text("2")
+    (tmp_path / "gpus_per_node").write_text("8")
     (tmp_path / "calls").write_text("0")
     status = tmp_path / "status.txt"
     status.write_text(_STATUS)
@@ -195,9 +211,11 @@ def stub_ray(tmp_path: Path):
 [[ "$1" == status && "$2" == --address=* ]] || exit 2
 calls=$(( $(cat {tmp_path}/calls) + 1 )); echo $calls > {tmp_path}/calls
 [[ $calls -ge 2 ]] || exit 1   # unreachable at first, as while the head starts
-gpus=$(( (calls - 1) * 8 )); limit=$(cat {tmp_path}/limit)
-(( gpus > limit )) && gpus=$limit
-sed "s/{{gpus}}/$gpus/" {status}
+nodes=$(( calls - 1 )); limit=$(cat {tmp_path}/limit)
+(( nodes > limit )) && nodes=$limit
+gpus=$(( nodes * $(cat {tmp_path}/gpus_per_node) ))
+awk -v nodes=$nodes '$0 == "NODES" {{ for (i = 0; i < nodes; i++) print " 1 node_" i; next }} 1' \
+  {status} | sed "s/{{gpus}}/$gpus/"
 """
     )
     stub.chmod(0o755)
@@ -205,10 +223,11 @@ sed "s/{{gpus}}/$gpus/" {status}
     return tmp_path
 
 
-def _wait_for_gpus(stub: Path, command: str, timeout_s: str) -> subprocess.CompletedProcess[str]:
+def _wait(stub: Path, command: str, timeout_s: str) -> subprocess.CompletedProcess[str]:
     """`command` after sourcing the script, with the globals `main` would set (head n0)."""
     return _bash(
-        f"source {SCRIPT}; HEAD=n0 GPU_GRES=1 GPUS_PER_NODE=8 CPUS_PER_NODE=1; {command}",
+        f"source {SCRIPT}; HEAD=n0 GPU_GRES=1 GPUS_PER_NODE=8 CPUS_PER_NODE=1 "
+        f"RAY_TMP_DIR=/tmp/ray-77; {command}",
         PATH=f"{stub}:{os.environ['PATH']}",
         FAKE=str(stub),
         RAY=str(stub / "ray"),
@@ -235,7 +254,7 @@ def test_dry_run_prints_the_cluster_plan_and_forwards_overrides():
     assert phases == [
         "start Ray head on n0",
         "start 2 Ray worker(s)",
-        "wait for 24 GPUs",
+        "wait for 3 node(s), 24 GPUs",
         "run recipe",
         "teardown (exit code 0)",
     ]
@@ -245,13 +264,37 @@ def test_dry_run_prints_the_cluster_plan_and_forwards_overrides():
     head, *workers, recipe = commands
     assert head[:7] == [*step, "--nodelist=n0", *resources]
     assert head[7:10] == ["ray", "start", "--head"] and "--port=6379" in head
+    assert "--labels=slurm-node=n0,slurm-node-index=0" in head
+    assert "--temp-dir=/tmp/ray-dry-run" in head
     assert [w[4] for w in workers] == ["--nodelist=n1", "--nodelist=n2"]
-    assert all(
-        w[7:] == ["ray", "start", "--address=n0:6379", "--num-gpus=8", "--num-cpus=32", "--block"]
-        for w in workers
-    )
-    assert recipe[:6] == [*step, "--nodelist=n0", "--cpus-per-task=32"]
-    assert recipe[6:] == [
+    assert [w[7:] for w in workers] == [
+        [
+            "ray",
+            "start",
+            "--address=n0:6379",
+            "--num-gpus=8",
+            "--num-cpus=32",
+            f"--labels=slurm-node=n{index},slurm-node-index={index}",
+            "--temp-dir=/tmp/ray-dry-run",
+            "--block",
+        ]
+        for index in (1, 2)
+    ]
+    assert recipe[:7] == [
+        "srun",
+        "--job-name=gym-grpo-recipe",
+        *step[1:],
+        "--nodelist=n0",
+        "--cpus-per-task=32",
+    ]
+    # The step writes the recipe's pid where ray.sub passes a stop signal from, then execs it.
+    assert recipe[7:11] == [
+        "bash",
+        "-c",
+        '{ echo $$ >"$0"; } 2>/dev/null; exec "$@"',
+        "/tmp/ray-dry-run/recipe.pid",
+    ]
+    assert recipe[11:] == [
         "python",
         "recipes/grpo.py",
         "cluster.ray_address=auto",
@@ -289,33 +332,43 @@ def test_dry_run_creates_each_nodes_container_and_attaches_to_the_heads():
             "--container-mounts=/lustre:/lustre",
             workdir,
         ]
-    assert recipe[4:8] == [
+    assert recipe[5:9] == [
         "--nodelist=n0",
         "--cpus-per-task=16",
         "--container-name=gym-grpo-ray-dry-run:exec",
         workdir,
     ]
     polls = re.findall(r"DRY_RUN: would poll (.*) until", result.stderr)
-    assert [shlex.split(poll)[:8] for poll in polls] == [recipe[:8]] * 2
+    # The polls attach to the same container as the recipe's step (which alone is named).
+    assert [shlex.split(poll)[:8] for poll in polls] == [[recipe[0], *recipe[2:9]]] * 2
 
 
-def test_wait_for_gpus_polls_until_all_are_registered(stub_ray):
-    result = _wait_for_gpus(stub_ray, "wait_for_gpus head:6379 16", timeout_s="30")
+def test_the_wait_polls_until_every_node_and_gpu_is_registered(stub_ray):
+    result = _wait(stub_ray, "wait_for_cluster head:6379 2 16", timeout_s="30")
     assert result.returncode == 0, result.stderr
-    assert "waiting for Ray at head:6379: 0/16 GPUs registered" in result.stderr
-    assert "waiting for Ray at head:6379: 8/16 GPUs registered" in result.stderr
-    assert "Ray at head:6379 has 16/16 GPUs" in result.stderr
+    assert "waiting for Ray at head:6379: 0/2 nodes, 0/16 GPUs registered" in result.stderr
+    assert "waiting for Ray at head:6379: 1/2 nodes, 8/16 GPUs registered" in result.stderr
+    assert "Ray at head:6379 has 2/2 nodes, 16/16 GPUs" in result.stderr
     assert (stub_ray / "calls").read_text().strip() == "3"
     polls = _steps(stub_ray)
     assert len(polls) == 3
     assert all(poll[3] == "--nodelist=n0" and "--gres=gpu:8" not in poll for poll in polls)
 
 
-def test_wait_for_gpus_fails_at_its_deadline(stub_ray):
-    (stub_ray / "limit").write_text("8")
-    result = _wait_for_gpus(stub_ray, "wait_for_gpus head:6379 16", timeout_s="3")
+def test_the_wait_fails_at_its_deadline(stub_ray):
+    (stub_ray / "limit").write_text("1")
+    result = _wait(stub_ray, "wait_for_cluster head:6379 2 16", timeout_s="3")
     assert result.returncode == 1
-    assert "has 8/16 GPUs after RAY_WAIT_TIMEOUT_S=3 s" in result.stderr
+    assert "has 1/2 nodes, 8/16 GPUs after RAY_WAIT_TIMEOUT_S=3 s" in result.stderr
+
+
+def test_without_gpus_the_wait_still_waits_for_every_node(stub_ray):
+    """0 of 0 GPUs is "all" of them before any worker joined; the nodes are what is counted."""
+    (stub_ray / "gpus_per_node").write_text("0")
+    (stub_ray / "limit").write_text("1")
+    result = _wait(stub_ray, "wait_for_cluster head:6379 2 0", timeout_s="3")
+    assert result.returncode == 1
+    assert "has 1/2 nodes, 0/0 GPUs after RAY_WAIT_TIMEOUT_S=3 s" in result.stderr
 
 
 def test_outside_slurm_it_refuses_with_a_hint():
@@ -326,11 +379,11 @@ def test_outside_slurm_it_refuses_with_a_hint():
     assert "not inside a Slurm job; submit with sbatch (or set DRY_RUN=1)" in result.stderr
 
 
-def test_wait_for_gpus_fails_fast_when_a_ray_step_exits(stub_ray):
-    (stub_ray / "limit").write_text("8")
-    result = _wait_for_gpus(
+def test_the_wait_fails_fast_when_a_ray_step_exits(stub_ray):
+    (stub_ray / "limit").write_text("1")
+    result = _wait(
         stub_ray,
-        "true & STEP_PIDS+=($!); STEP_NODES+=(n1); wait; wait_for_gpus head:6379 16",
+        "true & STEP_PIDS+=($!); STEP_NODES+=(n1); wait; wait_for_cluster head:6379 2 16",
         timeout_s="60",
     )
     assert result.returncode == 1
@@ -362,7 +415,9 @@ def test_a_job_runs_every_ray_and_python_call_where_ray_runs(fake_slurm, image, 
     starts = [call for call in ray_calls if " start " in call]
     assert starts[0].startswith(f"{where['n0']} start --head --node-ip-address=10.1.0.1 ")
     assert sorted(starts[1:]) == [
-        f"{where[node]} start --address=10.1.0.1:6379 --num-gpus=4 --num-cpus=8 --block"
+        f"{where[node]} start --address=10.1.0.1:6379 --num-gpus=4 --num-cpus=8 "
+        f"--labels=slurm-node={node},slurm-node-index={node[1]} "
+        f"--temp-dir={fake_slurm / 'ray-tmp'} --block"
         for node in ("n1", "n2")
     ]
     polls = [call for call in ray_calls if " status " in call]
@@ -404,3 +459,50 @@ def test_a_loopback_head_ip_is_refused_on_several_nodes(fake_slurm):
     assert result.returncode == 1
     assert "the head's IP 127.0.1.1 is a loopback address" in result.stderr
     assert not (fake_slurm / "ray.log").exists()
+
+
+@pytest.mark.slurm
+def test_the_fake_slurm_answers_what_ray_sub_reads_as_the_real_one_does(local_slurm, fake_slurm):
+    """The fake above stands in for Slurm where the real one cannot go here (pyxis containers,
+    GPU GRES, 16 nodes); this asks it and the real local Slurm (launch/local_slurm/: nodes n0,
+    n1, no GRES) what ray.sub reads, through ray.sub's own functions, and fails where they
+    disagree: `scontrol show hostnames` (one name a line), `scontrol show node --oneliner` (one
+    line of Key=value fields, the fake's a subset of the real one's, with the Gres and NodeAddr
+    the script reads), and an `srun` step's output and exit status (the probes, the steps)."""
+    real = _env(SLURM_CONF=str(local_slurm.conf))
+    fake = _env(
+        PATH=f"{fake_slurm / 'bin'}:{os.environ['PATH']}",
+        FAKE=str(fake_slurm),
+        FAKE_NODES="n0 n1",
+        FAKE_GRES="(null)",
+    )
+
+    def ask(env: dict[str, str], command: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["bash", "-c", f"source {SCRIPT}; {command}"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+
+    def fields(line: str) -> list[str]:
+        return [field.split("=", 1)[0] for field in line.split() if "=" in field]
+
+    hostnames = "scontrol show hostnames 'n[0-1]'"
+    assert ask(real, hostnames).stdout == ask(fake, hostnames).stdout == "n0\nn1\n"
+
+    node = "scontrol show node --oneliner n1"
+    real_node, fake_node = ask(real, node).stdout, ask(fake, node).stdout
+    assert len(real_node.splitlines()) == len(fake_node.splitlines()) == 1, (real_node, fake_node)
+    assert set(fields(fake_node)) <= set(fields(real_node)), (fake_node, real_node)
+    assert {"NodeName", "Gres", "NodeAddr"} <= set(fields(fake_node))
+    assert ask(real, "gpu_gres n1").stdout == ask(fake, "gpu_gres n1").stdout == "0\n"
+    # The real nodes share this host's address; the fake's are named as their NodeAddr.
+    assert re.fullmatch(r"\d+\.\d+\.\d+\.\d+\n", ask(real, "node_addr n1").stdout)
+    assert ask(fake, "node_addr n1").stdout == "n1\n"
+
+    step = "srun --overlap --nodes=1 --ntasks=1 --nodelist=n1 bash -c 'echo out; exit 3'"
+    real_step, fake_step = ask(real, step), ask(fake, step)
+    assert real_step.stdout == fake_step.stdout == "out\n", (real_step.stderr, fake_step.stderr)
+    assert real_step.returncode == fake_step.returncode == 3

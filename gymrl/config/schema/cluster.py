@@ -1,5 +1,5 @@
-"""`cluster.*` (conf/cluster/): the Ray cluster's size and the interpreter or container image
-each role's actors run in (`cluster.roles.*`)."""
+"""`cluster.*` (conf/cluster/): the Ray cluster's size, and the interpreter or container image
+each role's actors run in and the Ray nodes they may run on (`cluster.roles.*`)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ from gymrl.config.schema.base import Strict
 
 
 class RoleEnvironmentConfig(Strict):
-    """The interpreter or container one role's Ray actors run in. The roles' pinned environments
-    conflict with each other (SGLang's and Megatron's torch and transformers), so one Ray cluster
-    runs each role in its own; `gymrl.cluster.placement.actor_options` turns this into the actors'
-    Ray `runtime_env`. Rules spanning fields are in `gymrl.preflight.rules.cluster`."""
+    """The interpreter or container one role's Ray actors run in, and the nodes they may run on.
+    The roles' pinned environments conflict with each other (SGLang's and Megatron's torch and
+    transformers), so one Ray cluster runs each role in its own; `gymrl.cluster.placement.
+    actor_options` turns this into the actors' Ray `runtime_env` and label selector. Rules
+    spanning fields are in `gymrl.preflight.rules.cluster`."""
 
     python: str | None = Field(
         default=None,
@@ -43,6 +44,16 @@ class RoleEnvironmentConfig(Strict):
         "+experiment=flagship_cpu gives the trainer ${repo_path:cpu_standins/megatron_trainer}.",
     )
 
+    node_labels: dict[str, str] = Field(
+        default_factory=dict,
+        description="Ray node labels this role's actors must run on, each key equal to its "
+        "value (Ray's label selector; GPU bundles of the role get it as their bundle label "
+        "selector). launch/ray.sub labels every node with its Slurm name and its index in the "
+        "allocation (0 = the head): {slurm-node-index: '1'} puts the role on the second node. "
+        "Quote numbers: labels are strings. Empty = any node Ray chooses. A run stops before "
+        "any role starts when no node carries them.",
+    )
+
     @property
     def kind(self) -> str | None:
         """Which of the two is set: 'python', 'image' or None (the driver's interpreter)."""
@@ -52,7 +63,8 @@ class RoleEnvironmentConfig(Strict):
 
 
 class RoleEnvironmentsConfig(Strict):
-    """One environment per role, named like the roles of `gymrl.cluster.placement.Placement`."""
+    """One environment (and node choice) per role, named like the roles of
+    `gymrl.cluster.placement.Placement`."""
 
     generation: RoleEnvironmentConfig = Field(
         default_factory=RoleEnvironmentConfig,
@@ -100,7 +112,8 @@ class ClusterConfig(Strict):
     )
     roles: RoleEnvironmentsConfig = Field(
         default_factory=RoleEnvironmentsConfig,
-        description="Per role, the interpreter or container image its Ray actors run in.",
+        description="Per role, the interpreter or container image its Ray actors run in, and "
+        "the Ray nodes they may run on.",
     )
 
     @property

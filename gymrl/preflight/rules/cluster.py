@@ -4,7 +4,8 @@
 An interpreter, and each folder of a role's python_path, is found by its absolute path on every
 node (a relative one would resolve against each worker's directory); Ray runs an image alone, so
 a role has an interpreter or an image. A role's environment only makes sense for a role with
-actors of its own: a torch engine runs inside the policy server. The SGLang servers are started
+actors of its own: a torch engine runs inside the policy server. Node labels match by equality
+(the run checks that some node carries them before any role starts). The SGLang servers are started
 by the policy server, and Ray hands a child actor every `runtime_env` field of its parent that it
 does not set itself: they must set the same field, or they would run in the policy server's
 environment (or in a mix of an interpreter and an image)."""
@@ -30,6 +31,7 @@ def role_environments(config: RecipeConfig) -> list[ConfigIssue]:
             _absolute_python_path,
             _no_hook_beside_an_image,
             _interpreter_or_image,
+            _labels_by_equality,
         )
         for issue in check(f"cluster.roles.{role}", getattr(roles, role))
     ]
@@ -37,17 +39,25 @@ def role_environments(config: RecipeConfig) -> list[ConfigIssue]:
 
 def torch_engine_has_no_generation_role(config: RecipeConfig) -> list[ConfigIssue]:
     generation = config.cluster.roles.generation
-    if not isinstance(config.generation, TorchGenerationConfig) or generation.kind is None:
+    if not isinstance(config.generation, TorchGenerationConfig):
         return []
+    set_fields = [
+        (field, value)
+        for field, value in (
+            (generation.kind, generation.python or generation.image),
+            ("node_labels", generation.node_labels),
+        )
+        if field is not None and value
+    ]
     return [
         ConfigIssue(
-            f"cluster.roles.generation.{generation.kind}",
-            generation.python or generation.image,
+            f"cluster.roles.generation.{field}",
+            value,
             "generation=torch has no generation actors: the torch engine runs inside the "
             "policy server",
-            f"set cluster.roles.policy_server.{generation.kind} instead, or select "
-            "generation=sglang",
+            f"set cluster.roles.policy_server.{field} instead, or select generation=sglang",
         )
+        for field, value in set_fields
     ]
 
 
@@ -131,5 +141,25 @@ def _interpreter_or_image(key: str, environment: RoleEnvironmentConfig) -> list[
             environment.image,
             f"exclusive with {key}.python: Ray runs an image with the image's own interpreter",
             f"set one of {key}.python and {key}.image to null",
+        )
+    ]
+
+
+def _labels_by_equality(key: str, environment: RoleEnvironmentConfig) -> list[ConfigIssue]:
+    operators = {
+        label: value
+        for label, value in environment.node_labels.items()
+        if value.startswith("!") or value.startswith("in(")
+    }
+    if not operators:
+        return []
+    return [
+        ConfigIssue(
+            f"{key}.node_labels",
+            dict(environment.node_labels),
+            f"{operators} use Ray's selector operators; node labels here match by equality, "
+            "which is what the run checks against the nodes before any role starts",
+            "name the value each node must carry (launch/ray.sub's slurm-node or "
+            "slurm-node-index), one key per label",
         )
     ]

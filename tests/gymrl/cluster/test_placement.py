@@ -187,3 +187,41 @@ def test_env_vars_alone_make_a_runtime_env_and_nothing_makes_none():
     unset = plan_placement(_config()).trainer.environment
     assert runtime_env(unset, {"RANK": "3"}) == {"env_vars": {"RANK": "3"}}
     assert runtime_env(unset) == runtime_env(unset, {}) == {}
+
+
+def test_node_labels_select_the_nodes_of_cpu_actors_and_of_gpu_bundles():
+    """CPU roles (no bundle) get the labels as their actors' label selector; a GPU role's
+    bundles carry them as bundle label selectors, and its actors only name their bundle."""
+    cpu = plan_placement(
+        _config(
+            "+cluster.roles.policy_server.node_labels={slurm-node-index:'1'}",
+            "+cluster.roles.trainer.node_labels={slurm-node-index:'0'}",
+        )
+    )
+    assert actor_options(cpu.policy_server, 0, None)["label_selector"] == {"slurm-node-index": "1"}
+    assert actor_options(cpu.trainer, 0, None)["label_selector"] == {"slurm-node-index": "0"}
+    assert "label_selector" not in actor_options(cpu.gym_shards, 0, None)
+    assert cpu.bundle_labels == ()
+
+    gpu = plan_placement(
+        _config(
+            "+experiment=math_1p5b",
+            "+cluster.roles.generation.node_labels={slurm-node-index:'0'}",
+            "+cluster.roles.trainer.node_labels={slurm-node-index:'1'}",
+        )
+    )
+    assert gpu.bundle_labels == (*[{"slurm-node-index": "0"}] * 4, {"slurm-node-index": "1"})
+    options = actor_options(gpu.trainer, 0, "group")
+    assert "label_selector" not in options
+    assert options["scheduling_strategy"].placement_group_bundle_index == 4
+
+
+def test_the_torch_engines_gpu_bundle_carries_the_policy_servers_labels():
+    placement = plan_placement(
+        _config(
+            "cluster.gpus_per_node=2",
+            "+cluster.roles.policy_server.node_labels={slurm-node:gpu-a}",
+            "+cluster.roles.trainer.node_labels={slurm-node:gpu-b}",
+        )
+    )
+    assert placement.bundle_labels == ({"slurm-node": "gpu-a"}, {"slurm-node": "gpu-b"})

@@ -10,12 +10,15 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 import ray
+from ray.util.placement_group import remove_placement_group
 
 import gymrl.cluster.session
-from gymrl.cluster.session import ClusterSession, start_ray
+from gymrl.cluster.placement import plan_placement, reserve
+from gymrl.cluster.session import ClusterSession, NodeLabelsUnmatchedError, start_ray
 from gymrl.config.compose import compose_raw
 from gymrl.config.schema.cluster import ClusterConfig
 from gymrl.preflight.validate import validate_config
@@ -145,3 +148,41 @@ def test_a_start_that_fails_half_way_is_undone_by_close(closed, monkeypatch):
     session.close()  # a recipe's cleanup may run twice
     assert closed == ["Ray"]
     assert not ray.is_initialized()
+
+
+def test_node_labels_no_node_carries_stop_the_start_naming_the_role_and_the_nodes(closed):
+    """A local Ray's one node carries Ray's own labels only: the role's labels are named, with
+    what the nodes carry, before any actor waits on a node that will never come; Ray is closed."""
+    config = validate_config(
+        compose_raw(
+            ["cluster.cpus_per_node=1", "+cluster.roles.trainer.node_labels={slurm-node-index:'1'}"]
+        )
+    )
+    session = ClusterSession()
+    with pytest.raises(NodeLabelsUnmatchedError) as raised:
+        session.start(config)
+    session.close()
+    assert closed == ["Ray"]
+    assert str(raised.value).startswith(
+        "cluster.roles.trainer.node_labels={'slurm-node-index': '1'} match no node of the Ray "
+        "cluster (its 1 node(s) carry: none but Ray's own)"
+    )
+
+
+def test_a_gpu_bundle_goes_only_to_a_node_carrying_its_roles_labels():
+    """`reserve` hands a role's node labels to Ray as its bundles' label selector: the local
+    node's own id label places the bundle; a label no node carries leaves it unplaced, and the
+    deadline's error names the selectors."""
+    config = _one_gpu_bundle()
+    start_ray(config.cluster)
+    try:
+        node = ray.get_runtime_context().get_node_id()
+        planned = plan_placement(config)
+        assert planned.bundles == ({"GPU": 1.0},)
+        here = replace(planned, bundle_labels=({"ray.io/node-id": node},))
+        remove_placement_group(reserve(here, 60))
+        nowhere = replace(planned, bundle_labels=({"ray.io/node-id": "0" * len(node)},))
+        with pytest.raises(TimeoutError, match=r"label selectors \[\{'ray.io/node-id': '000"):
+            reserve(nowhere, 2)
+    finally:
+        ray.shutdown()

@@ -1,4 +1,5 @@
-"""The plan a dry run prints: here, the environment each role's Ray actors run in."""
+"""The plan a dry run prints: here, the environment each role's Ray actors run in, and the
+nodes they are pinned to."""
 
 import sys
 
@@ -61,3 +62,14 @@ def test_the_plan_names_what_goes_first_on_a_roles_pythonpath_and_the_servers_in
         f"the driver's interpreter ({sys.executable}); its servers: python /opt/sglang/bin/python, "
         "PYTHONPATH /opt/kernels"
     )
+
+
+def test_the_plan_names_the_nodes_a_role_is_pinned_to():
+    lines = _environment_lines(
+        "+cluster.roles.policy_server.node_labels={slurm-node-index:'1'}",
+        "+cluster.roles.trainer.node_labels={slurm-node:n0,slurm-node-index:'0'}",
+    )
+    driver = f"the driver's interpreter ({sys.executable})"
+    assert lines["policy_server"] == f"{driver}, on nodes labelled slurm-node-index=1"
+    assert lines["trainer"] == f"{driver}, on nodes labelled slurm-node=n0, slurm-node-index=0"
+    assert lines["gym_shards"] == driver

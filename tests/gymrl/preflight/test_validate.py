@@ -517,3 +517,19 @@ def test_a_server_root_that_is_not_a_folder_is_named(tmp_path):
     issue = issues["env.gym.server_roots[1]"]
     assert issue.value == f"{tmp_path}/none" and "not a folder" in issue.problem
     assert "env.gym.server_roots[0]" not in issues
+
+
+def test_node_labels_match_by_equality_and_a_torch_engine_has_no_nodes_of_its_own():
+    issues = _issues(
+        [
+            "+cluster.roles.trainer.node_labels={slurm-node-index:'!0'}",
+            "+cluster.roles.generation.node_labels={slurm-node-index:'1'}",
+        ]
+    )
+    assert set(issues) == {
+        "cluster.roles.trainer.node_labels",
+        "cluster.roles.generation.node_labels",
+    }
+    assert "match by equality" in issues["cluster.roles.trainer.node_labels"].problem
+    fix = issues["cluster.roles.generation.node_labels"].fix
+    assert fix.startswith("set cluster.roles.policy_server.node_labels instead")
