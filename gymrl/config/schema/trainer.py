@@ -70,8 +70,8 @@ class LoraConfig(Strict):
         "full training on math in 'LoRA Without Regret'. At most the smallest side of a "
         "targeted weight (checked at composition time).",
     )
-    alpha: float = Field(
-        default=32.0,
+    alpha: int = Field(
+        default=32,
         gt=0,
         description="LoRA's alpha: the update is scaled by alpha / rank (PEFT's lora_alpha).",
     )

@@ -1,0 +1,134 @@
+"""A LoRA adapter as PEFT writes it, the one form it takes outside the trainer.
+
+The trainer attaches the adapter with PEFT (:func:`attach_lora`) and hands it on as
+:class:`AdapterWeights`: PEFT's `adapter_config.json` fields and its state-dict keys
+(`base_model.model.<module>.lora_A.weight`, `...lora_B.weight`). That is what a checkpoint holds
+(`adapter_config.json` and `adapter_model.safetensors`, which every PEFT-reading tool loads), what
+a refit moves to the torch engine, and what evaluation and the merge command read back, so one
+parser (:meth:`AdapterWeights.module_pairs`) and one formula (:meth:`AdapterWeights.deltas`) serve
+all of them.
+
+PEFT itself (seconds to import) is imported by the functions that need it: the processes that
+only read or apply an adapter (the engine, evaluation, the driver) never load it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors.torch import load_file
+
+from gymrl.config.schema.trainer import LoraConfig
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
+
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+# PEFT's prefix of every key of a causal LM's adapter, and its suffixes of the two factors.
+_PREFIX = "base_model.model."
+_FACTORS = {".lora_A.weight": "A", ".lora_B.weight": "B"}
+
+
+def attach_lora(model: PreTrainedModel, lora: LoraConfig) -> PeftModel:
+    """Wrap `model` (in place: its targeted Linear modules become PEFT LoRA layers) with a fresh
+    adapter of `lora`'s shape; every base weight is frozen. A is drawn from torch's RNG, B is
+    zero, so the adapted model starts as the base model."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    config = PeftLoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config)  # pyright: ignore[reportReturnType]
+
+
+@dataclass(frozen=True)
+class AdapterWeights:
+    """A LoRA adapter: `config`, the fields of PEFT's `adapter_config.json`; `tensors`, its
+    factors under PEFT's keys."""
+
+    config: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+
+    @classmethod
+    def of(cls, model: PeftModel) -> AdapterWeights:
+        """The adapter of `model` as PEFT saves it, copied to the CPU."""
+        from peft import get_peft_model_state_dict
+
+        tensors = get_peft_model_state_dict(model)
+        return cls(
+            config=model.peft_config["default"].to_dict(),
+            tensors={name: t.detach().to("cpu", copy=True) for name, t in tensors.items()},
+        )
+
+    @classmethod
+    def read(cls, folder: str | Path) -> AdapterWeights:
+        """The adapter PEFT saved in `folder`."""
+        folder = Path(folder)
+        config = json.loads((folder / ADAPTER_CONFIG_FILE).read_text())
+        return cls(config=config, tensors=load_file(str(folder / ADAPTER_WEIGHTS_FILE)))
+
+    @property
+    def scaling(self) -> float:
+        """What B @ A is multiplied by: lora_alpha / r, or over sqrt(r) with rsLoRA."""
+        rank, alpha = self.config["r"], self.config["lora_alpha"]
+        return alpha / (math.sqrt(rank) if self.config.get("use_rslora") else rank)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def module_pairs(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Module name (as the base model names it) -> (A, B). A key that is not a LoRA factor,
+        or a factor without its pair, raises naming it: applying half an adapter would serve a
+        policy nobody trained."""
+        pairs: dict[str, dict[str, torch.Tensor]] = {}
+        for key, tensor in self.tensors.items():
+            suffix = next((s for s in _FACTORS if key.endswith(s)), None)
+            if suffix is None or not key.startswith(_PREFIX):
+                raise ValueError(
+                    f"adapter key {key!r} is not a LoRA factor "
+                    f"({_PREFIX}<module>.lora_A.weight / .lora_B.weight); only plain LoRA "
+                    "adapters (no bias, no modules_to_save) are applied"
+                )
+            module = key[len(_PREFIX) : -len(suffix)]
+            pairs.setdefault(module, {})[_FACTORS[suffix]] = tensor
+        incomplete = sorted(module for module, factors in pairs.items() if len(factors) != 2)
+        if incomplete:
+            raise ValueError(f"adapter modules {incomplete} lack lora_A or lora_B")
+        return {module: (factors["A"], factors["B"]) for module, factors in pairs.items()}
+
+    def delta(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """The update a module's weight receives from its factors, scaling x B @ A `[out, in]`,
+        in float32 (as PEFT merges, `LoraLayer.get_delta_weight`)."""
+        return (b.float() @ a.float()) * self.scaling
+
+
+def merged_state_dict(
+    base: Mapping[str, torch.Tensor], adapter: AdapterWeights
+) -> dict[str, torch.Tensor]:
+    """`base` (a model's state dict) with `adapter` merged into the weights it adapts, each
+    merged in float32 and stored in its own dtype; an adapter module the state dict lacks
+    raises naming it."""
+    merged = dict(base)
+    pairs = adapter.module_pairs()
+    missing = sorted(module for module in pairs if f"{module}.weight" not in base)
+    if missing:
+        raise ValueError(f"adapter modules {missing} are not in the model's weights")
+    for module, (a, b) in pairs.items():
+        weight = base[f"{module}.weight"]
+        merged[f"{module}.weight"] = (weight.float() + adapter.delta(a, b)).to(weight.dtype)
+    return merged
