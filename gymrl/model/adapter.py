@@ -5,7 +5,7 @@ The trainer attaches the adapter with PEFT (:func:`attach_lora`) and hands it on
 (`base_model.model.<module>.lora_A.weight`, `...lora_B.weight`). That is what a checkpoint holds
 (`adapter_config.json` and `adapter_model.safetensors`, which every PEFT-reading tool loads), what
 a refit moves to the torch engine, and what evaluation and the merge command read back, so one
-parser (:meth:`AdapterWeights.module_pairs`) and one formula (:meth:`AdapterWeights.deltas`) serve
+parser (:meth:`AdapterWeights.module_pairs`) and one formula (:meth:`AdapterWeights.delta`) serve
 all of them.
 
 PEFT itself (seconds to import) is imported by the functions that need it: the processes that
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -115,20 +114,3 @@ class AdapterWeights:
         """The update a module's weight receives from its factors, scaling x B @ A `[out, in]`,
         in float32 (as PEFT merges, `LoraLayer.get_delta_weight`)."""
         return (b.float() @ a.float()) * self.scaling
-
-
-def merged_state_dict(
-    base: Mapping[str, torch.Tensor], adapter: AdapterWeights
-) -> dict[str, torch.Tensor]:
-    """`base` (a model's state dict) with `adapter` merged into the weights it adapts, each
-    merged in float32 and stored in its own dtype; an adapter module the state dict lacks
-    raises naming it."""
-    merged = dict(base)
-    pairs = adapter.module_pairs()
-    missing = sorted(module for module in pairs if f"{module}.weight" not in base)
-    if missing:
-        raise ValueError(f"adapter modules {missing} are not in the model's weights")
-    for module, (a, b) in pairs.items():
-        weight = base[f"{module}.weight"]
-        merged[f"{module}.weight"] = (weight.float() + adapter.delta(a, b)).to(weight.dtype)
-    return merged
