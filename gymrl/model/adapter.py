@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -51,7 +52,11 @@ def attach_lora(model: PreTrainedModel, lora: LoraConfig) -> PeftModel:
         bias="none",
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, config)  # pyright: ignore[reportReturnType]
+    with warnings.catch_warnings():
+        # PEFT 0.21 reads transformers' deprecated `is_gradient_checkpointing`; nothing a user
+        # can act on, printed by every LoRA trainer otherwise.
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing`", FutureWarning)
+        return get_peft_model(model, config)  # pyright: ignore[reportReturnType]
 
 
 @dataclass(frozen=True)

@@ -61,3 +61,12 @@ def test_the_plan_names_what_goes_first_on_a_roles_pythonpath_and_the_servers_in
         f"the driver's interpreter ({sys.executable}); its servers: python /opt/sglang/bin/python, "
         "PYTHONPATH /opt/kernels"
     )
+
+
+def test_the_plan_names_a_lora_adapter_and_its_targets():
+    overrides = ["trainer.lora.enabled=true", "trainer.lora.target_modules=[up_proj,down_proj]"]
+    plan = render_plan(validate_config(compose_raw(overrides)), "out")
+    (line,) = [line for line in plan.splitlines() if line.startswith("  training")]
+    assert "LoRA rank 16 (alpha 32, dropout 0) on up_proj, down_proj, base frozen" in line
+    plain = render_plan(validate_config(compose_raw([])), "out")
+    assert "LoRA" not in plain
