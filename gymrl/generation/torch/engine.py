@@ -616,7 +616,7 @@ class TorchGenerationEngine:
             for name, base in self._adapter_base.items():
                 weight = modules[name].weight
                 if name in pairs:
-                    weight.copy_((base.float() + adapter.delta(*pairs[name])).to(weight.dtype))
+                    weight.copy_(adapter.merged(base, *pairs[name]))  # rounded to its dtype
                 else:
                     weight.copy_(base)
 
