@@ -166,6 +166,12 @@ def _generation_line(config: RecipeConfig) -> str:
 def _trainer_line(config: RecipeConfig) -> str:
     trainer = config.trainer
     common = f"AdamW lr {trainer.optimizer.lr:g}; start-up deadline {trainer.start_timeout_s:g} s"
+    lora = trainer.lora
+    if lora.enabled:
+        common = (
+            f"LoRA rank {lora.rank} (alpha {lora.alpha}, dropout {lora.dropout:g}) on "
+            f"{', '.join(lora.target_modules)}, base frozen, refits the adapter alone; {common}"
+        )
     if isinstance(trainer, TorchTrainerConfig):
         device = _torch_device(config, trainer_gpus(config))
         batches = (

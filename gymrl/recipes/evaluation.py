@@ -3,7 +3,8 @@
 The roles a training run starts, minus the trainer: the generation server (every engine the
 config places: one torch engine here, one or many SGLang engines on a cluster) with its policy
 server, then the Gym shards of `env.source` (built-in, launched or joined). A checkpoint's
-weights reach the engines as a training refit does (`update_weights`, version = its step). The
+weights reach the engines as a training refit does (`update_weights`, or a LoRA run's adapter
+`update_adapter`, version = its step). The
 pass is training validation's own (`gymrl.experience.held_out.Validator`), `eval.num_samples`
 episodes per row at `eval.temperature`, reduced by the same function under `eval/`, plus pass@k
 (`gymrl.experience.pass_at_k`), failure rates and the token ledger.
@@ -51,6 +52,7 @@ from gymrl.roles.gym_shard import RayGroupRunner, start_gym_shards
 from gymrl.run.eval_checkpoint import (
     CheckpointRefusedError,
     EvaluatedCheckpoint,
+    checkpoint_adapter,
     checkpoint_weights,
     choose_checkpoint,
 )
@@ -109,9 +111,14 @@ class EvalRecipe:
             episode_deadline_s=config.env.rollout.run_timeout_s,
         )
         if self.checkpoint is not None:
-            weights = checkpoint_weights(self.checkpoint)
+            actor = generation.actor
+            load = (
+                actor.update_adapter.remote(checkpoint_adapter(self.checkpoint), self.step)
+                if self.checkpoint.holds_adapter
+                else actor.update_weights.remote(checkpoint_weights(self.checkpoint), self.step)
+            )
             version = wait_for(
-                generation.actor.update_weights.remote(weights, self.step),
+                load,
                 timeout_s=config.grpo.batch_timeout_s,  # a training refit's deadline
                 what="loading the checkpoint's weights into the engines (grpo.batch_timeout_s)",
             )
@@ -157,6 +164,15 @@ class EvalRecipe:
         if self.config.eval.checkpoint is None:
             return None
         checkpoint, rejected = choose_checkpoint(self.config.eval.checkpoint)
+        generation = self.config.generation.backend
+        if checkpoint.holds_adapter and generation != "torch":
+            raise CheckpointRefusedError(
+                f"eval.checkpoint={self.config.eval.checkpoint!r} holds a LoRA adapter, which "
+                f"only the torch engine merges (generation={generation}); evaluate it with "
+                "generation=torch, or merge it into a Hugging Face folder first "
+                "(python -m gymrl.model.merge_adapter, docs/configuration.md 'LoRA') and "
+                "evaluate that with policy.source=pretrained"
+            )
         for problem in rejected:
             log.warning(f"skipping a damaged checkpoint: {problem}")
         return checkpoint

@@ -36,6 +36,7 @@ from gymrl.generation.sglang.engine import SGLangEngine
 from gymrl.generation.sglang.servers import SGLangServerGroup
 from gymrl.generation.torch.engine import EngineCounters, EngineStep, TorchGenerationEngine
 from gymrl.generation.types import EngineFailedError, RouteLayout
+from gymrl.model.adapter import AdapterWeights
 from gymrl.model.loading import load_tokenizer
 from gymrl.model.policy import build_policy, model_folder
 from gymrl.model.tokens import eos_token_id, policy_end_token_ids
@@ -195,6 +196,14 @@ class GenerationServer:
         engine = self._backend.engine
         engine.update_weights(state_dict, version)
         return engine.weight_version
+
+    def update_adapter(self, adapter: AdapterWeights, version: int) -> int:
+        """A LoRA run's refit: the torch engine merges the adapter into its base weights."""
+        local = self._backend.local
+        if local is None:  # the validator refuses such configs
+            raise TypeError("an adapter refit needs the torch engine (generation=torch)")
+        local.update_adapter(adapter, version)
+        return local.weight_version
 
     def weight_sync_targets(self) -> tuple[list[str], list[int]]:
         """The SGLang servers' URLs and TP sizes, for the trainer's `WeightSender`."""

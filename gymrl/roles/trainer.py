@@ -35,6 +35,7 @@ from gymrl.generation.sglang.refit import (
     weight_sender,
 )
 from gymrl.generation.sglang.weight_sync import WEIGHT_SYNC_NCCL_ENV, WeightSender
+from gymrl.model.adapter import AdapterWeights
 from gymrl.model.policy import build_policy
 from gymrl.model.tokens import pad_token_id
 from gymrl.trainer.parity_gate import ParityCheck
@@ -89,6 +90,9 @@ class PolicyTrainerActor:
         self, dtypes: Mapping[str, torch.dtype] | None = None
     ) -> Mapping[str, torch.Tensor]:
         return self._trainer.export_weights(dtypes)
+
+    def export_adapter(self) -> AdapterWeights:
+        return self._trainer.export_adapter()
 
     def send_weights(
         self, urls: list[str], tp_sizes: list[int], refit: RefitConfig, version: int
@@ -161,6 +165,7 @@ class TorchTrainerRole:
         self._policy_dtype = config.policy.dtype
         generation = config.generation
         self._refit = generation.refit if isinstance(generation, SGLangGenerationConfig) else None
+        self._lora = config.trainer.lora.enabled
         # The engine's weight dtypes (None: SGLang's, which load any), asked at the first refit.
         self._engine_dtypes: Mapping[str, torch.dtype] | None = None
         self._engine_dtypes_asked = False
@@ -198,6 +203,10 @@ class TorchTrainerRole:
         )
 
     def refit(self, generation: Any, version: int) -> None:
+        if self._lora:  # the adapter alone, merged by the torch engine (the validator's rule)
+            adapter = self._actor.export_adapter.remote()  # stays in the object store
+            self._wait(generation.update_adapter.remote(adapter, version), "the adapter refit")
+            return
         if self._refit is not None and self._refit.transport == "nccl":
             refit = self._refit
 

@@ -1,13 +1,14 @@
 """Checkpoints of both trainers: one folder layout and one resume state, whatever the backend.
 
 A checkpoint is a folder `step_<n>/` holding the backend's weights and optimizer state (the torch
-trainer: `model.safetensors` and `optimizer.pt`; Megatron: a distributed checkpoint under
-`megatron/`), `gymrl_state.json` (:class:`TrainerState`), `MANIFEST.json` (the size and
-xxh3-128 digest of every other file) and, written last, the marker `COMPLETE`. It is assembled in a
-staging folder and renamed into place (`gymrl.run.atomic.atomic_folder`), so a crash mid-save never
-leaves a `step_<n>/` that looks usable; the marker additionally guards against copies made by
-tools that do not rename atomically (rsync, object-store syncs). :func:`latest_checkpoint` only
-ever returns marked folders.
+trainer: `model.safetensors` and `optimizer.pt`, or with `trainer.lora` the adapter alone in
+PEFT's format, `adapter_config.json` and `adapter_model.safetensors`; Megatron: a distributed
+checkpoint under `megatron/`), `gymrl_state.json` (:class:`TrainerState`), `MANIFEST.json` (the
+size and xxh3-128 digest of every other file) and, written last, the marker `COMPLETE`. It is
+assembled in a staging folder and renamed into place (`gymrl.run.atomic.atomic_folder`), so a
+crash mid-save never leaves a `step_<n>/` that looks usable; the marker additionally guards
+against copies made by tools that do not rename atomically (rsync, object-store syncs).
+:func:`latest_checkpoint` only ever returns marked folders.
 
 The marker says a save finished; it cannot say the bytes are still the ones written. A full disk
 that truncated a file the writer did not check, a copy cut short, bit rot on a shared filesystem:
@@ -39,18 +40,23 @@ import os
 import random
 import re
 import shutil
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import numpy as np
 import torch
 import xxhash
 from safetensors.torch import load_model, save_model
 
+from gymrl.model.adapter import ADAPTER_CONFIG_FILE, AdapterWeights
 from gymrl.run.atomic import STAGING_PREFIX, atomic_folder
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -138,14 +144,18 @@ def save_checkpoint(
     keep_last: int,
 ) -> Path:
     """Write the torch trainer's `directory/step_<step>/` atomically, keep the newest
-    `keep_last`, return its path. Saving a step that already exists replaces it."""
+    `keep_last`, return its path. Saving a step that already exists replaces it. A `PeftModel`
+    saves its adapter alone, as PEFT does (the base weights are the policy's, unchanged)."""
     check_keep_last(keep_last)
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     remove_leftover_staging(root)
     target = root / f"step_{state.step}"
     with atomic_folder(target, durable=True) as staging:
-        save_model(model, str(staging / MODEL_FILE))
+        if _is_peft(model):
+            model.save_pretrained(str(staging))
+        else:
+            save_model(model, str(staging / MODEL_FILE))
         torch.save(optimizer.state_dict(), staging / OPTIMIZER_FILE)
         state.write(staging)
     prune_checkpoints(root, keep_last)
@@ -158,16 +168,71 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None,
 ) -> TrainerState:
     """Restore the torch trainer's weights, optimizer state (unless `optimizer` is None) and RNG
-    states from `path`, and return its state."""
+    states from `path`, and return its state. A `PeftModel` loads the adapter of a LoRA
+    checkpoint, which must have the shape the model's adapter has."""
     state = TrainerState.read(path)
     folder = Path(path)
-    load_model(model, str(folder / MODEL_FILE), strict=True)
+    has_adapter = (folder / ADAPTER_CONFIG_FILE).is_file()
+    if has_adapter != _is_peft(model):
+        held, trains = ("an adapter", "every weight") if has_adapter else ("every weight", "LoRA")
+        raise ValueError(
+            f"{folder} holds {held} and this trainer trains {trains}: resume it with "
+            f"trainer.lora.enabled={str(has_adapter).lower()} (and the adapter's shape)"
+        )
+    if _is_peft(model):
+        _load_adapter(folder, model)
+    else:
+        load_model(model, str(folder / MODEL_FILE), strict=True)
     if optimizer is not None:
         optimizer.load_state_dict(
             torch.load(folder / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
         )
     restore_rng_state(state.rng[0])
     return state
+
+
+_ADAPTER_SHAPE = ("r", "lora_alpha", "target_modules", "use_rslora")
+
+
+def _is_peft(model: torch.nn.Module) -> TypeGuard[PeftModel]:
+    """Whether `model` is a PEFT model. A process that never imported peft made none, and need
+    not import it (seconds) to save or load a full model: the driver and Megatron's ranks."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
+def _load_adapter(folder: Path, model: PeftModel) -> None:
+    """Load a checkpoint's adapter into `model`'s, refusing one of another shape by field (a
+    rank or target set that differs would fail deep in torch, or load a part of it)."""
+    saved = AdapterWeights.read(folder)
+    mine = model.peft_config["default"].to_dict()
+
+    def shape(config: dict[str, Any]) -> dict[str, Any]:
+        fields = {key: config.get(key) for key in _ADAPTER_SHAPE}
+        fields["target_modules"] = sorted(fields["target_modules"] or [])
+        return fields
+
+    differ = {
+        key: (value, shape(mine)[key])
+        for key, value in shape(saved.config).items()
+        if value != shape(mine)[key]
+    }
+    if differ:
+        raise ValueError(
+            f"{folder}'s adapter differs from the configured one (saved, configured): {differ}; "
+            "resume with trainer.lora set as the run that saved it"
+        )
+    from peft import set_peft_model_state_dict
+
+    result = set_peft_model_state_dict(model, saved.tensors)
+    # PEFT reports every base weight as missing (they are not in an adapter); none of the
+    # adapter's own may be.
+    missing = [key for key in result.missing_keys if ".lora_" in key]
+    if missing or result.unexpected_keys:
+        raise ValueError(
+            f"{folder}'s adapter does not fit the model: missing {missing}, "
+            f"unexpected {list(result.unexpected_keys)}"
+        )
 
 
 class CorruptCheckpointError(RuntimeError):

@@ -4,7 +4,9 @@ A user may name one checkpoint (`<run>/checkpoints/step_<n>`), a run's `checkpoi
 run folder; the last two mean the newest checkpoint there that passes its manifest, found with
 `gymrl.run.checkpoint.latest_verified_checkpoint`, the function a resume uses. A checkpoint named
 directly must be complete and pass its manifest (`verify_checkpoint`); each refusal says which
-and what to evaluate instead. Verification itself is `gymrl.run.checkpoint`'s alone.
+and what to evaluate instead. Verification itself is `gymrl.run.checkpoint`'s alone. A LoRA
+run's checkpoint holds its adapter (PEFT's format), which the engine merges into the policy's
+base weights as a training refit does.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from gymrl.model.adapter import ADAPTER_CONFIG_FILE, AdapterWeights
 from gymrl.run.checkpoint import (
     COMPLETE_MARKER,
     LEGACY_STATE_FILE,
@@ -38,10 +41,16 @@ class CheckpointRefusedError(ValueError):
 
 @dataclass(frozen=True)
 class EvaluatedCheckpoint:
-    """A verified checkpoint folder holding the torch trainer's weights, and its step."""
+    """A verified checkpoint folder holding the torch trainer's weights (or a LoRA adapter),
+    and its step."""
 
     folder: Path
     step: int
+
+    @property
+    def holds_adapter(self) -> bool:
+        """A LoRA run's checkpoint: the adapter alone, for the policy's base weights."""
+        return (self.folder / ADAPTER_CONFIG_FILE).is_file()
 
     @property
     def label(self) -> str:
@@ -70,7 +79,7 @@ def choose_checkpoint(path: str) -> tuple[EvaluatedCheckpoint, list[str]]:
                 f"{damaged}. Point it at a run whose checkpoint.every_n_steps saved one"
             )
         folder = found
-    if not (folder / MODEL_FILE).is_file():
+    if not (folder / MODEL_FILE).is_file() and not (folder / ADAPTER_CONFIG_FILE).is_file():
         raise CheckpointRefusedError(
             f"{_KEY}={path!r}: {folder} holds no {MODEL_FILE} (a Megatron checkpoint keeps "
             "distributed shards); export it as a Hugging Face folder and evaluate that with "
@@ -92,8 +101,20 @@ def checkpoint_weights(checkpoint: EvaluatedCheckpoint) -> dict[str, torch.Tenso
     return tensors
 
 
+def checkpoint_adapter(checkpoint: EvaluatedCheckpoint) -> AdapterWeights:
+    """The LoRA adapter of a LoRA run's checkpoint, as the engines' `update_adapter` takes it."""
+    return AdapterWeights.read(checkpoint.folder)
+
+
 def _is_one_checkpoint(folder: Path) -> bool:
-    markers = (COMPLETE_MARKER, MANIFEST_FILE, STATE_FILE, LEGACY_STATE_FILE, MODEL_FILE)
+    markers = (
+        COMPLETE_MARKER,
+        MANIFEST_FILE,
+        STATE_FILE,
+        LEGACY_STATE_FILE,
+        MODEL_FILE,
+        ADAPTER_CONFIG_FILE,
+    )
     return bool(_ONE_CHECKPOINT.fullmatch(folder.name)) or any(
         (folder / marker).exists() for marker in markers
     )

@@ -27,6 +27,28 @@ def unsupported_by_trainer(config: RecipeConfig) -> list[ConfigIssue]:
                 "set trainer=megatron, or policy.router_replay.enabled=false",
             )
         )
+    lora = config.trainer.lora
+    if lora.enabled and megatron:
+        issues.append(
+            ConfigIssue(
+                "trainer.lora.enabled",
+                True,
+                "the Megatron trainer does not train LoRA adapters yet (the torch trainer does, "
+                "through PEFT)",
+                "set trainer=torch, or trainer.lora.enabled=false",
+            )
+        )
+    if lora.enabled and not megatron and config.policy.is_moe:
+        issues.append(
+            ConfigIssue(
+                "trainer.lora.enabled",
+                True,
+                "the torch trainer adapts Linear modules through PEFT, and transformers holds an "
+                "MoE layer's experts as stacked 3-D parameters, not Linear modules: the adapter "
+                "would miss the experts",
+                "use a dense policy, or trainer.lora.enabled=false",
+            )
+        )
     if not isinstance(config.trainer, MegatronTrainerConfig):
         return issues
     issues += _router_replay_layout(config, config.trainer)

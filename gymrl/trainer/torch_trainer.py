@@ -9,12 +9,20 @@ with the same log-probabilities and gradients as computing it for each. Without 
 similar length are right-padded side by side (sorted, so little compute goes to padding). The
 trainer runs where its model is: the caller moves the model to a GPU
 (`gymrl.roles.actors.PolicyTrainerActor` does when the placement gives it one) and batches follow.
+
+With `trainer.lora` the model gets a PEFT LoRA adapter (`gymrl.model.adapter.attach_lora`) and
+only the adapter trains: its parameters alone are in the optimizer and clipped, the frozen base
+holds no gradients nor moments. The KL anchor is then the base itself, computed under PEFT's
+`disable_adapter` rather than from a second copy of the model; the generation log-probabilities
+(the old policy of the ratio) come from the engine, which serves the merged adapter. Checkpoints
+hold the adapter in PEFT's format, and a refit moves the adapter alone (`export_adapter`).
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +33,7 @@ from gymrl.algo.loss import gathered_token_logprobs, masked_token_logprobs
 from gymrl.algo.trajectory import Trajectory, collate
 from gymrl.config.schema.loss import LossConfig
 from gymrl.config.schema.trainer import TorchTrainerConfig
+from gymrl.model.adapter import AdapterWeights, attach_lora
 from gymrl.model.attention_mask import additive_mask
 from gymrl.model.precision import ComputeDtype, body_autocast, resolve_compute_dtype
 from gymrl.run.checkpoint import TrainerState, capture_rng_state, load_checkpoint, save_checkpoint
@@ -62,7 +71,11 @@ class TorchPolicyTrainer:
                 f"model's attn_implementation is {attention!r}. Load it with sdpa, or set "
                 "trainer.prefix_packing=false"
             )
+        # PEFT wraps the model in place; `model` stays the transformers model the trainer runs.
+        self._peft = attach_lora(model, config.lora) if config.lora.enabled else None
         self.model = model
+        # What a checkpoint saves and loads: the adapter alone, or the model.
+        self._saved: torch.nn.Module = model if self._peft is None else self._peft
         self._config = config
         self._loss = loss
         self._temperature = temperature
@@ -71,16 +84,21 @@ class TorchPolicyTrainer:
         self._device = next(model.parameters()).device
         self._compute_dtype = resolve_compute_dtype(compute_dtype, self._device)
         optimizer = config.optimizer
+        # Every parameter, or with LoRA the adapter's only (PEFT froze the rest).
+        self._trained = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            model.parameters(),
+            self._trained,
             lr=optimizer.lr,
             betas=optimizer.betas,
             eps=optimizer.eps,
             weight_decay=optimizer.weight_decay,
         )
-        # The KL anchor is the policy as it was before training; only kept when it is used.
+        # The KL anchor is the policy as it was before training; only kept when it is used, and
+        # with LoRA it is the base model (the adapter disabled), which needs no copy.
         self._reference = (
-            copy.deepcopy(model).eval().requires_grad_(False) if loss.kl_coef else None
+            copy.deepcopy(model).eval().requires_grad_(False)
+            if loss.kl_coef and self._peft is None
+            else None
         )
         self.weight_version = 0
 
@@ -123,7 +141,7 @@ class TorchPolicyTrainer:
                 self.optimizer.zero_grad(set_to_none=True)  # this batch is never trained on
                 raise
         grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), self._config.optimizer.max_grad_norm
+            self._trained, self._config.optimizer.max_grad_norm
         )
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -163,9 +181,11 @@ class TorchPolicyTrainer:
         tree = tree.to(self._device) if tree is not None else None
         logprobs = self._logprobs(self.model, batch, tree)
         reference = None
-        if self._reference is not None:
-            with torch.no_grad():
-                reference = self._logprobs(self._reference, batch, tree)
+        if self._loss.kl_coef:
+            base = self._peft.disable_adapter() if self._peft is not None else nullcontext()
+            with torch.no_grad(), base:
+                anchor = self.model if self._reference is None else self._reference
+                reference = self._logprobs(anchor, batch, tree)
         return micro_batch_loss(
             logprobs,
             batch,
@@ -237,11 +257,22 @@ class TorchPolicyTrainer:
         """The weights on the CPU (what crosses Ray's object store to the engine), each in
         `dtypes[name]` when given: the engine's own (`TorchGenerationEngine.weight_dtypes`), so a
         body rounded to bfloat16 crosses at half the bytes."""
+        if self._peft is not None:
+            raise TypeError(
+                "a LoRA trainer refits the adapter alone (export_adapter); its state dict holds "
+                "PEFT's layers, not the model's weights"
+            )
         dtypes = dtypes or {}
         return {
             name: tensor.detach().to("cpu", dtype=dtypes.get(name, tensor.dtype), copy=True)
             for name, tensor in self.model.state_dict().items()
         }
+
+    def export_adapter(self) -> AdapterWeights:
+        """The LoRA adapter as PEFT saves it, on the CPU: what an adapter refit moves."""
+        if self._peft is None:
+            raise TypeError("export_adapter needs trainer.lora.enabled=true")
+        return AdapterWeights.of(self._peft)
 
     def save_checkpoint(self, directory: Path, step: int, data_state: Mapping[str, Any]) -> Path:
         state = TrainerState(
@@ -251,10 +282,10 @@ class TorchPolicyTrainer:
             rng=[capture_rng_state()],
         )
         return save_checkpoint(
-            directory, self.model, self.optimizer, state, keep_last=self._keep_last
+            directory, self._saved, self.optimizer, state, keep_last=self._keep_last
         )
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
-        state = load_checkpoint(path, self.model, self.optimizer)
+        state = load_checkpoint(path, self._saved, self.optimizer)
         self.weight_version = state.weight_version
         return state.resume_info()

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from gymrl.run.checkpoint import TrainerState, capture_rng_state, save_checkpoint
+from tests.support.lora_checkpoint import save_lora_checkpoint
 from tests.support.metric_docs import documented_patterns
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -120,3 +121,23 @@ def test_an_eval_of_the_tiny_model_records_every_episode_and_a_documented_summar
     assert "pass@2" in done.stdout  # the table a person reads
     again = run_eval(tmp_path, *overrides)
     assert again.returncode == 1 and "already holds an eval" in again.stderr
+
+
+def test_a_lora_checkpoint_is_evaluated_with_its_adapter_merged_by_the_engine(tmp_path):
+    """The adapter alone is in the checkpoint; the engine merges it into the policy's base (the
+    tiny model of the same seed) at the checkpoint's step, as a training refit does."""
+    _, folder = save_lora_checkpoint(tmp_path / "run" / "checkpoints", SMALL, step=3)
+    checkpoint = f"eval.checkpoint={tmp_path / 'run'}"
+    done = run_eval(tmp_path, *SMALL, checkpoint, "eval.num_samples=1", "eval.pass_at_k=[1]")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    assert f"engines hold the weights of {folder} (version 3)" in done.stderr + done.stdout
+    summary = json.loads((tmp_path / "eval" / "step_3" / "summary.json").read_text())
+    assert (summary["complete"], summary["step"], summary["checkpoint"]) == (True, 3, str(folder))
+
+
+def test_a_lora_checkpoint_is_refused_for_sglang_before_any_server_starts(tmp_path):
+    _, folder = save_lora_checkpoint(tmp_path / "checkpoints", SMALL, step=1)
+    done = run_eval(tmp_path / "out", "+experiment=sglang_cpu_smoke", f"eval.checkpoint={folder}")
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "holds a LoRA adapter, which only the torch engine merges" in done.stderr
+    assert "python -m gymrl.model.merge_adapter" in done.stderr and SET_UP not in done.stdout

@@ -1,5 +1,5 @@
 """`trainer.*` (conf/trainer/): each trainer backend (torch, Megatron), its batching and
-parallelism, and its optimizer (`trainer.optimizer.*`)."""
+parallelism, its optimizer (`trainer.optimizer.*`) and its LoRA adapter (`trainer.lora.*`)."""
 
 from __future__ import annotations
 
@@ -46,6 +46,51 @@ class MegatronOptimizerConfig(OptimizerConfig):
     weight_decay: WeightDecay = 0.01
 
 
+# Every Linear of a Llama-family decoder layer (Llama, Mistral, Qwen2/3 name them alike): attention
+# and MLP. "LoRA Without Regret" (Thinking Machines, 2025) found attention-only adapters
+# underperform in RL and the MLP essential; all of them is what it recommends.
+_DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(Strict):
+    """A low-rank adapter trained instead of the whole model: the base weights stay frozen (no
+    gradients, no optimizer moments, no float32 master copy of them), and a refit moves the
+    adapter's megabytes instead of every weight. Checkpoints hold the adapter in PEFT's format.
+    How to choose the rank and the learning rate: docs/configuration.md, "LoRA"."""
+
+    enabled: bool = Field(
+        default=False,
+        description="Train a LoRA adapter on the frozen policy instead of every weight.",
+    )
+    rank: int = Field(
+        default=16,
+        gt=0,
+        description="The adapter's rank r: each targeted weight W (out x in) learns B @ A with "
+        "A r x in and B out x r. RL carries little information per episode; rank 1 matched "
+        "full training on math in 'LoRA Without Regret'. At most the smallest side of a "
+        "targeted weight (checked at composition time).",
+    )
+    alpha: int = Field(
+        default=32,
+        gt=0,
+        description="LoRA's alpha: the update is scaled by alpha / rank (PEFT's lora_alpha).",
+    )
+    dropout: float = Field(
+        default=0.0,
+        ge=0,
+        lt=1,
+        description="Dropout on the adapter's input during training (PEFT's lora_dropout).",
+    )
+    target_modules: tuple[str, ...] = Field(
+        default=_DECODER_LINEARS,
+        min_length=1,
+        description="Names of the Linear modules of the decoder layers that get an adapter "
+        "(PEFT's target_modules: a module matches when its name ends with one of these). "
+        "Default: every Linear of a Llama-family layer, attention and MLP. Checked at "
+        "composition time against the model's own modules.",
+    )
+
+
 class TorchTrainerConfig(Strict):
     backend: Literal["torch"] = "torch"
     micro_batch_size: int = Field(
@@ -79,6 +124,7 @@ class TorchTrainerConfig(Strict):
     # One process loading a model that fits one device.
     start_timeout_s: TrainerStartTimeout = 300.0
     optimizer: TorchOptimizerConfig = Field(default_factory=TorchOptimizerConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
 
 
 class MegatronTrainerConfig(Strict):
@@ -102,6 +148,7 @@ class MegatronTrainerConfig(Strict):
     # shard from a shared filesystem, distributed optimizer allocation.
     start_timeout_s: TrainerStartTimeout = 1800.0
     optimizer: MegatronOptimizerConfig = Field(default_factory=MegatronOptimizerConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
 
     @property
     def model_parallel_size(self) -> int:

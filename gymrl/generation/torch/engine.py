@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Literal
@@ -52,6 +52,7 @@ from gymrl.generation.types import (
     GenerationRequest,
     SamplingParams,
 )
+from gymrl.model.adapter import AdapterWeights
 from gymrl.model.attention_mask import additive_mask
 from gymrl.model.precision import (
     ComputeDtype,
@@ -471,6 +472,9 @@ class TorchGenerationEngine:
         self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
         self._seed_source = torch.Generator().manual_seed(seed)
         self._version = 0
+        # The weights a LoRA adapter is merged into, per adapted module, as they were before the
+        # first adapter touched them (`update_adapter`); a full refit replaces them.
+        self._adapter_base: dict[str, torch.Tensor] = {}
         # `_model_lock` guards the model (a decode step, a refit). `_schedule` guards the queue,
         # the count of rows admitted and not yet answered, and the refits waiting for them to
         # drain; it is never held while taking `_model_lock`.
@@ -567,6 +571,60 @@ class TorchGenerationEngine:
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Load `state_dict` into the model in place (strict) and set the weight version, once
         the rows in flight have finished; queued requests start after it with the new weights."""
+
+        def load() -> None:
+            self._model.load_state_dict(state_dict, strict=True)
+            self._adapter_base.clear()  # the new weights are what later adapters merge into
+
+        self._refit(load, version)
+
+    def update_adapter(self, adapter: AdapterWeights, version: int) -> None:
+        """Serve the base weights with `adapter` merged in, as weight version `version`: an
+        adapter refit, which moves the adapter's factors instead of every weight.
+
+        Merged into a copy (benchmarks/README.md, "LoRA refit into the torch engine"): the
+        weights each adapted module had before its first adapter are kept, and every refit
+        writes base + scaling x B @ A (in float32, stored in the weight's dtype) into the module
+        in place, so decoding runs exactly as without an adapter (the fused step included)
+        instead of adding two low-rank products to every adapted layer at every token. A module
+        an earlier adapter adapted and this one does not goes back to its base weight. An
+        adapter module the model does not have, or that is not a Linear of its shape, raises
+        naming it before any weight changes."""
+        pairs = adapter.module_pairs()
+        modules = {
+            name: module
+            for name, module in self._model.named_modules()
+            if isinstance(module, torch.nn.Linear)
+        }
+        unknown = sorted(name for name in pairs if name not in modules)
+        if unknown:
+            raise ValueError(
+                f"adapter modules {unknown[:5]} ({len(unknown)} of {len(pairs)}) are not Linear "
+                "modules of the engine's model; the adapter was trained on another model"
+            )
+        for name, (a, b) in pairs.items():
+            weight = modules[name].weight
+            if (b.shape[0], a.shape[1]) != weight.shape or a.shape[0] != b.shape[1]:
+                raise ValueError(
+                    f"adapter module {name!r} has factors A {list(a.shape)} and B "
+                    f"{list(b.shape)}; the engine's weight is {list(weight.shape)} (out x in)"
+                )
+
+        def merge() -> None:
+            for name in pairs.keys() - self._adapter_base.keys():
+                self._adapter_base[name] = modules[name].weight.detach().clone()
+            for name, base in self._adapter_base.items():
+                weight = modules[name].weight
+                if name in pairs:
+                    weight.copy_(adapter.merged(base, *pairs[name]))  # rounded to its dtype
+                else:
+                    weight.copy_(base)
+
+        self._refit(merge, version)
+
+    def _refit(self, load: Callable[[], None], version: int) -> None:
+        """Run `load` on the model (under no_grad) as weight version `version`, once the rows
+        in flight have finished; queued requests start after it with the new weights."""
         self._check_version(version)
         with self._schedule:
             self._refits_waiting += 1
@@ -580,7 +638,7 @@ class TorchGenerationEngine:
         try:
             with self._model_lock, torch.no_grad():
                 self._check_version(version)
-                self._model.load_state_dict(state_dict, strict=True)
+                load()
                 if self._decoder is not None:
                     self._decoder.refresh()
                 self._prefix_cache.clear()  # computed by the old weights

@@ -43,6 +43,23 @@ def refit_by_the_trainer(config: RecipeConfig) -> list[ConfigIssue]:
     ]
 
 
+def lora_refit_into_the_engine(config: RecipeConfig) -> list[ConfigIssue]:
+    """A LoRA run refits the adapter alone, which the torch engine merges into its weights
+    (`TorchGenerationEngine.update_adapter`); the SGLang servers' adapter loading is not wired."""
+    generation = config.generation.backend
+    if not config.trainer.lora.enabled or generation == "torch":
+        return []
+    return [
+        ConfigIssue(
+            "generation.backend",
+            generation,
+            "a LoRA run (trainer.lora.enabled) refits the adapter alone, which only the torch "
+            "engine loads so far",
+            "select generation=torch, or trainer.lora.enabled=false",
+        )
+    ]
+
+
 def expert_parallel_divides_tp(config: RecipeConfig) -> list[ConfigIssue]:
     generation = config.generation
     if not isinstance(generation, SGLangGenerationConfig) or not (

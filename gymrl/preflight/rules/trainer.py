@@ -1,9 +1,11 @@
 """Rules on `trainer.*` (`gymrl.config.schema.trainer`): what the configured trainer cannot do
-(`gymrl.trainer.capabilities`), and the Megatron trainer's parallelism against its GPUs."""
+(`gymrl.trainer.capabilities`), the Megatron trainer's parallelism against its GPUs, and a LoRA
+adapter's modules and rank against the model's (`gymrl.config.model_linears`)."""
 
 from __future__ import annotations
 
 from gymrl.cluster.placement import generation_gpus, trainer_gpus
+from gymrl.config.model_linears import decoder_linears
 from gymrl.config.schema.recipe import RecipeConfig
 from gymrl.config.schema.trainer import MegatronTrainerConfig
 from gymrl.trainer.capabilities import unsupported_by_trainer
@@ -100,6 +102,53 @@ def expert_parallel_needs_moe(config: RecipeConfig) -> list[ConfigIssue]:
             megatron[0].expert_model_parallel_size,
             "expert parallelism needs an MoE policy",
             "set trainer.expert_model_parallel_size=1 or policy.is_moe=true",
+        )
+    ]
+
+
+def lora_targets_exist(config: RecipeConfig) -> list[ConfigIssue]:
+    """A target module the model does not have: PEFT would refuse it only once the trainer has
+    loaded the model, after every other role started."""
+    lora = config.trainer.lora
+    known = decoder_linears(config.policy) if lora.enabled else None
+    if known is None:
+        return []
+    linears, source = known
+    missing = [name for name in lora.target_modules if name not in linears]
+    if not missing:
+        return []
+    return [
+        ConfigIssue(
+            "trainer.lora.target_modules",
+            list(lora.target_modules),
+            f"{missing} are not Linear modules of the model's decoder layers ({source})",
+            f"name modules among {sorted(linears)}",
+        )
+    ]
+
+
+def lora_rank_fits_the_targets(config: RecipeConfig) -> list[ConfigIssue]:
+    """The torch engine merges the adapter into the weights it adapts, so the most it can hold is
+    a full-rank update: B @ A of a rank above a weight's smaller side has no more rank than that
+    side, for more parameters (and optimizer state) than the weight itself."""
+    lora = config.trainer.lora
+    known = decoder_linears(config.policy) if lora.enabled else None
+    if known is None:
+        return []
+    linears, source = known
+    sides = {name: min(linears[name]) for name in lora.target_modules if name in linears}
+    if not sides or lora.rank <= min(sides.values()):
+        return []
+    smallest = min(sides, key=sides.__getitem__)
+    return [
+        ConfigIssue(
+            "trainer.lora.rank",
+            lora.rank,
+            f"exceeds the smaller side of {smallest} ({sides[smallest]}: in x out = "
+            f"{linears[smallest][0]} x {linears[smallest][1]}, {source}), the highest rank its "
+            "merged update can have",
+            f"set trainer.lora.rank to at most {sides[smallest]}, or train every weight "
+            "(trainer.lora.enabled=false)",
         )
     ]
 

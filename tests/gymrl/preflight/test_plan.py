@@ -73,3 +73,12 @@ def test_the_plan_names_the_nodes_a_role_is_pinned_to():
     assert lines["policy_server"] == f"{driver}, on nodes labelled slurm-node-index=1"
     assert lines["trainer"] == f"{driver}, on nodes labelled slurm-node=n0, slurm-node-index=0"
     assert lines["gym_shards"] == driver
+
+
+def test_the_plan_names_a_lora_adapter_and_its_targets():
+    overrides = ["trainer.lora.enabled=true", "trainer.lora.target_modules=[up_proj,down_proj]"]
+    plan = render_plan(validate_config(compose_raw(overrides)), "out")
+    (line,) = [line for line in plan.splitlines() if line.startswith("  training")]
+    assert "LoRA rank 16 (alpha 32, dropout 0) on up_proj, down_proj, base frozen" in line
+    plain = render_plan(validate_config(compose_raw([])), "out")
+    assert "LoRA" not in plain

@@ -533,3 +533,35 @@ def test_node_labels_match_by_equality_and_a_torch_engine_has_no_nodes_of_its_ow
     assert "match by equality" in issues["cluster.roles.trainer.node_labels"].problem
     fix = issues["cluster.roles.generation.node_labels"].fix
     assert fix.startswith("set cluster.roles.policy_server.node_labels instead")
+
+
+def test_lora_is_off_by_default_and_validates_on_the_embedded_model():
+    assert not validate_config(compose_raw([])).trainer.lora.enabled
+    lora = validate_config(compose_raw(["trainer.lora.enabled=true"])).trainer.lora
+    assert lora.enabled and lora.rank == 16
+
+
+def test_a_lora_target_the_model_lacks_is_named_with_the_models_modules():
+    issues = _issues(["trainer.lora.enabled=true", "trainer.lora.target_modules=[q_proj,qkv]"])
+    (issue,) = issues.values()
+    assert issue.key == "trainer.lora.target_modules"
+    assert "['qkv'] are not Linear modules" in issue.problem
+    assert "'gate_proj'" in issue.fix and "'v_proj'" in issue.fix
+
+
+def test_a_lora_rank_above_a_targets_smaller_side_is_refused_with_the_largest_allowed():
+    """The smoke run's tiny Llama: 64 wide, so no merged update has a rank above 64."""
+    lora = ["+experiment=smoke", "trainer.lora.enabled=true"]
+    validate_config(compose_raw([*lora, "trainer.lora.rank=64"]))
+    issue = _issues([*lora, "trainer.lora.rank=65"])["trainer.lora.rank"]
+    assert "at most 64" in issue.fix and "q_proj" in issue.problem
+
+
+def test_lora_with_megatron_sglang_or_an_moe_is_refused_naming_what_to_pick():
+    megatron = _issues(
+        ["trainer=megatron", "generation=sglang", "cluster=slurm_8gpu", "trainer.lora.enabled=true"]
+    )
+    assert "Megatron trainer does not train LoRA" in megatron["trainer.lora.enabled"].problem
+    assert "only the torch engine" in megatron["generation.backend"].problem
+    moe = _issues(["policy=tiny_qwen3_moe", "trainer.lora.enabled=true"])
+    assert "experts" in moe["trainer.lora.enabled"].problem

@@ -12,7 +12,13 @@ from gymrl.run.checkpoint import (
     save_checkpoint,
     write_manifest,
 )
-from gymrl.run.eval_checkpoint import CheckpointRefusedError, checkpoint_weights, choose_checkpoint
+from gymrl.run.eval_checkpoint import (
+    CheckpointRefusedError,
+    checkpoint_adapter,
+    checkpoint_weights,
+    choose_checkpoint,
+)
+from tests.support.lora_checkpoint import save_lora_checkpoint
 
 
 class TiedLM(torch.nn.Module):
@@ -87,3 +93,14 @@ def test_the_weights_hold_every_name_of_the_model_tied_ones_included(tmp_path):
     fresh.load_state_dict(weights, strict=True)  # what the torch engine's update_weights does
     for name, tensor in model.state_dict().items():
         assert torch.equal(fresh.state_dict()[name], tensor)
+
+
+def test_a_lora_checkpoint_is_chosen_and_read_as_its_adapter(tmp_path):
+    trainer, folder = save_lora_checkpoint(tmp_path / "checkpoints", ["+experiment=smoke"], 4)
+    chosen, _ = choose_checkpoint(str(tmp_path))
+    assert chosen.folder == folder and chosen.step == 4 and chosen.holds_adapter
+    adapter = checkpoint_adapter(chosen)
+    expected = trainer.export_adapter()
+    assert adapter.tensors.keys() == expected.tensors.keys()
+    for key, tensor in expected.tensors.items():
+        assert torch.equal(adapter.tensors[key], tensor), key

@@ -5,7 +5,8 @@ process's RNG streams, and the position in the row stream (gymrl/recipes/trainin
 before the producer may take the next step's rows). Here a run of N steps and a run stopped
 after K steps, checkpointed, rebuilt from a *different* initialisation and resumed, must agree
 exactly on the rows each step draws, the metrics of every step, and the weights and optimizer
-state after N.
+state after N. The same holds for a LoRA run resumed from its PEFT-format adapter (with adapter
+dropout, whose masks come from the restored RNG).
 Episodes are derived from the drawn rows with the real tokenizer, and their sampled parts and
 rewards come from torch's RNG, so a resume that lost the RNG state or the data position differs.
 
@@ -21,20 +22,26 @@ import torch
 from gymrl.algo.advantages import grpo_advantages
 from gymrl.algo.trajectory import Trajectory
 from gymrl.config.schema.loss import LossConfig
-from gymrl.config.schema.trainer import TorchOptimizerConfig, TorchTrainerConfig
+from gymrl.config.schema.trainer import LoraConfig, TorchOptimizerConfig, TorchTrainerConfig
 from gymrl.experience.rows import RowStream
 from gymrl.model.loading import build_tiny_llama
 from gymrl.trainer.torch_trainer import TorchPolicyTrainer
 from nemo_gym_ext.envs.registry import make_rows
 
 STEPS, STOP_AFTER, PROMPTS, GENERATIONS = 4, 2, 2, 3
+LORA = {
+    "full": LoraConfig(),
+    "lora": LoraConfig(enabled=True, rank=4, dropout=0.1, target_modules=("q_proj", "up_proj")),
+}
 
 
-def _trainer(tokenizer, seed):
+def _trainer(tokenizer, seed, lora):
     model = build_tiny_llama(
         tokenizer, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, seed=seed
     )
-    config = TorchTrainerConfig(micro_batch_size=2, optimizer=TorchOptimizerConfig(lr=1e-2))
+    config = TorchTrainerConfig(
+        micro_batch_size=2, optimizer=TorchOptimizerConfig(lr=1e-2), lora=LORA[lora]
+    )
     return TorchPolicyTrainer(
         model,
         config,
@@ -94,21 +101,26 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def test_a_resumed_run_matches_an_uninterrupted_one_bit_for_bit(tokenizer, tmp_path, one_thread):
+@pytest.mark.parametrize("lora", sorted(LORA))
+def test_a_resumed_run_matches_an_uninterrupted_one_bit_for_bit(
+    tokenizer, tmp_path, one_thread, lora
+):
     rows = make_rows("calculator", 16, seed=0)
 
     torch.manual_seed(0)
-    straight, straight_log = _trainer(tokenizer, seed=0), []
+    straight, straight_log = _trainer(tokenizer, seed=0, lora=lora), []
     _run(tokenizer, straight, RowStream(rows), range(STEPS), straight_log)
 
     torch.manual_seed(0)
-    first, resumed_log = _trainer(tokenizer, seed=0), []
+    first, resumed_log = _trainer(tokenizer, seed=0, lora=lora), []
     stream = RowStream(rows)
     _run(tokenizer, first, stream, range(STOP_AFTER), resumed_log)
     path = first.save_checkpoint(tmp_path, STOP_AFTER, {"position": stream.position})
     del first
     torch.manual_seed(123)  # the new process's RNG: whatever it is, the checkpoint's wins
-    second = _trainer(tokenizer, seed=1)
+    # A LoRA checkpoint holds the adapter alone: the base is the policy's own (its seed), and
+    # the adapter this trainer draws under the other RNG state is what the checkpoint replaces.
+    second = _trainer(tokenizer, seed=1 if lora == "full" else 0, lora=lora)
     state = second.load_checkpoint(path)
     assert state["step"] == STOP_AFTER and second.weight_version == STOP_AFTER
     _run(
