@@ -25,7 +25,8 @@ from (first turn, and after a tool output), for the bench to compare with the pr
 
 Timing comes from a subclass that times `_generate_and_score_completions` (one call per
 optimizer step here: the whole generation batch, tools and rewards included) and a callback that
-times each optimizer step; train time is the step's time minus its rollout.
+times each optimizer step; train time is the step's time minus its rollout. Each step also keeps
+its batch's mean reward (what TRL logs as `reward`), for the learning curve per step.
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ def main() -> None:
         "setup_s": setup_s,
         "steps": trainer.step_records,
         "validation": validation,
+        # TRL's own per-step logs (clip ratios, completion lengths, tool calls), for diagnosis.
+        "log_history": trainer.state.log_history,
         "versions": versions(),
     }
     args.out.write_text(json.dumps(result, indent=1))
@@ -210,9 +213,12 @@ def build_trainer(spec: dict[str, Any], output_dir: Path):
             mask = output["completion_mask"]
             if "tool_mask" in output:
                 mask = mask * output["tool_mask"]
+            mode = "train" if self.model.training else "eval"
             self.rollouts.append(
                 {
                     "training": float(self.model.training),
+                    # The batch's mean reward, as the parent just logged it.
+                    "reward": self._metrics[mode]["reward"][-1],
                     "rollout_s": time.monotonic() - started,
                     "episodes": float(mask.shape[0]),
                     "generated_tokens": float(mask.sum().item()),
@@ -240,13 +246,16 @@ def build_trainer(spec: dict[str, Any], output_dir: Path):
                 "rollout_s": rollout_s,
                 "train_s": step_s - rollout_s,
                 "episodes": sum(r["episodes"] for r in mine),
+                "reward": sum(r["reward"] * r["episodes"] for r in mine)
+                / max(sum(r["episodes"] for r in mine), 1.0),
                 "generated_tokens": sum(r["generated_tokens"] for r in mine),
                 "trainer_tokens": sum(r["trainer_tokens"] for r in mine),
             }
             trainer.step_records.append(record)
             print(
                 f"[trl] step {state.global_step}/{args.max_steps}: {step_s:.1f} s "
-                f"(rollout {rollout_s:.1f} s), {record['generated_tokens']:.0f} generated tokens",
+                f"(rollout {rollout_s:.1f} s), {record['generated_tokens']:.0f} generated tokens, "
+                f"reward {record['reward']:.3f}",
                 flush=True,
             )
 
