@@ -171,12 +171,22 @@ class EngineCounters:
 @dataclass(frozen=True)
 class EngineStep:
     """One iteration of the engine's loop, for a timeline: when it ran (`time.monotonic()`, one
-    clock for every process of a machine), the rows it admitted (prefilled) and decoded."""
+    clock for every process of a machine), the rows it admitted (prefilled) and decoded, the
+    requests queued when it ended (with a batch short of `max_batch_size`, none: the batch was
+    short for want of requests), the rows it answered, and the seconds of its three
+    phases: the prefill of the admitted rows, the re-packing of the batch's cache when rows
+    joined or left it (`_DecodeBatch.rebuild`), and the decode step. What a pass waits on is
+    read from these (`benchmarks/bench_rollout_timeline.py`)."""
 
     start_s: float
     end_s: float
     admitted: int
     decoded_rows: int
+    waiting: int
+    answered: int
+    prefill_s: float
+    rebuild_s: float
+    decode_s: float
 
 
 class EngineClosedError(EngineUnavailableError):
@@ -695,14 +705,19 @@ class TorchGenerationEngine:
                         for arrival in self._prefill(admitted)
                         if not self._answer_if_done(arrival.row)
                     ]
+                    prefilled = time.monotonic()
                     if arrivals or len(keep) < len(batch.rows):
                         batch.rebuild(keep, arrivals)
+                    rebuilt = time.monotonic()
                     decoding = len(batch.rows)
                     if decoding:
                         self._decode_step(batch)
                         self._keep_finished_caches(batch)
                     keep = [i for i, row in enumerate(batch.rows) if not self._answer_if_done(row)]
-                self._count(started, time.monotonic(), admitted, decoding)
+                answered = len(admitted) - len(arrivals) + decoding - len(keep)
+                self._count(
+                    (started, prefilled, rebuilt, time.monotonic()), admitted, decoding, answered
+                )
         except Exception as error:
             log.error("torch engine: a step failed; the engine stops", exc_info=error)
             ended = EngineFailedError(
@@ -737,12 +752,32 @@ class TorchGenerationEngine:
             self._in_flight += len(admitted)
             return admitted
 
-    def _count(self, start: float, end: float, admitted: Sequence[_Row], decoded_rows: int) -> None:
+    def _count(
+        self,
+        times: tuple[float, float, float, float],
+        admitted: Sequence[_Row],
+        decoded_rows: int,
+        answered: int,
+    ) -> None:
         """Add one loop iteration to the counters (each admitted row's prefill sampled its first
-        token, each decoded row one more) and to the timeline, if one is recorded."""
+        token, each decoded row one more) and to the timeline, if one is recorded; `times` are
+        when it started, prefilled, re-packed the batch and ended."""
+        start, prefilled, rebuilt, end = times
         with self._schedule:
             if self._timeline is not None:
-                self._timeline.append(EngineStep(start, end, len(admitted), decoded_rows))
+                self._timeline.append(
+                    EngineStep(
+                        start_s=start,
+                        end_s=end,
+                        admitted=len(admitted),
+                        decoded_rows=decoded_rows,
+                        waiting=len(self._waiting),
+                        answered=answered,
+                        prefill_s=prefilled - start,
+                        rebuild_s=rebuilt - prefilled,
+                        decode_s=end - rebuilt,
+                    )
+                )
             c = self._counters
             self._counters = EngineCounters(
                 busy_s=c.busy_s + end - start,
