@@ -2,6 +2,8 @@
 
     python benchmarks/bench_vs_trl.py   # issue 24: 12 x 4 groups
     python benchmarks/bench_vs_trl.py --seeds 0 1 2   # issue 42: learning per step, three seeds
+    python benchmarks/bench_vs_trl.py --seeds 0 1 2 --overrides policy.compute_dtype=float32 \
+        --out outputs/bench_vs_trl/float32.json       # both sides sample and train in float32
     python benchmarks/bench_vs_trl.py --steps 2 --groups 1 --val-rows 4    # a smoke test, minutes
     python benchmarks/bench_vs_trl.py --only trl --steps 2 --groups 1 --val-rows 4
     python benchmarks/bench_vs_trl.py --only project --project-overrides grpo.async_enabled=true \
@@ -25,6 +27,14 @@ row and the prompt after a tool output, as the project's policy server builds th
 A difference stops the bench. Then the project runs (`recipes/grpo.py`, read back from its
 `metrics.jsonl`), then TRL (`benchmarks/trl_worker.py`), each with the load average printed
 before it, and the table of issue 24 is printed and written to `--out` (JSON).
+
+Precision: TRL's `bf16=True` (set when the project's compute dtype resolves to bfloat16)
+autocasts its training forward only, and `generate` runs the float32 model; the project samples
+from its engine in the compute dtype (the body's weights rounded to bfloat16 once). So by
+default the two sides sample from policies a bfloat16 rounding apart: on the 32 held-out rows of
+seed 0 the starting weights answer 0.250 greedy in the project and 0.344 in TRL, and 0.344 in
+the project with `policy.compute_dtype=float32` (benchmarks/README.md, issue 42). `--overrides
+policy.compute_dtype=float32` makes both sides sample and train in float32.
 
 With several `--seeds` this is done for each seed in turn (its rows, its prompt check, both
 sides), and a second table follows: the training reward of every step on both sides, per seed and
@@ -76,6 +86,15 @@ def main() -> None:
     parser.add_argument("--skip-install", action="store_true", help="use .venv-trl as it is")
     parser.add_argument("--check-only", action="store_true", help="stop after the prompt check")
     parser.add_argument(
+        "--overrides",
+        nargs="*",
+        default=[],
+        help="more recipe overrides for both sides (the TRL side's settings come from the "
+        "composed config), e.g. policy.compute_dtype=float32: both sides generate and train in "
+        "float32 (the like-for-like precision for learning per episode; by default TRL samples "
+        "in float32 and the project in its compute dtype)",
+    )
+    parser.add_argument(
         "--project-overrides",
         nargs="*",
         default=[],
@@ -96,6 +115,7 @@ def main() -> None:
             f"grpo.num_prompts_per_step={args.groups}",
             f"env.data.num_builtin_val_rows_per_agent={args.val_rows}",
             f"run.seed={seed}",
+            *args.overrides,
         ]
         seed_work = work / f"seed{seed}"
         seed_work.mkdir(exist_ok=True)
