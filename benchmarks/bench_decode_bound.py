@@ -137,7 +137,7 @@ def prefilled_batch(
         future: Future = Future()
         future.set_running_or_notify_cancel()
         rows.append(engine._new_row(GenerationRequest(prompt, params), future))
-    batch = _DecodeBatch()
+    batch = _DecodeBatch(batch_size)
     with torch.inference_mode():
         batch.rebuild([], engine._prefill(rows))
     return batch

@@ -1,6 +1,9 @@
 """This project against TRL 1.16's GRPOTrainer with tools, same task, one after the other.
 
     python benchmarks/bench_vs_trl.py   # issue 24: 12 x 4 groups
+    python benchmarks/bench_vs_trl.py --seeds 0 1 2   # issue 42: learning per step, three seeds
+    python benchmarks/bench_vs_trl.py --seeds 0 1 2 --overrides policy.compute_dtype=float32 \
+        --out outputs/bench_vs_trl/float32.json       # both sides sample and train in float32
     python benchmarks/bench_vs_trl.py --steps 2 --groups 1 --val-rows 4    # a smoke test, minutes
     python benchmarks/bench_vs_trl.py --only trl --steps 2 --groups 1 --val-rows 4
     python benchmarks/bench_vs_trl.py --only project --project-overrides grpo.async_enabled=true \
@@ -24,6 +27,22 @@ row and the prompt after a tool output, as the project's policy server builds th
 A difference stops the bench. Then the project runs (`recipes/grpo.py`, read back from its
 `metrics.jsonl`), then TRL (`benchmarks/trl_worker.py`), each with the load average printed
 before it, and the table of issue 24 is printed and written to `--out` (JSON).
+
+Precision: TRL's `bf16=True` (set when the project's compute dtype resolves to bfloat16)
+autocasts its training forward only, and `generate` runs the float32 model; the project samples
+from its engine in the compute dtype (the body's weights rounded to bfloat16 once). So by
+default the two sides sample from policies a bfloat16 rounding apart: on the 32 held-out rows of
+seed 0 the starting weights answer 0.250 greedy in the project and 0.344 in TRL, and 0.344 in
+the project with `policy.compute_dtype=float32` (benchmarks/README.md, issue 42). `--overrides
+policy.compute_dtype=float32` makes both sides sample and train in float32.
+
+With several `--seeds` this is done for each seed in turn (its rows, its prompt check, both
+sides), and a second table follows: the training reward of every step on both sides, per seed and
+averaged over the seeds, with each seed's validation at the start and the end. Both sides run the
+same episodes per step (groups x generations), so per step is per episode; one seed's
+12-step mean over 192 episodes moves by several hundredths between seeds, which is why one seed
+said nothing (issue 42). `--out` is rewritten after every side, so an interrupted run keeps what
+it finished, and a rerun with `--only` keeps the other side of each seed whose settings match.
 """
 
 from __future__ import annotations
@@ -59,11 +78,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12, help="training steps (issue 24: 12)")
     parser.add_argument("--groups", type=int, default=4, help="groups per step (issue 24: 4)")
     parser.add_argument("--val-rows", type=int, default=32, help="held-out rows (issue 24: 32)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", default=[0], help="run.seed of each run, e.g. 0 1 2"
+    )
     parser.add_argument("--only", choices=("both", "project", "trl"), default="both")
     parser.add_argument("--out", type=Path, default=Path("outputs/bench_vs_trl/table.json"))
     parser.add_argument("--skip-install", action="store_true", help="use .venv-trl as it is")
     parser.add_argument("--check-only", action="store_true", help="stop after the prompt check")
+    parser.add_argument(
+        "--overrides",
+        nargs="*",
+        default=[],
+        help="more recipe overrides for both sides (the TRL side's settings come from the "
+        "composed config), e.g. policy.compute_dtype=float32: both sides generate and train in "
+        "float32 (the like-for-like precision for learning per episode; by default TRL samples "
+        "in float32 and the project in its compute dtype)",
+    )
     parser.add_argument(
         "--project-overrides",
         nargs="*",
@@ -72,42 +102,62 @@ def main() -> None:
         "(the async variant); use with --only project and its own --out",
     )
     args = parser.parse_args()
-    overrides = [
-        *TASK_OVERRIDES,
-        f"grpo.num_steps={args.steps}",
-        f"grpo.num_prompts_per_step={args.groups}",
-        f"env.data.num_builtin_val_rows_per_agent={args.val_rows}",
-        f"run.seed={args.seed}",
-    ]
     work = args.out.resolve().parent
     work.mkdir(parents=True, exist_ok=True)
-    if args.only != "project":
-        if not args.skip_install:
-            ensure_trl_venv()
-        print(
-            "[bench] building the TRL side's rows and settings from the composed config", flush=True
-        )
-        spec = build_spec(overrides)
-        spec_path = work / "trl_spec.json"
-        spec_path.write_text(json.dumps(spec))
-        check_prompts(spec, spec_path, work, overrides)
-        if args.check_only:
-            return
-    # A side run alone joins the other side's figures from an earlier run with the same settings.
-    results: dict[str, Any] = {"overrides": overrides, "project_overrides": args.project_overrides}
-    if args.only != "both" and args.out.is_file():
-        earlier = json.loads(args.out.read_text())
-        if earlier.get("overrides") == overrides:
-            results.update({k: v for k, v in earlier.items() if k in ("project", "trl")})
-    if args.only in ("both", "project"):
-        results["project"] = run_project([*overrides, *args.project_overrides], work)
-    if args.only in ("both", "trl"):
-        results["trl"] = run_trl(work / "trl_spec.json", work)
-    sides = {name: results[name]["figures"] for name in ("project", "trl") if name in results}
-    results["table"] = format_table(sides)
-    print(results["table"], flush=True)
-    args.out.write_text(json.dumps(results, indent=1))
+    if args.only != "project" and not args.skip_install:
+        ensure_trl_venv()
+    earlier = json.loads(args.out.read_text()).get("seeds", {}) if args.out.is_file() else {}
+    results: dict[str, Any] = {"seeds": {}}
+    for seed in args.seeds:
+        overrides = [
+            *TASK_OVERRIDES,
+            f"grpo.num_steps={args.steps}",
+            f"grpo.num_prompts_per_step={args.groups}",
+            f"env.data.num_builtin_val_rows_per_agent={args.val_rows}",
+            f"run.seed={seed}",
+            *args.overrides,
+        ]
+        seed_work = work / f"seed{seed}"
+        seed_work.mkdir(exist_ok=True)
+        if args.only != "project":
+            print(
+                f"[bench] seed {seed}: the TRL side's rows and settings from the config", flush=True
+            )
+            spec = build_spec(overrides)
+            spec_path = seed_work / "trl_spec.json"
+            spec_path.write_text(json.dumps(spec))
+            check_prompts(spec, spec_path, seed_work, overrides)
+            if args.check_only:
+                continue
+        # A side run alone joins the other side's figures from an earlier run with the same
+        # settings.
+        result: dict[str, Any] = {
+            "overrides": overrides,
+            "project_overrides": args.project_overrides,
+        }
+        before = earlier.get(str(seed), {})
+        if args.only != "both" and before.get("overrides") == overrides:
+            result.update({k: v for k, v in before.items() if k in ("project", "trl")})
+        results["seeds"][str(seed)] = result
+        if args.only in ("both", "project"):
+            result["project"] = run_project([*overrides, *args.project_overrides], seed_work)
+            write_results(results, args.out)
+        if args.only in ("both", "trl"):
+            result["trl"] = run_trl(seed_work / "trl_spec.json", seed_work)
+        sides = {name: result[name]["figures"] for name in ("project", "trl") if name in result}
+        result["table"] = format_table(sides)
+        print(f"[bench] seed {seed}\n{result['table']}", flush=True)
+        write_results(results, args.out)
+    if args.check_only:
+        return
+    results["learning"] = format_learning(results["seeds"])
+    print(results["learning"], flush=True)
+    write_results(results, args.out)
     print(f"[bench] written: {args.out}", flush=True)
+
+
+def write_results(results: Mapping[str, Any], out: Path) -> None:
+    out.write_text(json.dumps(results, indent=1))
 
 
 # ------------------------------------------------------------------------------ TRL's venv
@@ -345,8 +395,12 @@ def run_project(overrides: Sequence[str], work: Path) -> dict[str, Any]:
     subprocess.run(command, check=True, cwd=REPO, env=env)
     exit_s = time.monotonic() - started
     records = [json.loads(line) for line in (REPO / "outputs" / name / "metrics.jsonl").open()]
-    figures = project_figures(records, exit_s)
-    return {"load_average": load, "run": name, "figures": figures}
+    return {
+        "load_average": load,
+        "run": name,
+        "figures": project_figures(records, exit_s),
+        "train_rewards": project_rewards(records),
+    }
 
 
 def run_trl(spec_path: Path, work: Path) -> dict[str, Any]:
@@ -363,8 +417,17 @@ def run_trl(spec_path: Path, work: Path) -> dict[str, Any]:
     subprocess.run(command, check=True, cwd=REPO, env=worker_env())
     exit_s = time.monotonic() - started
     result = json.loads(out.read_text())
-    figures = trl_figures(result, exit_s)
-    return {"load_average": load, "versions": result["versions"], "figures": figures}
+    return {
+        "load_average": load,
+        "versions": result["versions"],
+        "figures": trl_figures(result, exit_s),
+        "train_rewards": [step["reward"] for step in sorted(result["steps"], key=_step)],
+        "log_history": result["log_history"],
+    }
+
+
+def _step(record: Mapping[str, Any]) -> int:
+    return record["step"]
 
 
 # ------------------------------------------------------------------------------- the table
@@ -481,6 +544,108 @@ def format_table(sides: Mapping[str, Mapping[str, float]]) -> str:
     for key, label, form in ROWS:
         cells = [form.format(sides[n][key]) if key in sides[n] else "-" for n in names]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# -------------------------------------------------------------------- learning per step, seeds
+def project_rewards(records: Sequence[Mapping[str, Any]]) -> list[float]:
+    """`train/reward/mean` of every training step, in step order."""
+    steps = sorted(
+        (r["step"], r["train/reward/mean"])
+        for r in records
+        if r.get("step", 0) >= 1 and "train/reward/mean" in r
+    )
+    return [reward for _, reward in steps]
+
+
+def _stderr(values: Sequence[float]) -> float:
+    """Standard error of the mean of `values` (sample std / sqrt(n)); nan below two."""
+    if len(values) < 2:
+        return math.nan
+    mean = _mean(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values))
+
+
+def learning_summary(seeds: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
+    """Each side's training reward over all its steps, averaged over the seeds that ran it, with
+    the standard error over those seeds; and the difference TRL minus project over the seeds
+    both sides ran (paired by seed: same rows, same episodes per step)."""
+    summary: dict[str, float] = {}
+    per_seed: dict[str, dict[str, float]] = {"project": {}, "trl": {}}
+    for seed, result in seeds.items():
+        for side in per_seed:
+            rewards = result.get(side, {}).get("train_rewards")
+            if rewards:
+                per_seed[side][seed] = _mean(rewards)
+    for side, means in per_seed.items():
+        summary[f"{side}_mean"] = _mean(list(means.values()))
+        summary[f"{side}_stderr"] = _stderr(list(means.values()))
+    trl, project = per_seed["trl"], per_seed["project"]
+    paired = [trl[seed] - project[seed] for seed in trl if seed in project]
+    summary["trl_minus_project"] = _mean(paired)
+    summary["trl_minus_project_stderr"] = _stderr(paired)
+    summary["paired_seeds"] = float(len(paired))
+    return summary
+
+
+def format_learning(seeds: Mapping[str, Mapping[str, Any]]) -> str:
+    """The training reward per step on both sides, one column per seed and their mean, then
+    each side's mean over the steps and its validation at the start and the end (Markdown)."""
+    names = list(seeds)
+    titles = {"project": "project", "trl": "TRL"}
+
+    def cells(values: Sequence[float | None]) -> list[str]:
+        present = [v for v in values if v is not None and not math.isnan(v)]
+        shown = ["-" if v is None or math.isnan(v) else f"{v:.3f}" for v in values]
+        return [*shown, f"{_mean(present):.3f}" if present else "-"]
+
+    def row(label: str, pick) -> str:
+        line = []
+        for side in titles:
+            line += cells([pick(seeds[n].get(side)) if seeds[n].get(side) else None for n in names])
+        return f"| {label} | " + " | ".join(line) + " |"
+
+    steps = max(
+        (
+            len(seeds[n][side]["train_rewards"])
+            for n in names
+            for side in titles
+            if side in seeds[n]
+        ),
+        default=0,
+    )
+    header = [
+        title
+        for side in titles.values()
+        for title in (*(f"{side} seed {n}" for n in names), f"{side} mean")
+    ]
+    lines = [
+        "| training reward | " + " | ".join(header) + " |",
+        "|---|" + "---:|" * len(header),
+    ]
+    for step in range(steps):
+        lines.append(
+            row(
+                f"step {step + 1}",
+                lambda side, i=step: (
+                    side["train_rewards"][i] if i < len(side["train_rewards"]) else None
+                ),
+            )
+        )
+    lines.append(row(f"mean over steps 1-{steps}", lambda side: _mean(side["train_rewards"])))
+    for key, label in (
+        ("validation_start", "validation at the start"),
+        ("validation_end", "validation at the end"),
+    ):
+        lines.append(row(label, lambda side, k=key: side["figures"][k]))
+    summary = learning_summary(seeds)
+    lines.append(
+        f"\nTraining reward over all steps: project {summary['project_mean']:.3f} "
+        f"(+- {summary['project_stderr']:.3f} over seeds), TRL {summary['trl_mean']:.3f} "
+        f"(+- {summary['trl_stderr']:.3f}); TRL minus project, paired by seed: "
+        f"{summary['trl_minus_project']:+.3f} (+- {summary['trl_minus_project_stderr']:.3f}, "
+        f"{summary['paired_seeds']:.0f} seeds)."
+    )
     return "\n".join(lines)
 
 

@@ -1,6 +1,7 @@
 """The TRL side of benchmarks/bench_vs_trl.py; runs inside the TRL virtual environment.
 
     .venv-trl/bin/python benchmarks/trl_worker.py SPEC.json OUT.json [--check-prompts]
+    .venv-trl/bin/python benchmarks/trl_worker.py SPEC.json OUT.json --validation-only
 
 `bench_vs_trl.py` writes SPEC.json from the project's composed config (rows, template, tool
 schema, settings); this script never reads the project's config itself, so the TRL venv needs no
@@ -21,11 +22,15 @@ set on the tokenizer so that TRL renders and parses exactly what the project doe
   key order and missing `additionalProperties` change the system prompt's tokens.
 
 With `--check-prompts` it only builds the trainer and writes the prompt ids TRL would generate
-from (first turn, and after a tool output), for the bench to compare with the project's.
+from (first turn, and after a tool output), for the bench to compare with the project's. With
+`--validation-only` it runs one validation pass and stops (for `bench_rollout_timeline.py
+--held-out`'s comparison). Every validation pass records each forward pass of the model (rows,
+new positions, seconds).
 
 Timing comes from a subclass that times `_generate_and_score_completions` (one call per
 optimizer step here: the whole generation batch, tools and rewards included) and a callback that
-times each optimizer step; train time is the step's time minus its rollout.
+times each optimizer step; train time is the step's time minus its rollout. Each step also keeps
+its batch's mean reward (what TRL logs as `reward`), for the learning curve per step.
 """
 
 from __future__ import annotations
@@ -45,6 +50,11 @@ def main() -> None:
     parser.add_argument("spec", type=Path)
     parser.add_argument("out", type=Path)
     parser.add_argument("--check-prompts", action="store_true")
+    parser.add_argument(
+        "--validation-only",
+        action="store_true",
+        help="one validation pass with the step-0 weights, no training (what a pass waits on)",
+    )
     args = parser.parse_args()
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints where a slow run is
     spec = json.loads(args.spec.read_text())
@@ -62,12 +72,17 @@ def main() -> None:
     setup_s = time.monotonic() - started
     print(f"[trl] trainer built in {setup_s:.1f} s", flush=True)
     validation = [validate(trainer, "start")]
+    if args.validation_only:
+        args.out.write_text(json.dumps({"validation": validation, "versions": versions()}))
+        return
     trainer.train()
     validation.append(validate(trainer, "end"))
     result = {
         "setup_s": setup_s,
         "steps": trainer.step_records,
         "validation": validation,
+        # TRL's own per-step logs (clip ratios, completion lengths, tool calls), for diagnosis.
+        "log_history": trainer.state.log_history,
         "versions": versions(),
     }
     args.out.write_text(json.dumps(result, indent=1))
@@ -210,9 +225,12 @@ def build_trainer(spec: dict[str, Any], output_dir: Path):
             mask = output["completion_mask"]
             if "tool_mask" in output:
                 mask = mask * output["tool_mask"]
+            mode = "train" if self.model.training else "eval"
             self.rollouts.append(
                 {
                     "training": float(self.model.training),
+                    # The batch's mean reward, as the parent just logged it.
+                    "reward": self._metrics[mode]["reward"][-1],
                     "rollout_s": time.monotonic() - started,
                     "episodes": float(mask.shape[0]),
                     "generated_tokens": float(mask.sum().item()),
@@ -240,13 +258,16 @@ def build_trainer(spec: dict[str, Any], output_dir: Path):
                 "rollout_s": rollout_s,
                 "train_s": step_s - rollout_s,
                 "episodes": sum(r["episodes"] for r in mine),
+                "reward": sum(r["reward"] * r["episodes"] for r in mine)
+                / max(sum(r["episodes"] for r in mine), 1.0),
                 "generated_tokens": sum(r["generated_tokens"] for r in mine),
                 "trainer_tokens": sum(r["trainer_tokens"] for r in mine),
             }
             trainer.step_records.append(record)
             print(
                 f"[trl] step {state.global_step}/{args.max_steps}: {step_s:.1f} s "
-                f"(rollout {rollout_s:.1f} s), {record['generated_tokens']:.0f} generated tokens",
+                f"(rollout {rollout_s:.1f} s), {record['generated_tokens']:.0f} generated tokens, "
+                f"reward {record['reward']:.3f}",
                 flush=True,
             )
 
@@ -282,6 +303,7 @@ def validate(trainer, when: str) -> dict[str, Any]:
     trainer.model.eval()
     rewards: list[float] = []
     generated = 0
+    forwards = ForwardCounter(trainer.model)
     started = time.monotonic()
     try:
         for start in range(0, len(rows), batch_size):
@@ -295,6 +317,7 @@ def validate(trainer, when: str) -> dict[str, Any]:
             rewards += reward_function(completions, batch["expected_answer"])
             generated += sum(sum(mask) for mask in tool_mask)
     finally:
+        forwards.remove()
         generation.do_sample = sampled
         trainer.model.train(training)
         trainer._metrics["eval"].clear()  # `_generate`'s logging, never written
@@ -302,10 +325,54 @@ def validate(trainer, when: str) -> dict[str, Any]:
     reward = sum(rewards) / len(rewards)
     print(
         f"[trl] validation at the {when}: reward {reward:.3f}, {wall_s:.1f} s, "
-        f"{generated} generated tokens",
+        f"{generated} generated tokens, {forwards.summary()}",
         flush=True,
     )
-    return {"when": when, "wall_s": wall_s, "reward": reward, "generated_tokens": generated}
+    return {
+        "when": when,
+        "wall_s": wall_s,
+        "reward": reward,
+        "generated_tokens": generated,
+        "forwards": forwards.records,
+    }
+
+
+class ForwardCounter:
+    """Every forward pass of `model` while it is attached: its rows, its new positions (1 in a
+    decode step, the prompt's length in `generate`'s prefill) and its seconds. `generate` runs
+    all the rows of a batch in lockstep, finished ones included, so each forward reads every
+    weight once whatever its rows: on memory that limits the step, forwards are the pass's
+    cost (benchmarks/README.md, issue 42)."""
+
+    def __init__(self, model) -> None:
+        self.records: list[dict[str, float]] = []
+        self._started = 0.0
+        self._handles = [
+            model.register_forward_pre_hook(self._before, with_kwargs=True),
+            model.register_forward_hook(self._after, with_kwargs=True),
+        ]
+
+    def _before(self, _module, _args, kwargs) -> None:
+        self._started = time.monotonic()
+
+    def _after(self, _module, _args, kwargs, _output) -> None:
+        rows, positions = kwargs["input_ids"].shape
+        self.records.append(
+            {"rows": rows, "positions": positions, "seconds": time.monotonic() - self._started}
+        )
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def summary(self) -> str:
+        decode = [r for r in self.records if r["positions"] == 1]
+        rows = sum(r["rows"] for r in decode) / max(len(decode), 1)
+        return (
+            f"{len(self.records)} forwards ({len(self.records) - len(decode)} prefills, "
+            f"{len(decode)} decode steps of {rows:.1f} rows, "
+            f"{sum(r['seconds'] for r in decode):.1f} s in decode steps)"
+        )
 
 
 def trl_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -4,6 +4,7 @@ turns each side's records into issue 24's figures is checked here (steps 2 on, t
 validation pass kept out of the last step, rates as sums over sums)."""
 
 import importlib.util
+import json
 import math
 from pathlib import Path
 
@@ -128,3 +129,86 @@ def test_the_trl_venv_takes_the_projects_pins(bench):
     pins = bench.cpu_env_pins(bench.PINNED_FROM_CPU_ENV)
     assert set(pins) == set(bench.PINNED_FROM_CPU_ENV)
     assert all(version[0].isdigit() for version in pins.values())
+
+
+def test_project_rewards_are_the_training_steps_in_order(bench):
+    records = [
+        {"step": 0, "validation/reward/mean": 0.25},
+        {"step": 2, "train/reward/mean": 0.5},
+        {"step": 1, "train/reward/mean": 0.125},
+        {"step": 2, "validation/reward/mean": 0.75},  # the closing pass's own record
+    ]
+    assert bench.project_rewards(records) == [0.125, 0.5]
+
+
+def _side(rewards, start, end):
+    return {
+        "train_rewards": rewards,
+        "figures": {"validation_start": start, "validation_end": end},
+    }
+
+
+def test_learning_is_averaged_over_seeds_and_paired_by_seed(bench):
+    seeds = {
+        "0": {"project": _side([0.0, 0.5], 0.25, 0.5), "trl": _side([0.5, 0.5], 0.25, 0.75)},
+        "1": {"project": _side([0.25, 0.25], 0.5, 0.5), "trl": _side([0.25, 0.75], 0.5, 0.25)},
+        "2": {"project": _side([1.0, 1.0], 0.0, 1.0)},  # TRL not run for this seed
+    }
+    summary = bench.learning_summary(seeds)
+    assert summary["project_mean"] == pytest.approx((0.25 + 0.25 + 1.0) / 3)
+    assert summary["project_stderr"] == pytest.approx(0.25)  # std 0.433 / sqrt(3)
+    assert summary["trl_mean"] == pytest.approx(0.5)
+    assert summary["trl_stderr"] == pytest.approx(0.0)
+    # Paired over seeds 0 and 1 only: 0.5 - 0.25 both times.
+    assert summary["trl_minus_project"] == pytest.approx(0.25)
+    assert summary["trl_minus_project_stderr"] == pytest.approx(0.0)
+    assert summary["paired_seeds"] == 2
+
+    lines = bench.format_learning(seeds).splitlines()
+    assert lines[0] == (
+        "| training reward | project seed 0 | project seed 1 | project seed 2 | project mean "
+        "| TRL seed 0 | TRL seed 1 | TRL seed 2 | TRL mean |"
+    )
+    assert lines[2] == "| step 1 | 0.000 | 0.250 | 1.000 | 0.417 | 0.500 | 0.250 | - | 0.375 |"
+    assert lines[4] == (
+        "| mean over steps 1-2 | 0.250 | 0.250 | 1.000 | 0.500 | 0.500 | 0.500 | - | 0.500 |"
+    )
+    assert (
+        lines[6]
+        == "| validation at the end | 0.500 | 0.500 | 1.000 | 0.667 | 0.750 | 0.250 | - | 0.500 |"
+    )
+    assert lines[-1].startswith("Training reward over all steps: project 0.500 (+- 0.250")
+
+
+def test_trl_rewards_come_in_step_order(bench, tmp_path, monkeypatch):
+    steps = [
+        {
+            "step": 2,
+            "step_s": 1.0,
+            "rollout_s": 0.5,
+            "train_s": 0.5,
+            "episodes": 16.0,
+            "generated_tokens": 1.0,
+            "trainer_tokens": 1.0,
+            "reward": 0.75,
+        },
+        {
+            "step": 1,
+            "step_s": 1.0,
+            "rollout_s": 0.5,
+            "train_s": 0.5,
+            "episodes": 16.0,
+            "generated_tokens": 1.0,
+            "trainer_tokens": 1.0,
+            "reward": 0.25,
+        },
+    ]
+    result = {
+        "steps": steps,
+        "validation": [{"wall_s": 1.0, "reward": 0.0, "generated_tokens": 1}],
+        "versions": {},
+        "log_history": [],
+    }
+    (tmp_path / "trl_result.json").write_text(json.dumps(result))
+    monkeypatch.setattr(bench.subprocess, "run", lambda *a, **k: None)
+    assert bench.run_trl(tmp_path / "spec.json", tmp_path)["train_rewards"] == [0.25, 0.75]

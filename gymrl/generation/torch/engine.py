@@ -132,7 +132,8 @@ class _BufferedLayer(DynamicLayer):
     def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole key and value buffers, spare capacity included: dense tensors, which the
         matrix products of the fused decode step read without copying (a view of the filled
-        part is not). A decode batch's spare capacity holds zeros (`_DecodeBatch.rebuild`)."""
+        part is not). A decode batch's padding and spare capacity hold zeros
+        (`_DecodeBatch.rebuild`)."""
         if self._key_buffer is None or self._value_buffer is None:
             raise RuntimeError("this cache layer was read before the model wrote to it")
         return self._key_buffer, self._value_buffer
@@ -172,12 +173,22 @@ class EngineCounters:
 @dataclass(frozen=True)
 class EngineStep:
     """One iteration of the engine's loop, for a timeline: when it ran (`time.monotonic()`, one
-    clock for every process of a machine), the rows it admitted (prefilled) and decoded."""
+    clock for every process of a machine), the rows it admitted (prefilled) and decoded, the
+    requests queued when it ended (with a batch short of `max_batch_size`, none: the batch was
+    short for want of requests), the rows it answered, and the seconds of its three
+    phases: the prefill of the admitted rows, the re-packing of the batch's cache when rows
+    joined or left it (`_DecodeBatch.rebuild`), and the decode step. What a pass waits on is
+    read from these (`benchmarks/bench_rollout_timeline.py`)."""
 
     start_s: float
     end_s: float
     admitted: int
     decoded_rows: int
+    waiting: int
+    answered: int
+    prefill_s: float
+    rebuild_s: float
+    decode_s: float
 
 
 class EngineClosedError(EngineUnavailableError):
@@ -228,11 +239,22 @@ class _Arrival:
 
 
 class _DecodeBatch:
-    """The rows decoding together and their right-aligned KV cache."""
+    """The rows decoding together and their right-aligned KV cache.
 
-    def __init__(self) -> None:
+    Each layer's keys and values live in a buffer with a slot per row the engine may decode at
+    once (`[slots, kv_heads, capacity, head_dim]`); the rows decoding hold the first slots, and
+    each layer's cache is a view of them (a leading slice: dense, as the fused step needs).
+    Rows joining and leaving move only their own slots where they can (`rebuild`): re-packing
+    the whole cache copies every row's keys and values, more memory traffic than a decode
+    step, at every turn boundary (benchmarks/README.md, "Validation against TRL on slow memory").
+    """
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
         self.rows: list[_Row] = []
         self.layers: list[_BufferedLayer] = []
+        self._keys: list[torch.Tensor] = []  # per layer, [slots, kv_heads, capacity, head_dim]
+        self._values: list[torch.Tensor] = []
 
     @property
     def width(self) -> int:
@@ -240,55 +262,111 @@ class _DecodeBatch:
 
     @property
     def capacity(self) -> int:
-        return self.layers[0].buffers()[0].shape[-2] if self.layers else 0
+        return self._keys[0].shape[-2] if self.layers else 0
 
     def reserve(self, columns: int) -> None:
-        """Make room for `columns` more tokens in every layer (`_BufferedLayer.reserve`)."""
-        for layer in self.layers:
-            layer.reserve(columns)
+        """Make room for `columns` more tokens: full buffers are copied into ones with that many
+        columns more and `_DECODE_ROOM` spare (zeros) after them."""
+        width = self.width
+        if not self.layers or width + columns <= self.capacity:
+            return
+        capacity = width + columns + _DECODE_ROOM
+        rows = len(self.rows)
+        for buffers in (self._keys, self._values):
+            for layer, buffer in enumerate(buffers):
+                slots, heads, _, dim = buffer.shape
+                bigger = buffer.new_empty(slots, heads, capacity, dim)
+                bigger[:rows, :, :width] = buffer[:rows, :, :width]
+                bigger[:rows, :, width:].zero_()
+                buffers[layer] = bigger
+        self._link(width)
 
     def rebuild(self, keep: Sequence[int], arrivals: Sequence[_Arrival]) -> None:
-        """Keep rows `keep` (indices into `self.rows`), append `arrivals`, and re-pack the cache.
+        """Keep rows `keep` (ascending indices into `self.rows`) and append `arrivals`.
 
-        The new cache is as wide as the longest row (columns that are padding in every row are
-        dropped) and room for the most tokens any row may still add, up to `_DECODE_ROOM` (then
-        it grows by as much again); that room holds zeros, so attention may read it (masked) as
-        finite numbers.
-        """
+        In place when rows are kept and every row fits the cache's width with at most
+        `_DECODE_ROOM` columns that are padding in every row (a batch that starts afresh is laid
+        out afresh, as a new engine's would be): the kept rows past the new row count move into the
+        slots of the rows that left (whole slots), and each arrival is written into a free slot
+        right-aligned, its padding and room zeroed. Otherwise `_repack`. A free slot holds
+        whatever it held: every row written into one fills or zeroes all of its columns, so
+        attention reads (masked) finite numbers only."""
         kept = [self.rows[i] for i in keep]
         rows = kept + [arrival.row for arrival in arrivals]
         if not rows:
-            self.rows, self.layers = [], []
+            self.rows, self.layers, self._keys, self._values = [], [], [], []
             return
+        width = self.width
+        longest = max(row.cached for row in rows)
+        if not keep or not width - _DECODE_ROOM <= longest <= width:
+            self._repack(keep, arrivals)
+            return
+        kept_set = set(keep)
+        holes = [i for i in range(len(keep)) if i not in kept_set]
+        movers = [i for i in keep if i >= len(keep)]
+        if holes:
+            into = torch.tensor(holes, device=self._keys[0].device)
+            out_of = torch.tensor(movers, device=self._keys[0].device)
+            for buffer in (*self._keys, *self._values):
+                buffer.index_copy_(0, into, buffer.index_select(0, out_of))
+        order = list(range(len(keep)))
+        for hole, mover in zip(holes, movers, strict=True):
+            order[hole] = mover
+        for slot, arrival in enumerate(arrivals, start=len(keep)):
+            for buffers, segments in ((self._keys, arrival.keys), (self._values, arrival.values)):
+                for buffer, segment in zip(buffers, segments, strict=True):
+                    start = width - segment.shape[-2]
+                    buffer[slot, :, :start].zero_()
+                    buffer[slot, :, start:width] = segment
+                    buffer[slot, :, width:].zero_()
+        self.rows = [self.rows[i] for i in order] + [arrival.row for arrival in arrivals]
+        self._link(width)
+
+    def _repack(self, keep: Sequence[int], arrivals: Sequence[_Arrival]) -> None:
+        """Copy the kept rows and the arrivals into new buffers as wide as the longest row
+        (columns that are padding in every row are dropped), with room for the most tokens any
+        row may still add, up to `_DECODE_ROOM` (then it grows by as much again); padding and
+        room hold zeros, so attention may read them (masked) as finite numbers."""
+        kept = [self.rows[i] for i in keep]
+        rows = kept + [arrival.row for arrival in arrivals]
         width = max(row.cached for row in rows)
         shortest = min(row.cached for row in rows)
         capacity = width + min(_DECODE_ROOM, max(row.remaining for row in rows))
         kept_width = max((row.cached for row in kept), default=0)
+        old_width = self.width
         keep_index = torch.tensor(list(keep), dtype=torch.long)
-        depth = len(self.layers) if self.layers else len(arrivals[0].keys)
-        layers = []
-        for layer in range(depth):
-            buffers = []
-            for name in ("keys", "values"):
-                template = (
-                    getattr(self.layers[layer], name) if kept else getattr(arrivals[0], name)[layer]
-                )
+        depth = len(self._keys) if self._keys else len(arrivals[0].keys)
+        repacked: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        for name, old_buffers, new_buffers in (
+            ("keys", self._keys, repacked[0]),
+            ("values", self._values, repacked[1]),
+        ):
+            for layer in range(depth):
+                template = old_buffers[layer] if kept else getattr(arrivals[0], name)[layer]
                 heads, dim = template.shape[-3], template.shape[-1]
-                buffer = template.new_empty(len(rows), heads, capacity, dim)
-                buffer[:, :, : width - shortest].zero_()
-                buffer[:, :, width:].zero_()
+                buffer = template.new_empty(self.slots, heads, capacity, dim)
+                buffer[: len(rows), :, : width - shortest].zero_()
+                buffer[: len(rows), :, width:].zero_()
                 if kept:
-                    old = getattr(self.layers[layer], name)
-                    old_width = old.shape[-2]
+                    old = old_buffers[layer]
                     buffer[: len(kept), :, width - kept_width : width] = old[
-                        keep_index.to(old.device), :, old_width - kept_width :
+                        keep_index.to(old.device), :, old_width - kept_width : old_width
                     ]
                 for slot, arrival in enumerate(arrivals, start=len(kept)):
                     segment = getattr(arrival, name)[layer]
                     buffer[slot, :, width - segment.shape[-2] : width] = segment
-                buffers.append(buffer)
-            layers.append(_BufferedLayer(buffers[0], buffers[1], width))
-        self.rows, self.layers = rows, layers
+                new_buffers.append(buffer)
+        self._keys, self._values = repacked
+        self.rows = rows
+        self._link(width)
+
+    def _link(self, width: int) -> None:
+        """Point each layer's cache at the slots of the rows decoding, `width` columns filled."""
+        rows = len(self.rows)
+        self.layers = [
+            _BufferedLayer(keys[:rows], values[:rows], width)
+            for keys, values in zip(self._keys, self._values, strict=True)
+        ]
 
 
 def _fail(future: Future[GenerationOutput], error: BaseException) -> None:
@@ -735,7 +813,7 @@ class TorchGenerationEngine:
         answer the rows that finished; sleep while there is nothing to do. When it ends (closed,
         or a step failed), every request not yet answered fails with the reason; a failed step
         is logged with its traceback and kept as `failure()`."""
-        batch = _DecodeBatch()
+        batch = _DecodeBatch(self._max_batch_size)
         keep: list[int] = []  # rows of `batch` still decoding
         admitted: list[_Row] | None = []
         ended: BaseException = EngineClosedError(
@@ -753,14 +831,19 @@ class TorchGenerationEngine:
                         for arrival in self._prefill(admitted)
                         if not self._answer_if_done(arrival.row)
                     ]
+                    prefilled = time.monotonic()
                     if arrivals or len(keep) < len(batch.rows):
                         batch.rebuild(keep, arrivals)
+                    rebuilt = time.monotonic()
                     decoding = len(batch.rows)
                     if decoding:
                         self._decode_step(batch)
                         self._keep_finished_caches(batch)
                     keep = [i for i, row in enumerate(batch.rows) if not self._answer_if_done(row)]
-                self._count(started, time.monotonic(), admitted, decoding)
+                answered = len(admitted) - len(arrivals) + decoding - len(keep)
+                self._count(
+                    (started, prefilled, rebuilt, time.monotonic()), admitted, decoding, answered
+                )
         except Exception as error:
             log.error("torch engine: a step failed; the engine stops", exc_info=error)
             ended = EngineFailedError(
@@ -795,12 +878,32 @@ class TorchGenerationEngine:
             self._in_flight += len(admitted)
             return admitted
 
-    def _count(self, start: float, end: float, admitted: Sequence[_Row], decoded_rows: int) -> None:
+    def _count(
+        self,
+        times: tuple[float, float, float, float],
+        admitted: Sequence[_Row],
+        decoded_rows: int,
+        answered: int,
+    ) -> None:
         """Add one loop iteration to the counters (each admitted row's prefill sampled its first
-        token, each decoded row one more) and to the timeline, if one is recorded."""
+        token, each decoded row one more) and to the timeline, if one is recorded; `times` are
+        when it started, prefilled, re-packed the batch and ended."""
+        start, prefilled, rebuilt, end = times
         with self._schedule:
             if self._timeline is not None:
-                self._timeline.append(EngineStep(start, end, len(admitted), decoded_rows))
+                self._timeline.append(
+                    EngineStep(
+                        start_s=start,
+                        end_s=end,
+                        admitted=len(admitted),
+                        decoded_rows=decoded_rows,
+                        waiting=len(self._waiting),
+                        answered=answered,
+                        prefill_s=prefilled - start,
+                        rebuild_s=rebuilt - prefilled,
+                        decode_s=end - rebuilt,
+                    )
+                )
             c = self._counters
             self._counters = EngineCounters(
                 busy_s=c.busy_s + end - start,

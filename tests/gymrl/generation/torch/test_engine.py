@@ -487,6 +487,14 @@ def test_the_counters_add_up_what_the_engine_did(model, prompts):
     assert sum(s.decoded_rows for s in timeline) == counters.decode_rows
     assert sum(s.admitted for s in timeline) == len(requests)
     assert all(a.end_s <= b.start_s for a, b in itertools.pairwise(timeline))
+    assert sum(s.answered for s in timeline) == len(requests)
+    # Three requests for two slots: the first iteration leaves one queued, the last none.
+    assert (timeline[0].admitted, timeline[0].waiting) == (2, 1)
+    assert timeline[-1].waiting == 0
+    for step in timeline:
+        phases = step.prefill_s + step.rebuild_s + step.decode_s
+        assert min(step.prefill_s, step.rebuild_s, step.decode_s) >= 0
+        assert phases == pytest.approx(step.end_s - step.start_s)
     assert engine.timeline() == []  # recording stopped
 
 

@@ -15,7 +15,7 @@ from transformers import LlamaForCausalLM
 
 from gymrl.config.schema.generation import TorchGenerationConfig
 from gymrl.config.schema.grpo import ParityGateConfig
-from gymrl.generation.torch.engine import TorchGenerationEngine
+from gymrl.generation.torch.engine import TorchGenerationEngine, _DecodeBatch
 from gymrl.generation.torch.llama_decode import unsupported_reason
 from gymrl.generation.types import GenerationOutput, GenerationRequest, SamplingParams
 from gymrl.model.loading import build_tiny_llama, load_pretrained
@@ -241,3 +241,40 @@ def test_fused_decoding_matches_the_models_own_past_every_growth_of_the_cache(to
             torch.testing.assert_close(mine.logprobs, theirs.logprobs, atol=1e-5, rtol=0)
         expected = recomputed_logprobs(reference, mine, None)
         torch.testing.assert_close(torch.tensor(mine.logprobs), expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("decode_path", ["fused", "transformers"])
+def test_rows_joining_and_leaving_a_decoding_batch_move_only_their_own_slots(
+    tokenizer, decode_path, monkeypatch
+):
+    """Short requests pass through a batch while long ones decode: each one that leaves hands
+    its slot to a kept row or an arrival, in place, and every row's log-probabilities stay the
+    one-pass recomputation of its tokens (padding, moved slots and reused slots all masked)."""
+    rebuilds, repacks = [], []
+    rebuild, repack = _DecodeBatch.rebuild, _DecodeBatch._repack
+    monkeypatch.setattr(
+        _DecodeBatch, "rebuild", lambda self, *a: rebuilds.append(1) or rebuild(self, *a)
+    )
+    monkeypatch.setattr(
+        _DecodeBatch, "_repack", lambda self, *a: repacks.append(1) or repack(self, *a)
+    )
+    reference = gqa_llama(tokenizer, seed=0)
+    engine = make_engine(copy.deepcopy(reference), decode_path, max_batch_size=4)
+    rng = random.Random(1)
+
+    def request(index: int, prompt: int, new: int) -> GenerationRequest:
+        tokens = [rng.randrange(len(tokenizer)) for _ in range(prompt)]
+        params = SamplingParams(max_new_tokens=new, temperature=index % 2 * 1.0, seed=index)
+        return GenerationRequest(tokens, params)
+
+    long = [request(i, rng.randrange(60, 80), rng.randrange(70, 110)) for i in range(2)]
+    short = [request(i, rng.randrange(5, 40), rng.randrange(2, 12)) for i in range(2, 14)]
+    requests = long + short
+    outputs = engine.generate(requests)
+    engine.close()
+    in_place = len(rebuilds) - len(repacks)
+    assert in_place >= len(short) // 2, (len(rebuilds), len(repacks))
+    for request_, output in zip(requests, outputs, strict=True):
+        assert len(output.token_ids) == request_.params.max_new_tokens
+        expected = recomputed_logprobs(reference, output, None)
+        torch.testing.assert_close(torch.tensor(output.logprobs), expected, atol=1e-4, rtol=0)
