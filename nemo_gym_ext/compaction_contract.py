@@ -111,6 +111,8 @@ def declared_segments(result: Mapping[str, Any], where: str) -> DeclaredSegments
                 f"is {entry.get('rollout_id')!r}, the contract's is {rollout_id!r}",
             )
         segment = entry.get("segment_index")
+        if type(segment) is not int:
+            raise _refused(where, f"{field}.segment_index", f"is {segment!r}, not an integer")
         appends = entry.get("expected_append_compatible")
         event = entry.get("compaction_event_id")
         if number == 0:

@@ -187,11 +187,20 @@ def test_split_mode_keeps_the_tail_and_the_declared_segments_after_it(episode):
         (lambda r: calls(r)[1]["generation_token_ids"].__setitem__(0, 7), "digest"),
         (lambda r: r["response"]["model_call_metadata"].pop(), "describes"),
         (lambda r: r["response"]["model_call_metadata"][1].update(segment_index=2), "segment"),
+        (lambda r: r["response"]["model_call_metadata"][1].update(segment_index="0"), "integer"),
         (lambda r: r["response"]["boundary_events"].pop(), "boundary_events"),
         (lambda r: r["response"][CONTRACT_FIELD].update(schema_version=4), "schema_version"),
         (lambda r: r["response"]["model_call_metadata"][2].update(rollout_id="x"), "rollout_id"),
     ],
-    ids=["altered-ids", "missing-call", "skipped-segment", "unknown-event", "schema", "rollout"],
+    ids=[
+        "altered-ids",
+        "missing-call",
+        "skipped-segment",
+        "text-segment",
+        "unknown-event",
+        "schema",
+        "rollout",
+    ],
 )
 def test_a_contract_that_does_not_hold_is_refused_by_name(episode, break_it, field):
     break_it(episode)
