@@ -49,10 +49,10 @@ from gymrl.config.schema.loss import LossConfig
 from gymrl.config.schema.trainer import LoraConfig, TorchOptimizerConfig, TorchTrainerConfig
 from gymrl.generation.torch.engine import TorchGenerationEngine
 from gymrl.generation.types import GenerationRequest, SamplingParams
-from gymrl.model.adapter import AdapterWeights
 from gymrl.model.policy import build_policy
 from gymrl.model.tokens import pad_token_id
 from gymrl.preflight.validate import validate_config
+from gymrl.run.adapter import AdapterWeights
 from gymrl.trainer.torch_trainer import TorchPolicyTrainer
 
 PROMPTS = [

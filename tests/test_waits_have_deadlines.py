@@ -49,7 +49,7 @@ ALLOWED = {
     ): "the engine loop's idle wait for work: a new request or close() notifies it",
     (
         "gymrl/generation/torch/engine.py",
-        "TorchGenerationEngine.update_weights",
+        "TorchGenerationEngine._refit",
         "self._schedule.wait",
     ): "admission is paused, so the rows in flight end within their max_new_tokens; the "
     "refit's caller waits with generation.refit.timeout_s (gymrl.cluster.ray_calls.wait_for)",
@@ -77,7 +77,7 @@ ALLOWED = {
     "(join_weight_update_group): it fails at that deadline",
     (
         "gymrl/generation/sglang/weight_sync.py",
-        "_broadcast_bucket",
+        "_broadcast_and_wait",
         "work.wait",
     ): "runs on the sender's pool thread while its caller waits with generation.refit.timeout_s "
     "(WeightSender._await); the group itself was made with that timeout, so the broadcast fails "

@@ -170,7 +170,7 @@ class EvalRecipe:
                 f"eval.checkpoint={self.config.eval.checkpoint!r} holds a LoRA adapter, which "
                 f"only the torch engine merges (generation={generation}); evaluate it with "
                 "generation=torch, or merge it into a Hugging Face folder first "
-                "(python -m gymrl.model.merge_adapter, docs/configuration.md 'LoRA') and "
+                "(python -m gymrl.recipes.merge_adapter, docs/configuration.md 'LoRA') and "
                 "evaluate that with policy.source=pretrained"
             )
         for problem in rejected:

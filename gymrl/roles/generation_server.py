@@ -36,10 +36,10 @@ from gymrl.generation.sglang.engine import SGLangEngine
 from gymrl.generation.sglang.servers import SGLangServerGroup
 from gymrl.generation.torch.engine import EngineCounters, EngineStep, TorchGenerationEngine
 from gymrl.generation.types import EngineFailedError, RouteLayout
-from gymrl.model.adapter import AdapterWeights
 from gymrl.model.loading import load_tokenizer
 from gymrl.model.policy import build_policy, model_folder
 from gymrl.model.tokens import eos_token_id, policy_end_token_ids
+from gymrl.run.adapter import AdapterWeights
 from nemo_gym_ext.gym_launch import PolicyEndpoint
 from nemo_gym_ext.http_server import serve_in_thread
 

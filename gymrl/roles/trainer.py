@@ -35,9 +35,9 @@ from gymrl.generation.sglang.refit import (
     weight_sender,
 )
 from gymrl.generation.sglang.weight_sync import WEIGHT_SYNC_NCCL_ENV, WeightSender
-from gymrl.model.adapter import AdapterWeights
 from gymrl.model.policy import build_policy
 from gymrl.model.tokens import pad_token_id
+from gymrl.run.adapter import AdapterWeights
 from gymrl.trainer.parity_gate import ParityCheck
 from gymrl.trainer.torch_trainer import TorchPolicyTrainer
 

@@ -52,7 +52,7 @@ import torch
 import xxhash
 from safetensors.torch import load_model, save_model
 
-from gymrl.model.adapter import ADAPTER_CONFIG_FILE, AdapterWeights
+from gymrl.run.adapter import ADAPTER_CONFIG_FILE, AdapterWeights
 from gymrl.run.atomic import STAGING_PREFIX, atomic_folder
 
 if TYPE_CHECKING:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from gymrl.model.adapter import ADAPTER_CONFIG_FILE, AdapterWeights
+from gymrl.run.adapter import ADAPTER_CONFIG_FILE, AdapterWeights
 from gymrl.run.checkpoint import (
     COMPLETE_MARKER,
     LEGACY_STATE_FILE,

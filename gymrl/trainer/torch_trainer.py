@@ -10,7 +10,7 @@ similar length are right-padded side by side (sorted, so little compute goes to 
 trainer runs where its model is: the caller moves the model to a GPU
 (`gymrl.roles.actors.PolicyTrainerActor` does when the placement gives it one) and batches follow.
 
-With `trainer.lora` the model gets a PEFT LoRA adapter (`gymrl.model.adapter.attach_lora`) and
+With `trainer.lora` the model gets a PEFT LoRA adapter (`gymrl.run.adapter.attach_lora`) and
 only the adapter trains: its parameters alone are in the optimizer and clipped, the frozen base
 holds no gradients nor moments. The KL anchor is then the base itself, computed under PEFT's
 `disable_adapter` rather than from a second copy of the model; the generation log-probabilities
@@ -33,9 +33,9 @@ from gymrl.algo.loss import gathered_token_logprobs, masked_token_logprobs
 from gymrl.algo.trajectory import Trajectory, collate
 from gymrl.config.schema.loss import LossConfig
 from gymrl.config.schema.trainer import TorchTrainerConfig
-from gymrl.model.adapter import AdapterWeights, attach_lora
 from gymrl.model.attention_mask import additive_mask
 from gymrl.model.precision import ComputeDtype, body_autocast, resolve_compute_dtype
+from gymrl.run.adapter import AdapterWeights, attach_lora
 from gymrl.run.checkpoint import TrainerState, capture_rng_state, load_checkpoint, save_checkpoint
 from gymrl.trainer.grpo_step import loss_normalizer, micro_batch_loss, reduce_loss_metrics
 from gymrl.trainer.parity_gate import PASSED_METRIC, ParityCheck, ParityGateError

@@ -140,4 +140,4 @@ def test_a_lora_checkpoint_is_refused_for_sglang_before_any_server_starts(tmp_pa
     done = run_eval(tmp_path / "out", "+experiment=sglang_cpu_smoke", f"eval.checkpoint={folder}")
     assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-3000:]
     assert "holds a LoRA adapter, which only the torch engine merges" in done.stderr
-    assert "python -m gymrl.model.merge_adapter" in done.stderr and SET_UP not in done.stdout
+    assert "python -m gymrl.recipes.merge_adapter" in done.stderr and SET_UP not in done.stdout

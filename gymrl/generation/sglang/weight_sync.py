@@ -573,7 +573,8 @@ def _broadcast_bucket(group: Any, flat: torch.Tensor) -> None:
 def _broadcast_and_wait(group: Any, flat: torch.Tensor) -> str | None:
     """None once the broadcast finished; what failed it otherwise."""
     try:
-        start_broadcast(group, flat).wait()
+        work = start_broadcast(group, flat)
+        work.wait()
     except Exception as error:
         return f"{type(error).__name__}: {error}"
     return None

@@ -52,7 +52,6 @@ from gymrl.generation.types import (
     GenerationRequest,
     SamplingParams,
 )
-from gymrl.model.adapter import AdapterWeights
 from gymrl.model.attention_mask import additive_mask
 from gymrl.model.precision import (
     ComputeDtype,
@@ -60,6 +59,7 @@ from gymrl.model.precision import (
     resolve_compute_dtype,
     round_body_matmul_weights,
 )
+from gymrl.run.adapter import AdapterWeights
 
 _SEED_BOUND = 2**62
 # Spare columns a decode batch's cache keeps for the tokens to come. The fused decode step attends

@@ -12,8 +12,8 @@ from gymrl.algo.loss import sequence_logprobs
 from gymrl.algo.trajectory import Trajectory, collate
 from gymrl.config.schema.loss import LossConfig
 from gymrl.config.schema.trainer import LoraConfig, TorchOptimizerConfig, TorchTrainerConfig
-from gymrl.model.adapter import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 from gymrl.model.loading import build_tiny_llama
+from gymrl.run.adapter import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 from gymrl.run.checkpoint import MODEL_FILE
 from gymrl.trainer.grpo_step import micro_batch_loss
 from gymrl.trainer.torch_trainer import TorchPolicyTrainer

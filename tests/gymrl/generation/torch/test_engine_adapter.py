@@ -11,7 +11,7 @@ import torch
 from gymrl.config.schema.loss import LossConfig
 from gymrl.config.schema.trainer import LoraConfig, TorchTrainerConfig
 from gymrl.generation.types import GenerationRequest, SamplingParams
-from gymrl.model.adapter import AdapterWeights
+from gymrl.run.adapter import AdapterWeights
 from gymrl.trainer.torch_trainer import TorchPolicyTrainer
 from tests.gymrl.generation.torch.test_engine import make_engine, tiny_llama
 

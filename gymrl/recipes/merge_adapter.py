@@ -1,6 +1,6 @@
 """Merge a LoRA run's adapter into its base policy and write a Hugging Face folder.
 
-    python -m gymrl.model.merge_adapter CHECKPOINT OUTPUT [OVERRIDES ...]
+    python -m gymrl.recipes.merge_adapter CHECKPOINT OUTPUT [OVERRIDES ...]
 
 CHECKPOINT is what `eval.checkpoint` takes (one `step_<n>` folder, a run's `checkpoints/` or the
 run folder: the newest checkpoint that passes its manifest); OVERRIDES are the Hydra overrides
@@ -52,7 +52,7 @@ def merge_adapter(checkpoint: str, output: Path, overrides: list[str]) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m gymrl.model.merge_adapter",
+        prog="python -m gymrl.recipes.merge_adapter",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
     )
     parser.add_argument("checkpoint", help="a step_<n> folder, a checkpoints/ folder or a run")

@@ -1,10 +1,10 @@
-"""`python -m gymrl.model.merge_adapter`: a LoRA checkpoint becomes a Hugging Face folder that
+"""`python -m gymrl.recipes.merge_adapter`: a LoRA checkpoint becomes a Hugging Face folder that
 computes what the trainer's adapted model computes."""
 
 import torch
 from transformers import AutoModelForCausalLM
 
-from gymrl.model.merge_adapter import main
+from gymrl.recipes.merge_adapter import main
 from gymrl.run.checkpoint import TrainerState, capture_rng_state, save_checkpoint
 from tests.support.lora_checkpoint import save_lora_checkpoint
 
