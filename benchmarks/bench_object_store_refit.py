@@ -2,6 +2,7 @@
 
     python benchmarks/bench_object_store_refit.py --refits 5
     python benchmarks/bench_object_store_refit.py --refits 5 policy.compute_dtype=float32
+    python benchmarks/bench_object_store_refit.py --refits 5 trainer.lora.enabled=true
 
 Starts the run's own roles on a local Ray (`start_generation_server`, `start_trainer`, the
 placement a run gets) for the embedded default (SmolLM2-135M-Instruct; any recipe overrides),
@@ -9,7 +10,8 @@ then times `--refits` calls of `TrainerRole.refit`, the call a training step end
 trainer exports its weights into the object store, the generation server fetches them and loads
 them once the rows in flight end (none here). Prints the bytes one refit moves, in the engine's
 dtypes, and the seconds of every refit after the first (the first also asks the engine for its
-dtypes and warms the object store).
+dtypes and warms the object store). With `trainer.lora.enabled=true` a refit moves the adapter
+alone, which the engine merges into its base weights (`update_adapter`).
 """
 
 from __future__ import annotations
@@ -56,8 +58,17 @@ def main() -> None:
             began = time.monotonic()
             trainer.refit(generation.actor, version)
             seconds.append(time.monotonic() - began)
-    moved = _bytes_in(dtypes, config)
-    print(f"engine dtypes: {sorted({str(d) for d in dtypes.values()})}; {moved / 2**20:.0f} MiB")
+        adapter = (
+            wait_for(trainer._actor.export_adapter.remote(), timeout_s=60, what="the adapter")
+            if config.trainer.lora.enabled
+            else None
+        )
+    moved = _bytes_in(dtypes, config) if adapter is None else adapter.num_bytes
+    what = "the adapter" if adapter is not None else "every weight"
+    print(
+        f"engine dtypes: {sorted({str(d) for d in dtypes.values()})}; one refit moves {what}, "
+        f"{moved / 2**20:.1f} MiB"
+    )
     print(f"first refit {seconds[0]:.2f} s (asks the engine's dtypes)")
     timed = seconds[1:]
     print(

@@ -114,6 +114,21 @@ def test_smoke_saves_checkpoints_and_resumes(smoke_run, tmp_path):
     assert steps == [1, 2, 3, 3, 4], "resume continues at the checkpoint's step"
 
 
+def test_a_lora_smoke_run_refits_its_adapter_saves_it_in_pefts_format_and_resumes(tmp_path):
+    lora = ["+experiment=smoke", "trainer.lora.enabled=true", "trainer.lora.rank=4"]
+    done = run_recipe(tmp_path, *lora)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    assert "LoRA rank 4 (alpha 32, dropout 0)" in done.stdout  # the plan
+    folder = tmp_path / "checkpoints" / "step_2"
+    assert (folder / "adapter_config.json").is_file()
+    assert not (folder / "model.safetensors").exists()
+    assert [r["async/weight_version"] for r in read_metrics(tmp_path)] == [1.0, 2.0, 3.0]
+    done = run_recipe(tmp_path, *lora, "resume=true", "grpo.num_steps=4")
+    assert done.returncode == 0, done.stderr[-5000:]
+    assert "resumed from" in done.stdout and "at step 2" in done.stdout
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 3, 4]
+
+
 def test_noncontiguous_smoke_truncates_and_reports_a_nonzero_rate(tmp_path):
     """Agents send earlier turns back as text: the server re-tokenises and contiguity breaks."""
     done = run_recipe(tmp_path, "+experiment=smoke_noncontiguous")
