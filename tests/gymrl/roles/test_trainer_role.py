@@ -46,6 +46,10 @@ class RecordingGeneration:
         self.refits.append((version, {name: t.clone() for name, t in state_dict.items()}))
         return version
 
+    def update_adapter(self, adapter, version):
+        self.refits.append((version, adapter))
+        return version
+
     def received(self):
         return self.refits
 
@@ -119,6 +123,32 @@ def test_torch_role_trains_refits_checkpoints_and_closes(config, tmp_path):
         time.sleep(0.2)
     else:
         pytest.fail("the trainer actor still answers after close()")
+
+
+def test_a_lora_role_refits_the_adapter_alone_and_restores_it_from_its_checkpoint(tmp_path):
+    lora = validate_config(compose_raw(["+experiment=smoke", "trainer.lora.enabled=true"]))
+    closers = []
+    role = _start_torch_role(lora, tmp_path, closers)
+    try:
+        role.wait_until_started()
+        generation = RecordingGeneration.remote()
+        role.refit(generation, 0)
+        role.train_step(*_batch())
+        role.refit(generation, 1)
+        (v0, before), (v1, after) = ray.get(generation.received.remote())
+        assert (v0, v1) == (0, 1) and ray.get(generation.asked.remote()) == 0
+        assert after.config["r"] == 16 and after.tensors.keys() == before.tensors.keys()
+        assert all(".lora_A." in key or ".lora_B." in key for key in after.tensors)
+        assert any(not torch.equal(before.tensors[k], after.tensors[k]) for k in after.tensors)
+
+        role.save_checkpoint(tmp_path / "checkpoints", 1, {"position": 16})
+        role.train_step(*_batch())
+        role.load_checkpoint(latest_checkpoint(tmp_path / "checkpoints"))
+        role.refit(generation, 1)
+        restored = ray.get(generation.received.remote())[-1][1]
+        assert all(torch.equal(after.tensors[k], restored.tensors[k]) for k in after.tensors)
+    finally:
+        role.close()
 
 
 def test_torch_role_start_is_bounded_by_trainer_start_timeout_s(tmp_path):
