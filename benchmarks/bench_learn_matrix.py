@@ -57,6 +57,9 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "async_token_mask": (ASYNC, "loss.off_policy_correction.mode=token_mask"),
     "async_sequence_truncate": (ASYNC, "loss.off_policy_correction.mode=sequence_truncate"),
     "async_sequence_mask": (ASYNC, "loss.off_policy_correction.mode=sequence_mask"),
+    # Issue 45: a rank-16 LoRA adapter at ten times full training's learning rate (the starting
+    # point "LoRA Without Regret" gives), against sync_ds_off on the same seeds.
+    "lora_r16": ("trainer.lora.enabled=true", "trainer.optimizer.lr=3e-4"),
 }
 SIDECAR = "matrix.json"  # the driver's own record of a run: command, load average, exit time
 
