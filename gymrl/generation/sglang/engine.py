@@ -735,7 +735,7 @@ class SGLangEngine:
             self._run(self._load_adapter(request, version), bound)
 
     async def _load_adapter(self, request: Mapping[str, Any], version: int) -> None:
-        name = request["lora_name"]
+        name = adapter_name(version)
         await asyncio.gather(*(self._load_adapter_on(url, request, version) for url in self._urls))
         serving = self._adapters
         assert serving is not None  # update_adapter's caller checked
@@ -757,7 +757,7 @@ class SGLangEngine:
                     )
 
     async def _load_adapter_on(self, url: str, request: Mapping[str, Any], version: int) -> None:
-        name = request["lora_name"]
+        name = adapter_name(version)
         response = await self._send(
             url, "/load_lora_adapter_from_tensors", request, self._refit_timeout_s
         )

@@ -14,7 +14,7 @@ import torch
 
 from gymrl.config.schema.generation import TorchGenerationConfig
 from gymrl.config.schema.trainer import LoraConfig
-from gymrl.generation.sglang.adapters import AdapterServing
+from gymrl.generation.sglang.adapters import AdapterServing, load_request
 from gymrl.generation.sglang.engine import SGLangEngine
 from gymrl.generation.sglang.servers import SGLangServerProcess
 from gymrl.generation.torch.engine import TorchGenerationEngine
@@ -22,7 +22,10 @@ from gymrl.generation.types import GenerationOutput, GenerationRequest, Sampling
 from gymrl.model.loading import load_pretrained
 from gymrl.model.tokens import model_end_token_ids
 from gymrl.run.adapter import AdapterWeights, attach_lora
+from nemo_gym_ext.http_server import serve_in_thread
 from tests.support.real_sglang import VENV, start_cpu_server
+from tests.support.sglang_answers import differences, shape, unanswered
+from tests.support.sglang_standin import make_standin
 
 pytestmark = pytest.mark.sglang_cpu
 
@@ -158,3 +161,41 @@ def test_more_refits_than_the_bound_keep_the_loaded_count_within_the_window(
     last = 10 + 2 * SERVING.max_loaded
     assert counts[-1] == [f"policy_v{last - 1}", f"policy_v{last}"]
     assert output.weight_version == last
+
+
+def test_the_standin_answers_the_adapter_routes_as_the_real_server(server, smollm2_dir, tokenizer):
+    """The same adapter calls to the stand-in the default suite uses and to the real server:
+    each status must agree, every key the stand-in answers must be in the real answer with its
+    type, and every key the client reads that the real server answers must be in the
+    stand-in's (a load, the same name again, requests naming it and a name never loaded, an
+    unload, and an unload of a name not loaded)."""
+    load = load_request(_adapter(smollm2_dir, seed=4, b_std=0.01), 1, 1)
+    generate = {
+        "input_ids": _prompts(tokenizer)[0],
+        "sampling_params": {"max_new_tokens": 2, "temperature": 0.0},
+        "return_logprob": True,
+        "logprob_start_len": -1,
+    }
+    calls = [
+        ("/load_lora_adapter_from_tensors", load),
+        ("/load_lora_adapter_from_tensors", load),  # already loaded: refused
+        ("/generate", generate | {"lora_path": "policy_v1"}),
+        ("/generate", generate | {"lora_path": "policy_v9"}),  # never loaded: refused
+        ("/unload_lora_adapter", {"lora_name": "policy_v1"}),
+        ("/unload_lora_adapter", {"lora_name": "policy_v1"}),  # no longer loaded: refused
+    ]
+    app, _ = make_standin(context_length=2048)
+    found = []
+    with serve_in_thread(app) as standin, httpx.Client(timeout=120.0) as client:
+        for route, body in calls:
+            ours, theirs = (
+                client.post(f"{url}{route}", json=body) for url in (standin.url, server.base_url)
+            )
+            if ours.status_code != theirs.status_code:
+                found.append(f"{route}: status {ours.status_code} here, {theirs.status_code} real")
+                continue
+            found += [
+                f"{route}{where}" for where in differences(shape(ours.json()), shape(theirs.json()))
+            ]
+            found += unanswered(route, ours.json(), theirs.json())
+    assert found == []
