@@ -27,6 +27,11 @@ The HTTP API used (SGLang 0.5.23, pinned exactly: `sglang/srt/entrypoints/http_s
 * `POST /weights_checker {action, skip_tensor_list}`: the weight check around a refit,
   `gymrl.generation.sglang.refit_checks.weights_checker`'s.
 * `GET /health_generate`: 200 once the server generates.
+* A LoRA run's refits (:meth:`SGLangEngine.update_adapter`, `gymrl.generation.sglang.adapters`):
+  `POST /load_lora_adapter_from_tensors {"lora_name", "config_dict", "serialized_named_tensors",
+  "expected_checksums"}` and `POST /unload_lora_adapter {"lora_name"}`, whose answers carry
+  `success`, `error_message` and `loaded_adapters`; `/generate` then names the adapter with
+  `lora_path`.
 
 **Log-probability semantics.** The project defines generation log-probabilities as those of the
 sampled token under `softmax(logits / temperature)`, before top-p truncation. SGLang's sampler
