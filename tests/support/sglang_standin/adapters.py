@@ -6,7 +6,8 @@
   name already loaded, and answers `success` with `loaded_adapters` (every name loaded, to
   `"__tensor__"`).
 * **`/unload_lora_adapter`** stops new requests naming the adapter at once and unloads it once
-  no request still running names it (`LoRARegistry.wait_for_unload`); an unknown name fails.
+  no request still running names it (`LoRARegistry.wait_for_unload`); an unknown name fails in
+  the tokenizer manager, whose refusal lists no adapters (`loaded_adapters: null`).
 * **`/generate` with `lora_path`** runs under that adapter; a name not loaded is refused (400,
   SGLang's message). The stand-in's tokens do not depend on the adapter (its "model" has no
   layers); the tests read which adapter each request named from `state.requests` and
@@ -31,10 +32,17 @@ from tests.support.sglang_standin.state import StandInState
 from tests.support.sglang_standin.wire import StandInLoadAdapterReq, StandInUnloadAdapterReq
 
 
-def _outcome(state: StandInState, success: bool, message: str = "") -> JSONResponse:
-    """`LoRAUpdateOutput`, 200 on success and 400 otherwise, as `http_server.py` answers it."""
+def _outcome(
+    state: StandInState, success: bool, message: str = "", *, lists: bool = True
+) -> JSONResponse:
+    """`LoRAUpdateOutput`, 200 on success and 400 otherwise, as `http_server.py` answers it;
+    `lists`: false for a refusal of the tokenizer manager's, which lists no adapters (null)."""
     listed = {} if state.hide_adapters else dict.fromkeys(state.adapters, "__tensor__")
-    body = {"success": success, "error_message": message, "loaded_adapters": listed}
+    body = {
+        "success": success,
+        "error_message": message,
+        "loaded_adapters": listed if lists else None,
+    }
     return JSONResponse(body, 200 if success else 400)
 
 
@@ -71,7 +79,13 @@ def add_adapter_routes(app: FastAPI, state: StandInState) -> None:
     async def unload(req: StandInUnloadAdapterReq):
         state.events.append(("unload_adapter", req.lora_name))
         if req.lora_name not in state.adapters:
-            return _outcome(state, False, f"LoRA adapter {req.lora_name} is not loaded")
+            return _outcome(
+                state,
+                False,
+                f"LoRA with name {req.lora_name} does not exist. Loaded LoRAs: "
+                f"{state.adapters.keys()}",
+                lists=False,
+            )
         state.unloading.add(req.lora_name)  # new requests naming it are refused from now on
         while state.adapter_requests.get(req.lora_name, 0):
             await asyncio.sleep(0.005)
