@@ -12,7 +12,9 @@ every Linear of the 30 layers, `--lora-backend torch_native`, two versions kept)
   adapter, alternately, `--repeats` times (tokens/s counts generated tokens);
 * `--refits` full refits of every weight through `WeightSender` over gloo in 64 MiB buckets,
   generation paused and resumed around each (the first forms the group): what a full-training
-  run's refit into this server is (`+experiment=sglang_cpu_smoke`).
+  run's refit into this server is (`+experiment=sglang_cpu_smoke`);
+* then a server started without LoRA, the same batch `--repeats` times: what enabling LoRA
+  costs the base's requests.
 
 Prints one line per figure and the load average before and after (the machine is shared).
 
@@ -105,14 +107,31 @@ def main() -> None:
             _full_refits(server.base_url, folder, args.refits)
         finally:
             server.stop()
+        plain = start_cpu_server(folder, Path(logs) / "plain.log", context_length=2048)
+        try:
+            engine = SGLangEngine(
+                [plain.base_url],
+                request_timeout_s=600.0,
+                refit_timeout_s=600.0,
+                end_token_ids=model_end_token_ids(folder),
+            )
+            with engine:
+                engine.generate(requests[:1])
+                rates = [_tokens_per_s(engine.generate, requests) for _ in range(args.repeats)]
+            print(f"tokens/s on a server without --enable-lora: {_figures(rates)}")
+        finally:
+            plain.stop()
     print(f"load average at end: {os.getloadavg()}")
 
 
 def _adapter_part(url, folder, serving, adapters, requests, repeats: int) -> None:
+    start = time.perf_counter()
     body = len(orjson.dumps(load_request(adapters[0], 1, 1)))
+    encode_s = time.perf_counter() - start
     print(
         f"adapter: {adapters[0].num_bytes / 2**20:.1f} MiB of tensors "
-        f"({len(adapters[0].tensors)}), a load request of {body / 2**20:.1f} MiB (base64 JSON)"
+        f"({len(adapters[0].tensors)}), a load request of {body / 2**20:.1f} MiB (base64 JSON), "
+        f"made (pickle, base64, checksums, JSON) in {encode_s:.2f} s"
     )
     engine = SGLangEngine(
         [url],
