@@ -1,6 +1,7 @@
 """Three places where SGLang 0.5.23 assumes CUDA on the mixture-of-experts path, and one on its
-LoRA path, replaced in plain torch for the real server on a CPU (beside the `sgl_kernel` stand-in and put on the server's
-PYTHONPATH with it; `sitecustomize.py` installs them in every server process).
+LoRA path, replaced in plain torch for the real server on a CPU (beside the `sgl_kernel`
+stand-in and put on the server's PYTHONPATH with it; `sitecustomize.py` installs them in every
+server process).
 
 Each replacement is applied right after SGLang's module is first imported (a post-import hook), so
 nothing in the venv is edited, and only on the path that fails without it:

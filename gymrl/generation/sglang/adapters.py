@@ -31,14 +31,16 @@ import json
 import pickle
 import re
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from gymrl.config.schema.generation import SGLangLaunchConfig
 from gymrl.config.schema.grpo import GRPOConfig
 from gymrl.config.schema.trainer import LoraConfig
-from gymrl.run.adapter import AdapterWeights
+
+if TYPE_CHECKING:  # the preflight rules and the plan read this module, and must not load torch
+    import torch
+
+    from gymrl.run.adapter import AdapterWeights
 
 # The module groups SGLang 0.5.23 fuses into one Linear, and the members an adapter on a group
 # must include (srt/lora/lora.py: normalize_qkv_proj reads q_proj's and v_proj's factors,
@@ -165,6 +167,8 @@ def serialized_tensors(tensors: dict[str, torch.Tensor]) -> str:
 def checksum(tensor: torch.Tensor) -> str:
     """SHA-256 of a tensor's bytes, as SGLang computes it on each rank (`tp_worker.py`,
     `expected_checksums`): what a server loaded is compared with what was sent."""
+    import torch
+
     return hashlib.sha256(tensor.flatten().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
