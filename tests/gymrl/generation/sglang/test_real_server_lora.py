@@ -6,6 +6,7 @@ within the window. Marker `sglang_cpu` (`make test-sglang`)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -161,6 +162,28 @@ def test_more_refits_than_the_bound_keep_the_loaded_count_within_the_window(
     last = 10 + 2 * SERVING.max_loaded
     assert counts[-1] == [f"policy_v{last - 1}", f"policy_v{last}"]
     assert output.weight_version == last
+
+
+def test_a_request_in_flight_finishes_under_its_version_while_refits_unload_it(
+    server, smollm2_dir, tokenizer
+):
+    """The rule on the real server: a request sent under version 1 finishes under version 1
+    (the same greedy tokens as before any refit) while versions 2 and 3 load, the second
+    unloading version 1, which SGLang does once that request is done."""
+    adapters = [_adapter(smollm2_dir, seed=seed, b_std=0.05) for seed in (5, 6, 7)]
+    long = GenerationRequest(
+        _prompts(tokenizer)[2], SamplingParams(max_new_tokens=96, temperature=0.0)
+    )
+    with _engine(server, smollm2_dir) as engine:
+        engine.update_adapter(adapters[0], 1)
+        [alone] = engine.generate([long])
+        in_flight = engine.submit(long)
+        time.sleep(1.0)  # admitted and decoding
+        engine.update_adapter(adapters[1], 2)
+        engine.update_adapter(adapters[2], 3)  # unloads version 1 once its request is done
+        finished = in_flight.result(timeout=300)
+    assert finished.weight_version == 1 and finished.token_ids == alone.token_ids
+    assert _loaded(server) == ["policy_v2", "policy_v3"]
 
 
 def test_the_standin_answers_the_adapter_routes_as_the_real_server(server, smollm2_dir, tokenizer):
