@@ -8,6 +8,7 @@ import yaml
 import gymrl.preflight.validate as validate_module
 from gymrl.cluster.placement import generation_gpus, trainer_gpus
 from gymrl.config.compose import compose_raw
+from gymrl.config.schema.generation import SGLangGenerationConfig
 from gymrl.preflight.plan import render_plan
 from gymrl.preflight.validate import validate_config
 from nemo_gym_ext.config_errors import ConfigError
@@ -570,7 +571,9 @@ def test_lora_into_sglang_validates_and_what_sglang_cannot_serve_is_named_with_t
     """The CPU server's LoRA kernels are torch_native's; an adapter on part of a fused module
     (v_proj without q_proj, up_proj without gate_proj) is one SGLang cannot stack."""
     lora = ["+experiment=sglang_cpu_smoke", "trainer.lora.enabled=true"]
-    assert validate_config(compose_raw(lora)).generation.launch.lora_backend == "torch_native"
+    generation = validate_config(compose_raw(lora)).generation
+    assert isinstance(generation, SGLangGenerationConfig)
+    assert generation.launch.lora_backend == "torch_native"
     backend = _issues([*lora, "generation.launch.lora_backend=csgmv"])
     assert "need a GPU" in backend["generation.launch.lora_backend"].problem
     assert backend["generation.launch.lora_backend"].fix.endswith("lora_backend=torch_native")
