@@ -137,6 +137,12 @@ ALLOWED = {
     ): "each _post has an httpx timeout (generation.server.request_timeout_s, or the refit's); "
     "every caller runs it through _run, which waits with a deadline",
     (
+        "gymrl/generation/sglang/engine.py",
+        "SGLangEngine._load_adapter",
+        "asyncio.gather",
+    ): "each server's load POSTs with the refit timeout; update_adapter waits in _run with "
+    "2 x the refit timeout (the load, then the unloads)",
+    (
         "gymrl/generation/sglang/refit_checks/weights_checker.py",
         "WeightsChecker._on_all",
         "asyncio.gather",

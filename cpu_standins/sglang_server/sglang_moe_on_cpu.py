@@ -1,6 +1,7 @@
-"""Three places where SGLang 0.5.23 assumes CUDA on the mixture-of-experts path, replaced in plain
-torch for the real server on a CPU (beside the `sgl_kernel` stand-in and put on the server's
-PYTHONPATH with it; `sitecustomize.py` installs them in every server process).
+"""Three places where SGLang 0.5.23 assumes CUDA on the mixture-of-experts path, and one on its
+LoRA path, replaced in plain torch for the real server on a CPU (beside the `sgl_kernel`
+stand-in and put on the server's PYTHONPATH with it; `sitecustomize.py` installs them in every
+server process).
 
 Each replacement is applied right after SGLang's module is first imported (a post-import hook), so
 nothing in the venv is edited, and only on the path that fails without it:
@@ -20,6 +21,12 @@ nothing in the venv is edited, and only on the path that fails without it:
   in `generation.launch.env`) are the chunks compared where they are, so a test can still see
   what stock SGLang does on a CPU (the compare cannot run, and the project's check says so before
   it changes any weight).
+* `--enable-lora` with `--lora-backend torch_native` (a LoRA run's adapters): the LoRA layers
+  (`sglang/srt/lora/layers.py`) and the torch_native backend (`srt/lora/backend/torch_backend.py`)
+  keep their segment offsets in pinned host memory (`torch.tensor(..., pin_memory=True)`,
+  `Tensor.pin_memory()`), which fails without an NVIDIA driver, at start-up and at the first
+  batch. On a CPU server host memory is all there is: those two modules get a `torch` whose
+  tensor factories ignore `pin_memory`, and `Tensor.pin_memory` returns the tensor itself.
 """
 
 from __future__ import annotations
@@ -85,10 +92,45 @@ def _compare_where_the_weights_are(module: ModuleType) -> None:
     module.RawComparable.iter_chunks = iter_chunks
 
 
+# The tensor factories SGLang's LoRA path calls with `pin_memory=True`.
+_FACTORIES = frozenset({"tensor", "zeros", "ones", "empty", "full", "arange"})
+
+
+class _TorchWithoutPinning(ModuleType):
+    """`torch` as a LoRA module of SGLang sees it: the same, but a tensor asked for with
+    `pin_memory=True` is made in plain host memory."""
+
+    def __init__(self, torch: ModuleType) -> None:
+        super().__init__("torch")
+        self._torch = torch
+
+    def __getattr__(self, name: str) -> Any:
+        found = getattr(self._torch, name)
+        if name not in _FACTORIES:
+            return found
+
+        def unpinned(*args: Any, pin_memory: bool = False, **kwargs: Any) -> Any:
+            del pin_memory
+            return found(*args, **kwargs)
+
+        return unpinned
+
+
+def _unpinned_lora_buffers(module: ModuleType) -> None:
+    import torch
+
+    module.__dict__["torch"] = _TorchWithoutPinning(torch)
+    # The layers and the torch_native backend also pin copies with `Tensor.pin_memory()`;
+    # without a GPU a pinned copy is the tensor itself (nothing copies it to a device).
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+
+
 def _replacements() -> dict[str, Callable[[ModuleType], None]]:
     found = {
         "sglang.srt.mem_cache.pool_host.common": _unpinned_host_memory,
         "sglang.srt.layers.moe.fused_moe_native": _dropped_experts_skipped,
+        "sglang.srt.lora.layers": _unpinned_lora_buffers,
+        "sglang.srt.lora.backend.torch_backend": _unpinned_lora_buffers,
     }
     if os.environ.get(WEIGHT_COMPARE_ENV) == "1":
         found["sglang.srt.utils.weight_checker_comparator"] = _compare_where_the_weights_are

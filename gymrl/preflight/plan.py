@@ -18,6 +18,7 @@ from gymrl.config.schema.loss import OffPolicyCorrectionConfig
 from gymrl.config.schema.recipe import RecipeConfig
 from gymrl.config.schema.trainer import TorchTrainerConfig
 from gymrl.generation.server.chat_template import ChatFormat
+from gymrl.generation.sglang.adapters import versions_kept
 from gymrl.model.folders import local_tokenizer_folder
 from gymrl.preflight.row_lengths import measure_rows
 from gymrl.preflight.template_probe import probe_policy, read_tokenizer
@@ -152,10 +153,17 @@ def _generation_line(config: RecipeConfig) -> str:
     if isinstance(generation, SGLangGenerationConfig):
         refit = generation.refit
         checked = f"checked by {refit.verify_method}" if refit.verify_weights else "unchecked"
+        how = f"refit over {refit.transport}, {checked}"
+        if config.trainer.lora.enabled:
+            how = (
+                f"adapter refits loaded from tensors as policy_v<step> "
+                f"({generation.launch.lora_backend} kernels, checksummed), the last "
+                f"{versions_kept(config.grpo)} kept"
+            )
         return (
             f"sglang: {generation.num_engines} engine(s) x TP {generation.tensor_parallel_size} "
             f"(EP {generation.expert_parallel_size}) = {generation_gpus(config)} GPUs; "
-            f"refit over {refit.transport}, {checked}; {server}"
+            f"{how}; {server}"
         )
     device = _torch_device(config, generation_gpus(config))
     return (

@@ -32,6 +32,7 @@ from gymrl.generation.server.chat_template import ChatFormat
 from gymrl.generation.server.divergence_watch import DivergenceCounts, DivergenceWatch
 from gymrl.generation.server.route_store import RouteStore, RouteStoreCounts
 from gymrl.generation.server.sampling_rules import SamplingCounts, SamplingParity, SamplingRules
+from gymrl.generation.sglang.adapters import AdapterServing
 from gymrl.generation.sglang.engine import SGLangEngine
 from gymrl.generation.sglang.servers import SGLangServerGroup
 from gymrl.generation.torch.engine import EngineCounters, EngineStep, TorchGenerationEngine
@@ -198,12 +199,11 @@ class GenerationServer:
         return engine.weight_version
 
     def update_adapter(self, adapter: AdapterWeights, version: int) -> int:
-        """A LoRA run's refit: the torch engine merges the adapter into its base weights."""
-        local = self._backend.local
-        if local is None:  # the validator refuses such configs
-            raise TypeError("an adapter refit needs the torch engine (generation=torch)")
-        local.update_adapter(adapter, version)
-        return local.weight_version
+        """A LoRA run's refit: the torch engine merges the adapter into its base weights, the
+        SGLang servers load it under a versioned name (`SGLangEngine.update_adapter`)."""
+        engine = self._backend.engine
+        engine.update_adapter(adapter, version)
+        return engine.weight_version
 
     def weight_sync_targets(self) -> tuple[list[str], list[int]]:
         """The SGLang servers' URLs and TP sizes, for the trainer's `WeightSender`."""
@@ -294,9 +294,11 @@ def build_sglang_backend(
     both are closed by `started`."""
     generation = config.generation
     assert isinstance(generation, SGLangGenerationConfig)
+    adapters = AdapterServing.of(config.trainer.lora, config.grpo, generation.launch)
     servers = SGLangServerGroup(
         generation,
         config.policy,
+        adapters=adapters,
         model_path=folder,
         seed=config.run.seed,
         log_dir=output_dir / "logs",
@@ -310,6 +312,7 @@ def build_sglang_backend(
         refit_dir=output_dir / "refit",
         end_token_ids=end_ids,
         route_layout=route_layout(folder) if config.policy.router_replay.enabled else None,
+        adapters=adapters,
     )
     started.callback(engine.close)
     return EngineBackend(engine, load_tokenizer(folder), servers=engine)

@@ -203,7 +203,7 @@ class TorchTrainerRole:
         )
 
     def refit(self, generation: Any, version: int) -> None:
-        if self._lora:  # the adapter alone, merged by the torch engine (the validator's rule)
+        if self._lora:  # the adapter alone: merged by the torch engine, loaded by SGLang's
             adapter = self._actor.export_adapter.remote()  # stays in the object store
             self._wait(generation.update_adapter.remote(adapter, version), "the adapter refit")
             return

@@ -19,6 +19,7 @@ from cpu_standins.sglang_server.sglang_moe_on_cpu import WEIGHT_COMPARE_ENV
 from gymrl.config.compose import compose_raw
 from gymrl.config.schema.generation import SGLangGenerationConfig
 from gymrl.config.schema.policy import PolicyConfig
+from gymrl.generation.sglang.adapters import AdapterServing
 from gymrl.generation.sglang.servers import SGLangServerProcess, server_command
 from nemo_gym_ext.ports import free_port
 
@@ -70,12 +71,14 @@ def start_cpu_server(
     cpu_threads: int = 1,
     routed_experts: bool = False,
     weight_compare: bool = False,
+    adapters: AdapterServing | None = None,
     **generation_overrides: Any,
 ) -> SGLangServerProcess:
     """A healthy real server of the model in `folder` on a free loopback port; stop it.
     `routed_experts`: launched for router replay (each answer can carry each token's experts);
     `weight_compare`: the weight checker's compare runs on this CPU (the stand-in's); else it
-    cannot, as in SGLang 0.5.23; `generation_overrides`: fields of :func:`cpu_generation`'s
+    cannot, as in SGLang 0.5.23; `adapters`: launched for a LoRA run's adapters;
+    `generation_overrides`: fields of :func:`cpu_generation`'s
     config (e.g. tensor and expert parallelism)."""
     if not (VENV / "bin" / "python").is_file():
         raise FileNotFoundError(f"no SGLang venv at {VENV}: run `make sglang-venv`")
@@ -96,7 +99,13 @@ def start_cpu_server(
     )
     port = free_port()
     command = server_command(
-        generation, policy, model_path=str(folder), port=port, seed=0, host="127.0.0.1"
+        generation,
+        policy,
+        model_path=str(folder),
+        port=port,
+        seed=0,
+        host="127.0.0.1",
+        adapters=adapters,
     )
     server = SGLangServerProcess(
         command,

@@ -2,8 +2,9 @@
 
 One list for the two tests that hold the client to them (in tests/gymrl/generation/sglang/): the
 contract test (`test_contract.py`) checks that the pinned wheel's server makes each of them and
-that the client's modules read no other, and the differential test (`test_real_server.py`) that
-the stand-in answers each one the real server does.
+that the client's modules read no other, and the differential tests (`test_real_server.py`,
+`test_real_server_lora.py`) that the stand-in answers each one the real server does, compared by
+`shape`, `differences` and `unanswered` below.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ CLIENT_READS: dict[str, tuple[str, ...]] = {
     "/destroy_weights_update_group": _OUTCOME,
     # weights_checker: every action's outcome, and the checksum's
     "/weights_checker": (*_OUTCOME, "per_engine_checksum"),
+    # SGLangEngine.update_adapter: LoRAUpdateOutput
+    "/load_lora_adapter_from_tensors": ("success", "error_message", "loaded_adapters"),
+    "/unload_lora_adapter": ("success", "error_message"),
 }
 
 
@@ -41,3 +45,39 @@ def lookup(answer: Any, path: str) -> tuple[bool, Any]:
             return False, None
         answer = answer[key]
     return True, answer
+
+
+def shape(value):
+    """A JSON value's skeleton: dicts by key, lists by their first item, scalars by type. An int
+    and a float differ: both servers write floats with a point (`-0.0`, `1.0`), so a count
+    answered as a float, or a log-probability as an int, is a difference a client can trip on."""
+    if isinstance(value, dict):
+        return {key: shape(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [shape(value[0])] if value else []
+    return type(value).__name__
+
+
+def differences(standin, real, where: str = "") -> list[str]:
+    """Where the stand-in's answer has a key the real one lacks, or another type there."""
+    if isinstance(standin, dict) and isinstance(real, dict):
+        found = []
+        for key, item in standin.items():
+            if key not in real:
+                found.append(f"{where}.{key}: only the stand-in answers it")
+            else:
+                found += differences(item, real[key], f"{where}.{key}")
+        return found
+    if isinstance(standin, list) and isinstance(real, list):
+        return differences(standin[0], real[0], f"{where}[0]") if standin and real else []
+    return [] if standin == real else [f"{where}: stand-in {standin}, real {real}"]
+
+
+def unanswered(route: str, standin, real) -> list[str]:
+    """Keys the client reads (`sglang_answers.CLIENT_READS`) that the real server answered and
+    the stand-in did not."""
+    return [
+        f"{route}: {path} answered by the real server only"
+        for path in CLIENT_READS.get(route, ())
+        if lookup(real, path)[0] and not lookup(standin, path)[0]
+    ]

@@ -309,6 +309,15 @@ class SGLangLaunchConfig(Strict):
         "fa4, flashinfer, intel_xpu and triton only (not torch_native, so not on a CPU).",
     )
 
+    lora_backend: Literal["csgmv", "triton", "triton_v2", "torch_native"] = Field(
+        default="csgmv",
+        description="SGLang's --lora-backend, the kernels that apply a LoRA adapter unmerged, "
+        "used when the run trains one (trainer.lora.enabled; the other LoRA flags follow from "
+        "trainer.lora and grpo, gymrl.generation.sglang.adapters). csgmv (SGLang's default) "
+        "and the triton ones need a GPU; torch_native is plain torch and what runs on a CPU "
+        "(generation=sglang_cpu sets it).",
+    )
+
     @model_validator(mode="after")
     def _deterministic_backend(self) -> SGLangLaunchConfig:
         backend = self.attention_backend

@@ -27,6 +27,11 @@ The HTTP API used (SGLang 0.5.23, pinned exactly: `sglang/srt/entrypoints/http_s
 * `POST /weights_checker {action, skip_tensor_list}`: the weight check around a refit,
   `gymrl.generation.sglang.refit_checks.weights_checker`'s.
 * `GET /health_generate`: 200 once the server generates.
+* A LoRA run's refits (:meth:`SGLangEngine.update_adapter`, `gymrl.generation.sglang.adapters`):
+  `POST /load_lora_adapter_from_tensors {"lora_name", "config_dict", "serialized_named_tensors",
+  "expected_checksums"}` and `POST /unload_lora_adapter {"lora_name"}`, whose answers carry
+  `success`, `error_message` and `loaded_adapters`; `/generate` then names the adapter with
+  `lora_path`.
 
 **Log-probability semantics.** The project defines generation log-probabilities as those of the
 sampled token under `softmax(logits / temperature)`, before top-p truncation. SGLang's sampler
@@ -80,6 +85,12 @@ import torch
 from safetensors.torch import save_file
 
 from gymrl.config.schema.generation import SGLangGenerationConfig
+from gymrl.generation.sglang.adapters import (
+    AdapterServing,
+    adapter_name,
+    check_adapter,
+    load_request,
+)
 from gymrl.generation.sglang.refit_checks.weights_checker import (
     WeightCheckUnavailableError,
     WeightsChecker,
@@ -95,6 +106,7 @@ from gymrl.generation.types import (
     RouteLayout,
     UnsupportedRequestError,
 )
+from gymrl.run.adapter import AdapterWeights
 from gymrl.run.atomic import atomic_folder
 from nemo_gym_ext.keep_alive import CLIENT_KEEPALIVE_EXPIRY_S
 
@@ -118,9 +130,11 @@ def generate_payload(
     request: GenerationRequest,
     budget: int,
     routes_from: int | None = None,
+    lora_path: str | None = None,
 ):
     """The `/generate` body for `prompt_token_ids` with at most `budget` new tokens; with
-    `routes_from`, asking for the experts each position from there on was routed to."""
+    `routes_from`, asking for the experts each position from there on was routed to; with
+    `lora_path`, generated under that loaded adapter (a LoRA run's version)."""
     params = request.params
     sampling: dict[str, Any] = {
         "max_new_tokens": budget,
@@ -141,6 +155,8 @@ def generate_payload(
     if routes_from is not None:
         payload["return_routed_experts"] = True
         payload["routed_experts_start_len"] = routes_from
+    if lora_path is not None:
+        payload["lora_path"] = lora_path
     return payload
 
 
@@ -270,6 +286,8 @@ class SGLangEngine:
         weights_checker: WeightsChecker | None = None,
         honours_seeds: bool = False,
         route_layout: RouteLayout | None = None,
+        adapters: AdapterServing | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         """`end_token_ids`: the model's own end ids, where the servers stop every request
         whatever its stop ids (:func:`gymrl.model.tokens.model_end_token_ids`).
@@ -278,7 +296,10 @@ class SGLangEngine:
         `--enable-deterministic-inference`, the only mode in which SGLang uses a request's
         `sampling_seed`; without it a request with a seed is refused. `route_layout`: the MoE
         model's routes, when the servers capture them for router replay
-        (`--enable-return-routed-experts`); a request with `routes_from` needs it."""
+        (`--enable-return-routed-experts`); a request with `routes_from` needs it.
+        `adapters`: a LoRA run's, whose servers were started with its flags; refits are then
+        :meth:`update_adapter`'s. `tensor_parallel_size`: each server's ranks (an adapter load
+        carries one copy of the tensors per rank)."""
         if not server_urls:
             raise ValueError("SGLangEngine needs at least one server URL")
         urls = [url.rstrip("/") for url in server_urls]
@@ -303,6 +324,14 @@ class SGLangEngine:
         self._refit_dir = None if refit_dir is None else Path(refit_dir)
         self._end_ids = frozenset(int(token) for token in end_token_ids)
         self._version = weight_version
+        # A LoRA run: the servers keep the base weights (version `weight_version` all run) and
+        # each refit loads an adapter; `_loaded` are the versions loaded, oldest first, and
+        # `_lora_path` the name requests send (None until the first adapter refit: the base).
+        self._adapters = adapters
+        self._tp_size = tensor_parallel_size
+        self._base_version = weight_version
+        self._loaded: list[int] = []
+        self._lora_path: str | None = None
         self._checker = weights_checker
         # Refits begun and completed; an abort while they differ, or after a later one began,
         # is a refit's.
@@ -335,9 +364,10 @@ class SGLangEngine:
         refit_dir: str | os.PathLike[str] | None = None,
         end_token_ids: Iterable[int] = (),
         route_layout: RouteLayout | None = None,
+        adapters: AdapterServing | None = None,
     ) -> SGLangEngine:
         """A client of `server_urls` with the config's deadlines (`route_layout`: with router
-        replay, see :class:`SGLangEngine`).
+        replay; `adapters`: a LoRA run's; see :class:`SGLangEngine`).
 
         A refit loads a checkpoint, which takes about as long as loading it at start-up, so it
         shares the start-up deadline.
@@ -357,6 +387,8 @@ class SGLangEngine:
             weights_checker=checker_for(generation.refit),
             honours_seeds=generation.launch.deterministic_inference,
             route_layout=route_layout,
+            adapters=adapters,
+            tensor_parallel_size=generation.tensor_parallel_size,
         )
 
     @property
@@ -417,6 +449,7 @@ class SGLangEngine:
         for _attempt in range(MAX_RESUMES + 1):
             with self._state_lock:
                 refits_finished, current = self._refits_finished, self._version
+                lora_path = self._lora_path
             version = current if version is None else min(version, current)
             budget = request.params.max_new_tokens - len(tokens)
             sent = prompt + tokens
@@ -426,7 +459,9 @@ class SGLangEngine:
             answered: list[int] | None = None
             try:
                 body = await self._post(
-                    url, "/generate", generate_payload(sent, request, budget, routes_from)
+                    url,
+                    "/generate",
+                    generate_payload(sent, request, budget, routes_from, lora_path),
                 )
                 new_tokens, new_logprobs, finish, message = parse_generate_response(url, body)
                 if finish != "abort":
@@ -513,6 +548,8 @@ class SGLangEngine:
         reported = body["meta_info"].get("weight_version")
         with self._state_lock:
             allowed = {sent_under, self._version, self._loading}
+        if self._adapters is not None:  # adapter refits leave the base weights as they started
+            allowed, sent_under = {self._base_version}, self._base_version
         if reported not in {str(version) for version in allowed if version is not None}:
             raise SGLangError(
                 f"SGLang server {url} generated with weight_version {reported!r}, but this "
@@ -672,6 +709,79 @@ class SGLangEngine:
                 save_file(tensors, str(staging / _WEIGHTS_FILE))
             self.refit_from_disk(target, version)
             remove_loaded_refits(self._refit_dir, keep=target)
+
+    def update_adapter(self, adapter: AdapterWeights, version: int) -> None:
+        """A LoRA run's refit: every server loads `adapter` from tensors as `policy_v{version}`
+        (`gymrl.generation.sglang.adapters`), and every request sent afterwards names it.
+
+        Nothing is paused: a request keeps the adapter it was sent with (its output's
+        `weight_version` is that version) and finishes under it, since a version stays loaded
+        for the staleness window (`AdapterServing.versions_kept`); the versions older than the
+        window are unloaded once the new one is served, SGLang's unload waiting for the
+        requests still naming them. The adapter's keys are checked against the servers' target
+        modules before anything is sent; a server that refuses the load, or does not list the
+        version afterwards, fails the refit naming the server and the version, and requests go
+        on naming the previous version (a run must stop on such an error, not train on)."""
+        serving = self._adapters
+        if serving is None:
+            raise ValueError(
+                "SGLangEngine.update_adapter needs servers started for adapters (a LoRA run's "
+                "`adapters=AdapterServing`, from trainer.lora.enabled)"
+            )
+        check_adapter(adapter, serving, version)
+        with self._refit_lock:
+            if self._loaded and version <= self._loaded[-1]:
+                raise ValueError(
+                    f"adapter version {version} is not newer than the loaded version "
+                    f"{self._loaded[-1]}; adapter refits load increasing versions"
+                )
+            request = load_request(adapter, version, self._tp_size)
+            bound = 2 * self._refit_timeout_s + 5.0  # the load, then the unloads
+            self._run(self._load_adapter(request, version), bound)
+
+    async def _load_adapter(self, request: Mapping[str, Any], version: int) -> None:
+        name = adapter_name(version)
+        await asyncio.gather(*(self._load_adapter_on(url, request, version) for url in self._urls))
+        serving = self._adapters
+        assert serving is not None  # update_adapter's caller checked
+        with self._state_lock:
+            self._version, self._lora_path = version, name
+            self._loaded.append(version)
+            stale, self._loaded = (
+                self._loaded[: -serving.versions_kept],
+                self._loaded[-serving.versions_kept :],
+            )
+        for old in stale:
+            unload = {"lora_name": adapter_name(old)}
+            answers = await self._on_all("/unload_lora_adapter", unload, self._refit_timeout_s)
+            for url, answer in zip(self._urls, answers, strict=True):
+                if not answer.get("success"):
+                    raise SGLangError(
+                        f"SGLang server {url}: unloading adapter version {old} "
+                        f"({adapter_name(old)}) failed: {answer.get('error_message')!r}"
+                    )
+
+    async def _load_adapter_on(self, url: str, request: Mapping[str, Any], version: int) -> None:
+        name = adapter_name(version)
+        response = await self._send(
+            url, "/load_lora_adapter_from_tensors", request, self._refit_timeout_s
+        )
+        try:
+            answer = orjson.loads(response.content)
+        except orjson.JSONDecodeError:
+            answer = {"error_message": response.text[:500]}
+        if response.status_code != 200 or not answer.get("success"):
+            raise SGLangError(
+                f"SGLang server {url}: loading adapter version {version} ({name}) failed "
+                f"({response.status_code}): {answer.get('error_message')!r}"
+            )
+        listed = sorted(answer.get("loaded_adapters") or {})
+        if name not in listed:
+            raise SGLangError(
+                f"SGLang server {url} answered the load of adapter version {version} but does "
+                f"not list {name} among its adapters afterwards ({listed}); requests naming it "
+                "would fail"
+            )
 
     # ---------------------------------------------------------------------------------- HTTP
     async def _on_all(

@@ -32,6 +32,7 @@ from gymrl.cluster.placement import RolePlacement, actor_options
 from gymrl.config.context_length import sglang_model_overrides
 from gymrl.config.schema.generation import SGLangGenerationConfig, SGLangLaunchConfig
 from gymrl.config.schema.policy import PolicyConfig
+from gymrl.generation.sglang.adapters import AdapterServing
 from gymrl.generation.sglang.engine import SGLangError, SGLangTimeoutError
 from gymrl.generation.sglang.weight_sync import WEIGHT_SYNC_NCCL_ENV
 from nemo_gym_ext.ports import free_port
@@ -58,8 +59,10 @@ def server_command(
     port: int,
     seed: int,
     host: str = "0.0.0.0",
+    adapters: AdapterServing | None = None,
 ) -> list[str]:
-    """The `sglang.launch_server` command line of one engine.
+    """The `sglang.launch_server` command line of one engine; `adapters`: a LoRA run's
+    (`AdapterServing.server_flags`).
 
     `--skip-tokenizer-init`: the engine is token-in/token-out (the model server renders chat),
     so SGLang never loads a tokenizer and answers with token ids only. The context length is the
@@ -113,6 +116,8 @@ def server_command(
     overrides = sglang_model_overrides(policy)
     if overrides is not None:  # YaRN: the same RoPE scaling Megatron trains with
         command += ["--json-model-override-args", json.dumps(overrides)]
+    if adapters is not None:
+        command += adapters.server_flags()
     return command
 
 
@@ -266,13 +271,21 @@ class SGLangServerActor:
         model_path: str,
         seed: int,
         log_path: str,
+        adapters: AdapterServing | None = None,
     ) -> None:
+        """`adapters`: a LoRA run's (`server_command`)."""
         import ray  # a Ray worker process always has it
 
         port = free_port()
         host = ray.util.get_node_ip_address()
         command = server_command(
-            generation, policy, model_path=model_path, port=port, seed=seed, host=host
+            generation,
+            policy,
+            model_path=model_path,
+            port=port,
+            seed=seed,
+            host=host,
+            adapters=adapters,
         )
         self._server = SGLangServerProcess(
             command,
@@ -311,7 +324,9 @@ class SGLangServerGroup:
         log_dir: str | os.PathLike[str],
         placement_group: Any,
         engines: RolePlacement,
+        adapters: AdapterServing | None = None,
     ) -> None:
+        """`adapters`: a LoRA run's, started on every server (`server_command`)."""
         import ray
 
         self._ray = ray
@@ -323,6 +338,7 @@ class SGLangServerGroup:
                 model_path=model_path,
                 seed=seed + index,
                 log_path=str(Path(log_dir) / f"sglang_engine_{index}.log"),
+                adapters=adapters,
             )
             for index in range(generation.num_engines)
         ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from gymrl.config.schema.generation import SGLangGenerationConfig
 from gymrl.config.schema.recipe import RecipeConfig
+from gymrl.generation.sglang.adapters import FUSED_GROUPS, FUSED_NEEDS
 from nemo_gym_ext.config_errors import ConfigIssue
 
 
@@ -44,20 +45,41 @@ def refit_by_the_trainer(config: RecipeConfig) -> list[ConfigIssue]:
 
 
 def lora_refit_into_the_engine(config: RecipeConfig) -> list[ConfigIssue]:
-    """A LoRA run refits the adapter alone, which the torch engine merges into its weights
-    (`TorchGenerationEngine.update_adapter`); the SGLang servers' adapter loading is not wired."""
-    generation = config.generation.backend
-    if not config.trainer.lora.enabled or generation == "torch":
+    """A LoRA run refits the adapter alone: the torch engine merges it into its weights
+    (`TorchGenerationEngine.update_adapter`), the SGLang servers load it unmerged
+    (`SGLangEngine.update_adapter`), which needs kernels that run on their device and a target
+    set SGLang can stack into its fused modules (`gymrl.generation.sglang.adapters`)."""
+    lora, generation = config.trainer.lora, config.generation
+    if not lora.enabled or not isinstance(generation, SGLangGenerationConfig):
         return []
-    return [
-        ConfigIssue(
-            "generation.backend",
-            generation,
-            "a LoRA run (trainer.lora.enabled) refits the adapter alone, which only the torch "
-            "engine loads so far",
-            "select generation=torch, or trainer.lora.enabled=false",
+    issues = []
+    backend = generation.launch.lora_backend
+    if generation.launch.device == "cpu" and backend != "torch_native":
+        issues.append(
+            ConfigIssue(
+                "generation.launch.lora_backend",
+                backend,
+                "SGLang's LoRA kernels other than torch_native need a GPU, and the servers run "
+                "on the CPU (generation.launch.device=cpu)",
+                "set generation.launch.lora_backend=torch_native",
+            )
         )
-    ]
+    targets = set(lora.target_modules)
+    for fused, members in FUSED_GROUPS.items():
+        needed = FUSED_NEEDS[fused]
+        if targets & set(members) and not set(needed) <= targets:
+            issues.append(
+                ConfigIssue(
+                    "trainer.lora.target_modules",
+                    list(lora.target_modules),
+                    f"SGLang fuses {', '.join(members)} into {fused} and builds an adapter on "
+                    f"it from the factors of {' and '.join(needed)}; an adapter on "
+                    f"{sorted(targets & set(members))} alone is one SGLang cannot serve",
+                    f"add {sorted(set(needed) - targets)} to trainer.lora.target_modules, or "
+                    "select generation=torch",
+                )
+            )
+    return issues
 
 
 def expert_parallel_divides_tp(config: RecipeConfig) -> list[ConfigIssue]:

@@ -8,6 +8,7 @@ import yaml
 import gymrl.preflight.validate as validate_module
 from gymrl.cluster.placement import generation_gpus, trainer_gpus
 from gymrl.config.compose import compose_raw
+from gymrl.config.schema.generation import SGLangGenerationConfig
 from gymrl.preflight.plan import render_plan
 from gymrl.preflight.validate import validate_config
 from nemo_gym_ext.config_errors import ConfigError
@@ -557,11 +558,27 @@ def test_a_lora_rank_above_a_targets_smaller_side_is_refused_with_the_largest_al
     assert "at most 64" in issue.fix and "q_proj" in issue.problem
 
 
-def test_lora_with_megatron_sglang_or_an_moe_is_refused_naming_what_to_pick():
+def test_lora_with_megatron_or_an_moe_is_refused_naming_what_to_pick():
     megatron = _issues(
         ["trainer=megatron", "generation=sglang", "cluster=slurm_8gpu", "trainer.lora.enabled=true"]
     )
     assert "Megatron trainer does not train LoRA" in megatron["trainer.lora.enabled"].problem
-    assert "only the torch engine" in megatron["generation.backend"].problem
     moe = _issues(["policy=tiny_qwen3_moe", "trainer.lora.enabled=true"])
     assert "experts" in moe["trainer.lora.enabled"].problem
+
+
+def test_lora_into_sglang_validates_and_what_sglang_cannot_serve_is_named_with_the_fix():
+    """The CPU server's LoRA kernels are torch_native's; an adapter on part of a fused module
+    (v_proj without q_proj, up_proj without gate_proj) is one SGLang cannot stack."""
+    lora = ["+experiment=sglang_cpu_smoke", "trainer.lora.enabled=true"]
+    generation = validate_config(compose_raw(lora)).generation
+    assert isinstance(generation, SGLangGenerationConfig)
+    assert generation.launch.lora_backend == "torch_native"
+    backend = _issues([*lora, "generation.launch.lora_backend=csgmv"])
+    assert "need a GPU" in backend["generation.launch.lora_backend"].problem
+    assert backend["generation.launch.lora_backend"].fix.endswith("lora_backend=torch_native")
+    fused = _issues([*lora, "trainer.lora.target_modules=[v_proj,gate_proj,up_proj]"])
+    issue = fused["trainer.lora.target_modules"]
+    assert "qkv_proj" in issue.problem and "['q_proj']" in issue.fix
+    gate = _issues([*lora, "trainer.lora.target_modules=[q_proj,v_proj,up_proj]"])
+    assert "['gate_proj']" in gate["trainer.lora.target_modules"].fix

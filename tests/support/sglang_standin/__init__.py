@@ -16,10 +16,12 @@ behaviours it reproduces:
 * `generation.py`: `/generate`, pause and continue, `/flush_cache`;
 * `refit.py`: weights from disk, the weight-update session and its broadcast group;
 * `weights_checker.py`: the weights read back (`/get_weights_by_name`, `/weights_checker`);
+* `adapters.py`: a LoRA run's adapters loaded from tensors and unloaded, and `/generate`'s
+  `lora_path`;
 * `wire.py`: the request bodies (SGLang's `GenerateReqInput`, `SamplingParams`, ...) and the
   answers' shapes; `state.py`: what a server holds, its radix cache, and the deterministic rule
   its "model" generates by;
-* `app.py`: `make_standin`, the three sets of routes on one app over one state.
+* `app.py`: `make_standin`, the four sets of routes on one app over one state.
 """
 
 from tests.support.sglang_standin.app import make_standin

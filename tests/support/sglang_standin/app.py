@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from fastapi import FastAPI, Request
 
+from tests.support.sglang_standin.adapters import add_adapter_routes
 from tests.support.sglang_standin.generation import add_generation_routes
 from tests.support.sglang_standin.refit import add_refit_routes
 from tests.support.sglang_standin.state import StandInState
@@ -49,4 +50,5 @@ def make_standin(
     add_generation_routes(app, state, end_token_ids)
     add_refit_routes(app, state)
     add_weights_checker_routes(app, state)
+    add_adapter_routes(app, state)
     return app, state

@@ -79,8 +79,17 @@ def add_generation_routes(app: FastAPI, state: StandInState, end_token_ids: Sequ
                 "reduce the number of tokens in the input messages or the completion to fit "
                 "within the limit.",
             )
+        adapter = req.lora_path
+        if adapter is not None and (adapter not in state.adapters or adapter in state.unloading):
+            return error(
+                400,
+                f"The following requested LoRA adapters are not loaded: {adapter}\n"
+                f"Loaded adapters: {state.adapters.keys() - state.unloading}.",
+            )
         await state.resume.wait()  # SGLang holds new requests while generation is paused
         state.running += 1
+        if adapter is not None:
+            state.adapter_requests[adapter] = state.adapter_requests.get(adapter, 0) + 1
         abort_seen = state.abort_count
         tokens: list[int] = []
         finish: dict[str, Any] = {"type": "length", "length": params.max_new_tokens}
@@ -108,6 +117,8 @@ def add_generation_routes(app: FastAPI, state: StandInState, end_token_ids: Sequ
                     break
         finally:
             state.running -= 1
+            if adapter is not None:
+                state.adapter_requests[adapter] -= 1
         state.cache.insert(prompt + tokens)
         state.finishes.append(finish)
         meta = {

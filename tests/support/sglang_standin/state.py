@@ -101,6 +101,12 @@ class StandInState:
         self.cache = PrefixCache(cache_tokens)
         self.prompt_tokens = 0
         self.cached_tokens = 0
+        # LoRA (adapters.py): the adapters loaded, by name; those being unloaded; the requests
+        # running under each; `hide_adapters` answers loads without listing any.
+        self.adapters: dict[str, dict[str, torch.Tensor]] = {}
+        self.unloading: set[str] = set()
+        self.adapter_requests: dict[str, int] = {}
+        self.hide_adapters = False
 
     def load_weights(self, received: list[tuple[str, torch.Tensor]]) -> None:
         """The model's `load_weights`: known names copied in, unknown ones skipped."""

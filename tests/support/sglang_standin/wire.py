@@ -44,6 +44,29 @@ class StandInGenerateReq(BaseModel):
     top_logprobs_num: int | None = None
     stream: bool = False
     rid: str | None = None
+    lora_path: str | None = None
+
+
+class StandInLoadAdapterReq(BaseModel):
+    """`LoadLoRAAdapterFromTensorsReqInput` (the fields the stand-in acts on, and those SGLang
+    fills in itself)."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+    config_dict: dict[str, Any]
+    serialized_named_tensors: list[str]
+    pinned: bool = False
+    lora_id: str | None = None
+    load_format: str | None = None
+    expected_checksums: dict[str, str] | None = None
+
+
+class StandInUnloadAdapterReq(BaseModel):
+    """`UnloadLoRAAdapterReqInput`."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+    lora_id: str | None = None
 
 
 class StandInUpdateReq(BaseModel):

@@ -54,7 +54,10 @@ from pydantic import BaseModel
 from safetensors.torch import save_file
 
 from gymrl.config.schema.generation import SGLangGenerationConfig, SGLangLaunchConfig
+from gymrl.config.schema.grpo import GRPOConfig
 from gymrl.config.schema.policy import PolicyConfig
+from gymrl.config.schema.trainer import LoraConfig
+from gymrl.generation.sglang.adapters import AdapterServing
 from gymrl.generation.sglang.engine import SGLangEngine
 from gymrl.generation.sglang.refit_checks.read_back import ReadBackCheck
 from gymrl.generation.sglang.refit_checks.weights_checker import (
@@ -65,6 +68,7 @@ from gymrl.generation.sglang.refit_checks.weights_checker import (
 from gymrl.generation.sglang.servers import server_command
 from gymrl.generation.sglang.weight_sync import FLATTENED_BUCKET, LIVENESS_ROUTE, WeightSender
 from gymrl.generation.types import GenerationRequest, SamplingParams
+from gymrl.run.adapter import AdapterWeights
 from nemo_gym_ext.http_server import serve_in_thread
 from tests.support.real_sglang import cpu_generation
 from tests.support.sglang_answers import CLIENT_READS
@@ -211,6 +215,13 @@ def read_routes(http_server: Path) -> dict[str, Route]:
     return routes
 
 
+# The routes whose handler answers a struct (`msgspec_to_builtins(result)`), by its io_struct type.
+ANSWER_TYPES = {
+    "/load_lora_adapter_from_tensors": "LoRAUpdateOutput",
+    "/unload_lora_adapter": "LoRAUpdateOutput",
+}
+
+
 def read_answer_keys(http_server: Path, path: str) -> frozenset[str]:
     """The keys the handler of `path` can put in its answer: those of its dict literals and of
     its `body["key"] = ...` assignments."""
@@ -319,6 +330,8 @@ _NAMED_KINDS: dict[str, frozenset[Kind]] = {
     "int": frozenset({"int"}),
     "float": frozenset({"float"}),
     "str": frozenset({"str"}),
+    # msgspec's `Base64Bytes` (the adapter load's tensors): a base64 string on the wire.
+    "bytes": frozenset({"str"}),
     "dict": frozenset({"object"}),
     "Dict": frozenset({"object"}),
     "Any": frozenset({"any"}),
@@ -508,6 +521,21 @@ def recorded_calls(tmp_path_factory) -> list[tuple[str, dict | None]]:
             sender.send(weights.items(), 1)
             engine.end_refit(1)
             sender.close()
+        # A LoRA run's: adapters loaded from tensors, named by requests, one unloaded.
+        serving = AdapterServing(
+            rank=2, target_modules=("q_proj",), versions_kept=1, backend="torch_native"
+        )
+        key = "base_model.model.model.layers.0.self_attn.q_proj"
+        adapter = AdapterWeights(
+            {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]},
+            {f"{key}.lora_A.weight": torch.randn(2, 4), f"{key}.lora_B.weight": torch.zeros(4, 2)},
+        )
+        with SGLangEngine(
+            urls, request_timeout_s=20.0, refit_timeout_s=20.0, weight_version=1, adapters=serving
+        ) as engine:  # the base: the weights the broadcast above sent, version 1
+            engine.update_adapter(adapter, 2)
+            engine.update_adapter(adapter, 3)
+            engine.generate([GenerationRequest([1, 2, 3], SamplingParams(max_new_tokens=2))])
     finally:
         for server in servers:
             server.close()
@@ -701,6 +729,15 @@ def test_the_standins_weights_checker_answers_in_the_wheels_shape(wheel_source, 
     assert isinstance(checksum.json()["per_engine_checksum"], str)
 
 
+def _adapter_serving() -> AdapterServing:
+    """A LoRA run's: every module of the default target set (each a value of the
+    `--lora-target-modules` list)."""
+    grpo = GRPOConfig(num_steps=1, num_prompts_per_step=1, num_generations_per_prompt=2)
+    serving = AdapterServing.of(LoraConfig(enabled=True), grpo, SGLangLaunchConfig())
+    assert serving is not None
+    return serving
+
+
 def test_every_flag_the_launcher_can_pass_is_a_server_argument(wheel_source):
     """`server_command` with every optional flag on; SGLang's CLI flags are its ServerArgs
     fields, `_` written `-` (`arg_groups/arg_utils.py`)."""
@@ -719,8 +756,11 @@ def test_every_flag_the_launcher_can_pass_is_a_server_argument(wheel_source):
     )
     generation = SGLangGenerationConfig(expert_parallel_size=2, launch=launch)
     policy = _yarn_policy()
-    command = server_command(generation, policy, model_path="/m", port=1, seed=0)
+    command = server_command(
+        generation, policy, model_path="/m", port=1, seed=0, adapters=_adapter_serving()
+    )
     flags = [word.split("=")[0] for word in command if word.startswith("--")]
+    assert "--enable-lora" in flags and "--lora-strict-loading" in flags
     assert "--json-model-override-args" in flags and "--enable-deterministic-inference" in flags
     assert "--enable-return-routed-experts" in flags
     unknown = [flag for flag in flags if flag[2:].replace("-", "_") not in fields]
@@ -769,7 +809,9 @@ def _flag_value_problem(
     if choices is not None and value not in choices:
         return f"{flag} {value!r}: not one of the wheel's choices {choices}"
     parsers = {"int": int, "float": float, "str": str}
-    for kind in kinds:
+    # A list's flag takes its items as values (nargs, `--lora-target-modules q_proj k_proj`).
+    items = {item for kind in kinds if isinstance(kind, tuple) for item in kind[1]}
+    for kind in kinds | items:
         parse = parsers.get(kind) if isinstance(kind, str) else None
         if parse is None:
             continue
@@ -815,7 +857,9 @@ def test_every_flag_the_launcher_passes_takes_the_value_it_is_given(wheel_source
         SGLangGenerationConfig(expert_parallel_size=2, tensor_parallel_size=4),
         SGLangGenerationConfig(launch=cpu),
     ):
-        command = server_command(generation, policy, model_path="/m", port=1, seed=0)
+        command = server_command(
+            generation, policy, model_path="/m", port=1, seed=0, adapters=_adapter_serving()
+        )
         for index, word in enumerate(command):
             if not word.startswith("--"):
                 continue
@@ -910,6 +954,7 @@ def test_the_wheel_answers_every_key_the_client_reads(wheel_source):
     assert client_read_keys() - headers == listed
     srt = wheel_source / "sglang" / "srt"
     http_server = srt / "entrypoints" / "http_server.py"
+    answer_types = read_request_types(srt / "managers" / "io_struct.py")
     made = {
         "meta_info": read_meta_info_keys(srt / "managers" / "tokenizer_manager.py"),
         "finish_reason": read_finish_reason_keys(srt / "managers" / "schedule_batch.py"),
@@ -925,6 +970,8 @@ def test_the_wheel_answers_every_key_the_client_reads(wheel_source):
                 keys = made[parents[-1]]
                 if parents[0] not in answer_of_generate:
                     found.append(f"{route}: the wheel's answer has no {parents[0]!r}")
+            elif route in ANSWER_TYPES:  # answered as msgspec_to_builtins(result)
+                keys = answer_types[ANSWER_TYPES[route]].fields
             else:
                 keys = read_answer_keys(http_server, route)
             if key not in keys:
@@ -976,6 +1023,9 @@ def test_the_servers_updaters_do_what_the_client_asks(wheel_source, recorded_cal
     runner = _methods(wheel_source / "sglang" / RUNNER_UPDATER)
     called = {path for path, _ in recorded_calls} - {"/generate", "/flush_cache"}
     called -= {"/pause_generation", "/continue_generation"}
+    # The adapter routes reach the scheduler's LoRA manager, not its weight updater; their
+    # contract is their request type and their answer (LoRAUpdateOutput), checked above.
+    called -= set(ANSWER_TYPES)
     found = [f"{route}: no scheduler method listed" for route in called - set(SCHEDULER_METHODS)]
     for route in sorted(called & set(SCHEDULER_METHODS)):
         method = scheduler.get(SCHEDULER_METHODS[route])

@@ -38,7 +38,7 @@ from gymrl.model.tokens import model_end_token_ids
 from nemo_gym_ext.envs.registry import make_rows, start_builtin_environment
 from nemo_gym_ext.http_server import serve_in_thread
 from tests.support.real_sglang import VENV, cpu_generation, start_cpu_server
-from tests.support.sglang_answers import CLIENT_READS, lookup
+from tests.support.sglang_answers import differences, shape, unanswered
 from tests.support.sglang_standin import make_standin
 
 pytestmark = pytest.mark.sglang_cpu
@@ -296,53 +296,17 @@ def test_the_weights_checker_actions_and_a_compare_that_cannot_run_here(real_ser
 
 
 # ------------------------------------------------------------------------ stand-in vs real
-def _shape(value):
-    """A JSON value's skeleton: dicts by key, lists by their first item, scalars by type. An int
-    and a float differ: both servers write floats with a point (`-0.0`, `1.0`), so a count
-    answered as a float, or a log-probability as an int, is a difference a client can trip on."""
-    if isinstance(value, dict):
-        return {key: _shape(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_shape(value[0])] if value else []
-    return type(value).__name__
-
-
-def _differences(standin, real, where: str = "") -> list[str]:
-    """Where the stand-in's answer has a key the real one lacks, or another type there."""
-    if isinstance(standin, dict) and isinstance(real, dict):
-        found = []
-        for key, item in standin.items():
-            if key not in real:
-                found.append(f"{where}.{key}: only the stand-in answers it")
-            else:
-                found += _differences(item, real[key], f"{where}.{key}")
-        return found
-    if isinstance(standin, list) and isinstance(real, list):
-        return _differences(standin[0], real[0], f"{where}[0]") if standin and real else []
-    return [] if standin == real else [f"{where}: stand-in {standin}, real {real}"]
-
-
-def _unanswered(route: str, standin, real) -> list[str]:
-    """Keys the client reads (`sglang_answers.CLIENT_READS`) that the real server answered and
-    the stand-in did not."""
-    return [
-        f"{route}: {path} answered by the real server only"
-        for path in CLIENT_READS.get(route, ())
-        if lookup(real, path)[0] and not lookup(standin, path)[0]
-    ]
-
-
 def test_the_differences_found_are_status_keys_and_types():
     """The comparison itself: a missing key, another type (int against float too) and a key
     the client reads that only the real server answers are all reported."""
     real = {"meta_info": {"completion_tokens": 3, "weight_version": "0", "finish_reason": {}}}
     standin = {"meta_info": {"completion_tokens": 3.0, "extra": 1}}
-    found = _differences(_shape(standin), _shape(real))
+    found = differences(shape(standin), shape(real))
     assert found == [
         ".meta_info.completion_tokens: stand-in float, real int",
         ".meta_info.extra: only the stand-in answers it",
     ]
-    assert _unanswered("/generate", standin, real) == [
+    assert unanswered("/generate", standin, real) == [
         "/generate: meta_info.weight_version answered by the real server only"
     ]
 
@@ -388,9 +352,9 @@ def test_the_standin_answers_what_the_real_server_answers(real_server, prompt):
             if ours.headers.get("content-type", "").startswith("application/json"):
                 found += [
                     f"{route}{where}"
-                    for where in _differences(_shape(ours.json()), _shape(theirs.json()))
+                    for where in differences(shape(ours.json()), shape(theirs.json()))
                 ]
-                found += _unanswered(route, ours.json(), theirs.json())
+                found += unanswered(route, ours.json(), theirs.json())
     assert found == []
 
 

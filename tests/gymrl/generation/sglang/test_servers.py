@@ -26,7 +26,7 @@ HANGING_SERVER = 1  # its seed: the group gives server i the seed `seed + i`
 class StandInServer:
     """A server's actor: answers at once, except server 1, which hangs where it is told to."""
 
-    def __init__(self, generation, policy, *, model_path, seed, log_path):
+    def __init__(self, generation, policy, *, model_path, seed, log_path, adapters):
         self.index, self.hangs_in = seed, model_path
 
     def url(self):
