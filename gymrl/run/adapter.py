@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from gymrl.config.schema.trainer import LoraConfig
 
@@ -84,6 +84,16 @@ class AdapterWeights:
         folder = Path(folder)
         config = json.loads((folder / ADAPTER_CONFIG_FILE).read_text())
         return cls(config=config, tensors=load_file(str(folder / ADAPTER_WEIGHTS_FILE)))
+
+    def write(self, folder: str | Path) -> None:
+        """Save as PEFT does (`adapter_config.json`, `adapter_model.safetensors` in `folder`), for
+        a trainer whose adapter is not a PEFT model (Megatron's, through megatron-bridge). A set
+        in the config (PEFT's own `target_modules`) is written as its sorted list, as PEFT
+        writes it."""
+        folder = Path(folder)
+        (folder / ADAPTER_CONFIG_FILE).write_text(json.dumps(self.config, indent=2, default=sorted))
+        tensors = {name: tensor.contiguous() for name, tensor in self.tensors.items()}
+        save_file(tensors, str(folder / ADAPTER_WEIGHTS_FILE))
 
     @property
     def scaling(self) -> float:
