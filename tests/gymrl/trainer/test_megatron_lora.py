@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import pickle
 import re
 from pathlib import Path
 
@@ -112,6 +113,9 @@ def test_the_adapter_exports_in_pefts_format_under_hugging_face_names(lora_train
     for name, (a, b) in pairs.items():
         assert a.shape == (RANK, modules[name].in_features), name
         assert b.shape == (modules[name].out_features, RANK), name
+    # It crosses Ray to processes without megatron: no tensor pickled through megatron-core's
+    # storage unpickler (`megatron.core.safe_globals`).
+    assert b"megatron" not in pickle.dumps(adapter)
     # linear_qkv's one A is q's, k's and v's.
     layer = "base_model.model.model.layers.0.self_attn"
     a = adapter.tensors[f"{layer}.q_proj.lora_A.weight"]
@@ -220,3 +224,51 @@ def test_a_lora_checkpoint_of_another_shape_or_a_full_one_is_refused_by_field(
     config_file.unlink()
     with pytest.raises(ValueError, match="holds every weight and this trainer trains LoRA"):
         trainer.load_checkpoint(checkpoint)
+
+
+def test_an_attention_adapter_on_the_tiny_moe_at_expert_parallel_2_merges_to_megatrons_logprobs(
+    megatron_runtime, tiny_moe_dir, tmp_path
+):
+    """The MoE path (the flagship's at EP 2, two ranks): bridge's LoRA on attention alone, the
+    experts frozen; the adapter gathered from the two ranks and merged by the torch engine into
+    transformers' Qwen3-MoE gives the log-probabilities Megatron computes (routing included)."""
+    from gymrl.algo.loss import sequence_logprobs
+    from gymrl.generation.torch.engine import TorchGenerationEngine
+    from gymrl.model.loading import load_pretrained
+    from nemo_gym_ext.ports import free_port
+    from tests.gymrl.trainer.megatron_moe import expert_parallel_lora_run
+
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+    out = tmp_path / "run.pt"
+    torch.multiprocessing.spawn(
+        expert_parallel_lora_run, args=(2, free_port(), str(out)), nprocs=2, join=True
+    )
+    seen = torch.load(out, weights_only=False)
+    adapter = AdapterWeights(seen["config"], seen["tensors"])
+    assert {name.rsplit(".", 1)[-1] for name in adapter.module_pairs()} == {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+    }
+    model = load_pretrained(tiny_moe_dir, torch.float32).eval()
+    engine = TorchGenerationEngine.from_config(
+        model,
+        TorchGenerationConfig(max_batch_size=2, decode_path="transformers"),
+        seed=0,
+        compute_dtype="float32",
+        eos_token_ids=(),
+    )
+    try:
+        engine.update_adapter(adapter, version=1)
+    finally:
+        engine.close()
+    trajectories, _ = megatron_batch(model.config.vocab_size)
+    for index, trajectory in enumerate(trajectories):
+        ids = torch.tensor([trajectory.token_ids])
+        with torch.no_grad():
+            merged = sequence_logprobs(model(ids).logits, ids, temperature=0.8)[0]
+        mask = torch.tensor(trajectory.loss_mask, dtype=torch.bool)
+        megatron = torch.tensor(seen["logprobs"][index])[mask]
+        torch.testing.assert_close(megatron, merged[mask], rtol=0, atol=ATOL)
