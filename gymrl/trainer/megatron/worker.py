@@ -85,7 +85,8 @@ class MegatronPolicyTrainer:
         self._ps = parallel_state
 
         # The policy's checkpoint folder whatever its source (the embedded SmolLM2 converted).
-        self._bridge = AutoBridge.from_hf_pretrained(model_folder(config.policy))
+        self._policy_folder = model_folder(config.policy)
+        self._bridge = AutoBridge.from_hf_pretrained(self._policy_folder)
         provider = self._bridge.to_megatron_provider(load_weights=True)
         for name, value in provider_overrides(config).items():
             setattr(provider, name, value)
@@ -366,7 +367,7 @@ class MegatronPolicyTrainer:
         return build_adapter_config_dict(
             self._lora,
             target_modules=sorted(self._trainer.lora.target_modules),
-            base_model_name_or_path=str(model_folder(self._config.policy)),
+            base_model_name_or_path=str(self._policy_folder),
         )
 
     def export_hf_checkpoint(self, directory: str | os.PathLike[str]) -> str:

@@ -151,3 +151,26 @@ def tensor_parallel_run(
             out,
         )
     torch.distributed.destroy_process_group()
+
+
+def tensor_parallel_lora_run(
+    rank: int, world_size: int, folder: str, lora: list[str], port: int, out: str
+) -> None:
+    """One rank of a LoRA run at TP `world_size` (`lora`: `trainer.lora` overrides): two train
+    steps, then the log-probabilities of the fixed batch and the exported adapter; rank 0 saves
+    them (the adapter as its config and tensors) to `out`."""
+    from gymrl.trainer.megatron.worker import MegatronPolicyTrainer
+
+    join_as_rank(rank, world_size, port)
+    config = tiny_config(Path(folder), tp=world_size, ranks=world_size, lora=lora)
+    trainer = MegatronPolicyTrainer(config, temperature=0.8)
+    trajectories, advantages = megatron_batch(trainer._vocab_size)
+    for _ in range(2):
+        trainer.train_step(trajectories, advantages)
+    logprobs = trainer.compute_logprobs(trajectories)
+    adapter = trainer.export_adapter()
+    if rank == 0:
+        torch.save(
+            {"logprobs": logprobs, "config": adapter.config, "tensors": adapter.tensors}, out
+        )
+    torch.distributed.destroy_process_group()

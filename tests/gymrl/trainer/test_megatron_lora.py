@@ -226,14 +226,67 @@ def test_a_lora_checkpoint_of_another_shape_or_a_full_one_is_refused_by_field(
         trainer.load_checkpoint(checkpoint)
 
 
+def _merged_logprobs(model, adapter: AdapterWeights, trajectories) -> list[torch.Tensor]:
+    """`adapter` merged into `model` (in place) by the torch engine's adapter refit, then each
+    trajectory's log-probabilities through it."""
+    from gymrl.algo.loss import sequence_logprobs
+    from gymrl.generation.torch.engine import TorchGenerationEngine
+
+    engine = TorchGenerationEngine.from_config(
+        model,
+        TorchGenerationConfig(max_batch_size=2, decode_path="transformers"),
+        seed=0,
+        compute_dtype="float32",
+        eos_token_ids=(),
+    )
+    try:
+        engine.update_adapter(adapter, version=1)
+    finally:
+        engine.close()
+    found = []
+    for trajectory in trajectories:
+        ids = torch.tensor([trajectory.token_ids])
+        with torch.no_grad():
+            found.append(sequence_logprobs(model.eval()(ids).logits, ids, temperature=0.8)[0])
+    return found
+
+
+def test_an_adapter_trained_at_tensor_parallel_2_merges_to_megatrons_logprobs(
+    megatron_runtime, tiny_llama, tmp_path
+):
+    """TP 2 (each rank holding half of every adapted weight's outputs or inputs): the adapter
+    gathered over the ranks, merged into the Hugging Face model by the torch engine, gives the
+    log-probabilities Megatron computes at TP 2."""
+    from nemo_gym_ext.ports import free_port
+    from tests.gymrl.trainer.megatron_setup import tensor_parallel_lora_run
+
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+    folder, hf_model = tiny_llama
+    out = tmp_path / "run.pt"
+    torch.multiprocessing.spawn(
+        tensor_parallel_lora_run,
+        args=(2, str(folder), LORA, free_port(), str(out)),
+        nprocs=2,
+        join=True,
+    )
+    seen = torch.load(out, weights_only=False)
+    adapter = AdapterWeights(seen["config"], seen["tensors"])
+    assert len(adapter.module_pairs()) == len(HF_MODULES) * hf_model.config.num_hidden_layers
+    trajectories, _ = megatron_batch(hf_model.config.vocab_size)
+    merged = _merged_logprobs(copy.deepcopy(hf_model), adapter, trajectories)
+    for index, trajectory in enumerate(trajectories):
+        mask = torch.tensor(trajectory.loss_mask, dtype=torch.bool)
+        megatron = torch.tensor(seen["logprobs"][index])[mask]
+        torch.testing.assert_close(megatron, merged[index][mask], rtol=0, atol=ATOL)
+
+
 def test_an_attention_adapter_on_the_tiny_moe_at_expert_parallel_2_merges_to_megatrons_logprobs(
     megatron_runtime, tiny_moe_dir, tmp_path
 ):
     """The MoE path (the flagship's at EP 2, two ranks): bridge's LoRA on attention alone, the
     experts frozen; the adapter gathered from the two ranks and merged by the torch engine into
     transformers' Qwen3-MoE gives the log-probabilities Megatron computes (routing included)."""
-    from gymrl.algo.loss import sequence_logprobs
-    from gymrl.generation.torch.engine import TorchGenerationEngine
     from gymrl.model.loading import load_pretrained
     from nemo_gym_ext.ports import free_port
     from tests.gymrl.trainer.megatron_moe import expert_parallel_lora_run
@@ -252,23 +305,10 @@ def test_an_attention_adapter_on_the_tiny_moe_at_expert_parallel_2_merges_to_meg
         "v_proj",
         "o_proj",
     }
-    model = load_pretrained(tiny_moe_dir, torch.float32).eval()
-    engine = TorchGenerationEngine.from_config(
-        model,
-        TorchGenerationConfig(max_batch_size=2, decode_path="transformers"),
-        seed=0,
-        compute_dtype="float32",
-        eos_token_ids=(),
-    )
-    try:
-        engine.update_adapter(adapter, version=1)
-    finally:
-        engine.close()
+    model = load_pretrained(tiny_moe_dir, torch.float32)
     trajectories, _ = megatron_batch(model.config.vocab_size)
+    merged = _merged_logprobs(model, adapter, trajectories)
     for index, trajectory in enumerate(trajectories):
-        ids = torch.tensor([trajectory.token_ids])
-        with torch.no_grad():
-            merged = sequence_logprobs(model(ids).logits, ids, temperature=0.8)[0]
         mask = torch.tensor(trajectory.loss_mask, dtype=torch.bool)
         megatron = torch.tensor(seen["logprobs"][index])[mask]
-        torch.testing.assert_close(megatron, merged[mask], rtol=0, atol=ATOL)
+        torch.testing.assert_close(megatron, merged[index][mask], rtol=0, atol=ATOL)
