@@ -15,6 +15,13 @@ Runs in the Megatron venv (`make megatron-venv`):
 
     .venv-megatron/bin/python benchmarks/bench_megatron_trainer.py --threads 1 --steps 3
 
+`--pair lora` sets the Megatron trainer training every weight against the same trainer training
+the default LoRA adapter (`trainer.lora`, rank 16 on every Linear, through megatron-bridge), and
+reports each one's trained parameters, gradient buffer bytes and optimizer state bytes (Adam's
+moments and step; the distributed optimizer's master copies where it keeps any) as well:
+
+    .venv-megatron/bin/python benchmarks/bench_megatron_trainer.py --pair lora --threads 1 --steps 3
+
 Mind the memory: at 16 episodes in micro-batches of 4 each trainer passed 8 GB.
 """
 
@@ -37,6 +44,7 @@ LR = 1e-6
 
 
 def _config(trainer: str):
+    """`torch`, `megatron` (every weight) or `megatron_lora` (the default adapter)."""
     from gymrl.config.compose import compose_raw
     from gymrl.config.schema.policy import PolicyConfig
     from gymrl.model.loading import ensure_smollm2_checkpoint
@@ -53,15 +61,19 @@ def _config(trainer: str):
     ]
     if trainer == "torch":
         return validate_config(compose_raw([*common, "trainer.prefix_packing=false"]))
+    # LoRA refits the torch engine (SGLang's adapter refit is not wired): the engine on the CPU.
+    generation = (
+        ["trainer.lora.enabled=true", "generation.device=cpu", "cluster.gpus_per_node=1"]
+        if trainer == "megatron_lora"
+        else ["generation=sglang", "generation.num_engines=1", "cluster.gpus_per_node=2"]
+    )
     return validate_config(
         compose_raw(
             [
                 *common,
                 "trainer=megatron",
-                "generation=sglang",
-                "generation.num_engines=1",
+                *generation,
                 "generation.server.max_tokens_per_turn=1024",
-                "cluster.gpus_per_node=2",
                 "trainer.activation_checkpointing=false",
                 "trainer.sequence_parallel=false",
                 "trainer.transformer_impl=local",
@@ -106,8 +118,49 @@ def _build(trainer: str):
     return MegatronPolicyTrainer(config, temperature=1.0)
 
 
+def _state_bytes(instance) -> dict[str, int]:
+    """A Megatron trainer's trained parameters, DDP gradient buffer bytes and optimizer state
+    bytes, once a step has made the state: Adam's moments and step, plus the distributed
+    optimizer's parameter shards where they are a copy (the float32 master weights under
+    bfloat16; in float32 they are views of the weights' own buffer, no extra memory)."""
+    optimizer = instance._optimizer
+    inner = [chained.optimizer for chained in getattr(optimizer, "chained_optimizers", [optimizer])]
+    weights = {
+        buffer.param_data.untyped_storage().data_ptr()
+        for chunk in instance._model
+        for buffer in chunk.buffers + chunk.expert_parallel_buffers
+    }
+    moments = sum(
+        tensor.numel() * tensor.element_size()
+        for adam in inner
+        for per_param in adam.state.values()
+        for tensor in per_param.values()
+        if isinstance(tensor, torch.Tensor)
+    )
+    masters = sum(
+        param.numel() * param.element_size()
+        for adam in inner
+        for group in adam.param_groups
+        for param in group["params"]
+        if param.untyped_storage().data_ptr() not in weights
+    )
+    grads = sum(
+        buffer.grad_data.numel() * buffer.grad_data.element_size()
+        for chunk in instance._model
+        for buffer in chunk.buffers + chunk.expert_parallel_buffers
+    )
+    trained = sum(
+        param.numel()
+        for chunk in instance._model
+        for param in chunk.parameters()
+        if param.requires_grad
+    )
+    return {"trained": trained, "grad_buffer": grads, "moments": moments, "masters": masters}
+
+
 def _serve(trainer: str, threads: int, episodes: int, pipe) -> None:
-    """Child: build the trainer, then one timed step per message; answer "peak" with ru_maxrss."""
+    """Child: build the trainer, then one timed step per message; answer "peak" with ru_maxrss
+    and, for a Megatron trainer, its state's sizes."""
     torch.set_num_threads(threads)
     instance = _build(trainer)
     batch = random_episodes(episodes, torch.Generator().manual_seed(0))
@@ -117,7 +170,8 @@ def _serve(trainer: str, threads: int, episodes: int, pipe) -> None:
         started = time.perf_counter()
         metrics = instance.train_step(batch, advantages)
         pipe.send((time.perf_counter() - started, metrics["loss"]))
-    pipe.send(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+    sizes = _state_bytes(instance) if trainer != "torch" else {}
+    pipe.send((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, sizes))
 
 
 def main() -> None:
@@ -125,10 +179,18 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per trainer")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per trainer")
     parser.add_argument("--episodes", type=int, default=8, help="episodes per batch")
+    parser.add_argument(
+        "--pair",
+        choices=("torch", "lora"),
+        default="torch",
+        help="torch: the torch trainer against Megatron's; lora: Megatron training every "
+        "weight against Megatron training the default LoRA adapter",
+    )
     args = parser.parse_args()
     spawn = multiprocessing.get_context("spawn")
     pipes = {}
-    for trainer in ("torch", "megatron"):
+    pair = ("torch", "megatron") if args.pair == "torch" else ("megatron", "megatron_lora")
+    for trainer in pair:
         ours, theirs = spawn.Pipe()
         spawn.Process(
             target=_serve, args=(trainer, args.threads, args.episodes, theirs), daemon=True
@@ -155,13 +217,20 @@ def main() -> None:
     )
     for trainer, pipe in pipes.items():
         pipe.send("peak")
-        peak = pipe.recv()
+        peak, sizes = pipe.recv()
         median = statistics.median(seconds[trainer])
         print(
-            f"  {trainer:>8}: {median:6.2f} s/step (steps: "
+            f"  {trainer:>13}: {median:6.2f} s/step (steps: "
             f"{', '.join(f'{t:.2f}' for t in seconds[trainer])}), peak resident {peak:.2f} GiB, "
             f"losses {', '.join(f'{loss:.5f}' for loss in losses[trainer])}"
         )
+        if sizes:
+            print(
+                f"  {'':>13}  {sizes['trained']:,} parameters trained, gradient buffer "
+                f"{sizes['grad_buffer'] / 2**20:.1f} MiB, Adam state "
+                f"{sizes['moments'] / 2**20:.1f} MiB, master copies "
+                f"{sizes['masters'] / 2**20:.1f} MiB"
+            )
 
 
 if __name__ == "__main__":

@@ -80,11 +80,12 @@ class Placement:
 
 
 def generation_gpus(config: RecipeConfig) -> int:
-    """GPUs the generation engines run on (a torch engine's may be shared with the trainer)."""
+    """GPUs the generation engines run on (a torch engine's may be shared with the trainer; one
+    with `generation.device: cpu` takes none)."""
     generation = config.generation
     if isinstance(generation, SGLangGenerationConfig):
         return generation.num_gpus
-    return 1 if config.cluster.total_gpus else 0
+    return 1 if config.cluster.total_gpus and generation.device == "auto" else 0
 
 
 def trainer_gpus(config: RecipeConfig) -> int:
@@ -102,6 +103,7 @@ def shares_one_gpu(config: RecipeConfig) -> bool:
     """The torch engine and the torch trainer share a one-GPU cluster."""
     return (
         isinstance(config.generation, TorchGenerationConfig)
+        and config.generation.device == "auto"
         and not isinstance(config.trainer, MegatronTrainerConfig)
         and config.cluster.total_gpus == 1
     )

@@ -254,8 +254,12 @@ class MegatronTrainerRole:
         self._refit_dir = output_dir / "refit"
         self._timeout_s = config.grpo.batch_timeout_s
         self._policy_dtype = config.policy.dtype
-        assert isinstance(config.generation, SGLangGenerationConfig)  # the validator's rule
-        self._refit = config.generation.refit
+        self._lora = config.trainer.lora.enabled
+        generation = config.generation
+        # Every weight reaches SGLang alone; a LoRA run's adapter reaches either engine (the
+        # validator's rules).
+        assert self._lora or isinstance(generation, SGLangGenerationConfig)
+        self._refit = generation.refit if isinstance(generation, SGLangGenerationConfig) else None
         self._group = MegatronTrainerGroup(
             config,
             placement_group=group,
@@ -277,6 +281,11 @@ class MegatronTrainerRole:
         return self._group.train_step(trajectories, advantages, parity)
 
     def refit(self, generation: Any, version: int) -> None:
+        if self._lora:  # the adapter alone, in PEFT's format, as the torch trainer's
+            adapter = self._group.export_adapter()
+            self._wait(generation.update_adapter.remote(adapter, version), "the adapter refit")
+            return
+        assert self._refit is not None  # SGLang's, by the assertion in __init__
         if self._refit.transport == "nccl":
             refit = self._refit
             refit_by_broadcast(

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load, load_file, save, save_file
 
 from gymrl.config.schema.trainer import LoraConfig
 
@@ -67,6 +67,14 @@ class AdapterWeights:
     config: dict[str, Any]
     tensors: dict[str, torch.Tensor]
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled (to cross Ray) with its tensors as safetensors bytes, not torch's storage
+        pickling: importing megatron-core replaces `torch.storage._load_from_bytes` with its own
+        (`megatron.core.safe_globals`), so a tensor pickled in a Megatron rank names a module
+        the driver and the engines, which never import megatron, cannot unpickle."""
+        tensors = {name: tensor.contiguous() for name, tensor in self.tensors.items()}
+        return (_unpickle, (self.config, save(tensors)))
+
     @classmethod
     def of(cls, model: PeftModel) -> AdapterWeights:
         """The adapter of `model` as PEFT saves it, copied to the CPU."""
@@ -84,6 +92,16 @@ class AdapterWeights:
         folder = Path(folder)
         config = json.loads((folder / ADAPTER_CONFIG_FILE).read_text())
         return cls(config=config, tensors=load_file(str(folder / ADAPTER_WEIGHTS_FILE)))
+
+    def write(self, folder: str | Path) -> None:
+        """Save as PEFT does (`adapter_config.json`, `adapter_model.safetensors` in `folder`), for
+        a trainer whose adapter is not a PEFT model (Megatron's, through megatron-bridge). A set
+        in the config (PEFT's own `target_modules`) is written as its sorted list, as PEFT
+        writes it."""
+        folder = Path(folder)
+        (folder / ADAPTER_CONFIG_FILE).write_text(json.dumps(self.config, indent=2, default=sorted))
+        tensors = {name: tensor.contiguous() for name, tensor in self.tensors.items()}
+        save_file(tensors, str(folder / ADAPTER_WEIGHTS_FILE))
 
     @property
     def scaling(self) -> float:
@@ -121,3 +139,8 @@ class AdapterWeights:
         on SmolLM2's 210 Linear weights on 2 loaded cores it took 5.0 s where the product, its
         scaling and the sum as three passes over the weights took 7.1-12.1 s."""
         return torch.addmm(weight.float(), b.float(), a.float(), alpha=self.scaling)
+
+
+def _unpickle(config: dict[str, Any], tensors: bytes) -> AdapterWeights:
+    """The other half of :meth:`AdapterWeights.__reduce__`."""
+    return AdapterWeights(config=config, tensors=load(tensors))

@@ -194,6 +194,29 @@ def load_checkpoint(
 _ADAPTER_SHAPE = ("r", "lora_alpha", "target_modules", "use_rslora")
 
 
+def check_adapter_shape(
+    folder: Path, saved: Mapping[str, Any], configured: Mapping[str, Any]
+) -> None:
+    """Refuse, by field, a checkpoint's adapter (`saved`, PEFT's config fields) whose shape is not
+    the configured one's: both trainers resume an adapter only into one of its own shape."""
+
+    def shape(config: Mapping[str, Any]) -> dict[str, Any]:
+        fields = {key: config.get(key) for key in _ADAPTER_SHAPE}
+        fields["target_modules"] = sorted(fields["target_modules"] or [])
+        return fields
+
+    differ = {
+        key: (value, shape(configured)[key])
+        for key, value in shape(saved).items()
+        if value != shape(configured)[key]
+    }
+    if differ:
+        raise ValueError(
+            f"{folder}'s adapter differs from the configured one (saved, configured): {differ}; "
+            "resume with trainer.lora set as the run that saved it"
+        )
+
+
 def _is_peft(model: torch.nn.Module) -> TypeGuard[PeftModel]:
     """Whether `model` is a PEFT model. A process that never imported peft made none, and need
     not import it (seconds) to save or load a full model: the driver and Megatron's ranks."""
@@ -205,23 +228,7 @@ def _load_adapter(folder: Path, model: PeftModel) -> None:
     """Load a checkpoint's adapter into `model`'s, refusing one of another shape by field (a
     rank or target set that differs would fail deep in torch, or load a part of it)."""
     saved = AdapterWeights.read(folder)
-    mine = model.peft_config["default"].to_dict()
-
-    def shape(config: dict[str, Any]) -> dict[str, Any]:
-        fields = {key: config.get(key) for key in _ADAPTER_SHAPE}
-        fields["target_modules"] = sorted(fields["target_modules"] or [])
-        return fields
-
-    differ = {
-        key: (value, shape(mine)[key])
-        for key, value in shape(saved.config).items()
-        if value != shape(mine)[key]
-    }
-    if differ:
-        raise ValueError(
-            f"{folder}'s adapter differs from the configured one (saved, configured): {differ}; "
-            "resume with trainer.lora set as the run that saved it"
-        )
+    check_adapter_shape(folder, saved.config, model.peft_config["default"].to_dict())
     from peft import set_peft_model_state_dict
 
     result = set_peft_model_state_dict(model, saved.tensors)

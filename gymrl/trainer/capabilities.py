@@ -29,15 +29,7 @@ def unsupported_by_trainer(config: RecipeConfig) -> list[ConfigIssue]:
         )
     lora = config.trainer.lora
     if lora.enabled and megatron:
-        issues.append(
-            ConfigIssue(
-                "trainer.lora.enabled",
-                True,
-                "the Megatron trainer does not train LoRA adapters yet (the torch trainer does, "
-                "through PEFT)",
-                "set trainer=torch, or trainer.lora.enabled=false",
-            )
-        )
+        issues += _megatron_lora(config)
     if lora.enabled and not megatron and config.policy.is_moe:
         issues.append(
             ConfigIssue(
@@ -82,6 +74,83 @@ def unsupported_by_trainer(config: RecipeConfig) -> list[ConfigIssue]:
                 "the Megatron trainer builds the model from a Hugging Face checkpoint, and a tiny "
                 "random model has none (the embedded SmolLM2 and a pretrained folder have one)",
                 "set policy.source=pretrained and policy.path, or policy.source=smollm2_wheel",
+            )
+        )
+    return issues
+
+
+# How megatron-bridge's LoRA (`megatron.bridge.peft.lora.LoRA`) names the Linear modules of a
+# Llama-family decoder layer: Megatron fuses q, k and v into one linear_qkv and the gated MLP's
+# gate and up into one linear_fc1, and bridge's LoRA adapts a fused module whole (one A, one B
+# over the concatenated outputs; its export splits B back into the Hugging Face modules, each
+# with the shared A).
+MEGATRON_LORA_MODULES: dict[str, tuple[str, ...]] = {
+    "linear_qkv": ("q_proj", "k_proj", "v_proj"),
+    "linear_proj": ("o_proj",),
+    "linear_fc1": ("gate_proj", "up_proj"),
+    "linear_fc2": ("down_proj",),
+}
+_MLP_MODULES = frozenset(("gate_proj", "up_proj", "down_proj"))
+
+
+def megatron_lora_targets(hf_targets: tuple[str, ...]) -> list[str]:
+    """The Megatron modules megatron-bridge's LoRA adapts for `trainer.lora.target_modules`
+    (Hugging Face names), in Megatron's order: a fused module is adapted if any of its parts is
+    named (:func:`_megatron_lora` refuses a partial set before this is asked)."""
+    return [
+        megatron
+        for megatron, parts in MEGATRON_LORA_MODULES.items()
+        if any(part in hf_targets for part in parts)
+    ]
+
+
+def _megatron_lora(config: RecipeConfig) -> list[ConfigIssue]:
+    """What the Megatron trainer's LoRA cannot honour. A fused module named in part would adapt
+    the parts not named as well (one adapter over the fused output), which is not the adapter
+    asked for; a target outside the decoder layers' Linears has no Megatron module here; an MoE
+    policy's MLP is its experts, which bridge's LoRA adapts one by one and whose adapter neither
+    the torch engine (transformers stacks an MoE layer's experts into 3-D parameters, which
+    PEFT's Linear adapters miss) nor this project's SGLang refit has been shown to load."""
+    lora = config.trainer.lora
+    targets = tuple(lora.target_modules)
+    issues = []
+    known = {part for parts in MEGATRON_LORA_MODULES.values() for part in parts}
+    unknown = sorted(name for name in targets if name not in known)
+    if unknown:
+        issues.append(
+            ConfigIssue(
+                "trainer.lora.target_modules",
+                list(targets),
+                f"{unknown} have no Megatron module the Megatron trainer's LoRA adapts (it maps "
+                f"{sorted(known)} onto linear_qkv, linear_proj, linear_fc1 and linear_fc2)",
+                f"name modules among {sorted(known)}, or set trainer=torch",
+            )
+        )
+    for megatron, parts in MEGATRON_LORA_MODULES.items():
+        named = [part for part in parts if part in targets]
+        if named and len(named) < len(parts):
+            issues.append(
+                ConfigIssue(
+                    "trainer.lora.target_modules",
+                    list(targets),
+                    f"the Megatron trainer holds {', '.join(parts)} as one fused {megatron}, and "
+                    f"megatron-bridge's LoRA adapts it whole: naming {named} alone would adapt "
+                    f"{[part for part in parts if part not in named]} too",
+                    f"name all of {list(parts)} or none of them, or set trainer=torch",
+                )
+            )
+    mlp = sorted(name for name in targets if name in _MLP_MODULES)
+    if config.policy.is_moe and mlp:
+        issues.append(
+            ConfigIssue(
+                "trainer.lora.target_modules",
+                list(targets),
+                f"an MoE policy's MLP ({mlp}) is its experts, which megatron-bridge's LoRA "
+                "adapts one by one; no engine here loads such an adapter yet (transformers "
+                "stacks an MoE layer's experts into 3-D parameters that the torch engine's "
+                "merge and PEFT's Linear adapters miss)",
+                "set trainer.lora.target_modules=[q_proj,k_proj,v_proj,o_proj] (attention "
+                "only) for an MoE policy",
             )
         )
     return issues

@@ -8,7 +8,12 @@ bare test machine can be given. Megatron-core probes for TE with try/except at i
 2. only then, while Megatron-Bridge's package imports, `transformer_engine` is a placeholder whose
    attributes are placeholder classes that refuse to be instantiated;
 3. the placeholder is removed straight after, so `importlib.util.find_spec("transformer_engine")`
-   is None again and the trainer is configured with `trainer.transformer_impl=local`.
+   is None again and the trainer is configured with `trainer.transformer_impl=local`;
+4. Bridge's LoRA (`megatron/bridge/peft/utils.py`, `module_matcher.py`) is told there is no TE:
+   its probe imports megatron-core's TE classes by name and finds them (without TE megatron-core
+   defines them over a MagicMock, or as None for the grouped ones), so it would believe TE is
+   installed and call `isinstance(module, None)` on the first layer LoRA adapts
+   (`get_adapter_attributes_from_linear`).
 
 Load it with `-p bridge_without_te` (this folder on PYTHONPATH); `launch/gpu_check/run.sh` does.
 Never use it where Transformer Engine is installed: there Bridge imports as it is.
@@ -71,9 +76,15 @@ def import_bridge_without_te() -> list[str]:
     parent.pytorch = child  # type: ignore[attr-defined]
     try:
         importlib.import_module("megatron.bridge")
+        lora_modules = [
+            importlib.import_module(name)
+            for name in ("megatron.bridge.peft.utils", "megatron.bridge.peft.module_matcher")
+        ]
     finally:
         for name in _TE_MODULES:
             sys.modules.pop(name, None)
+    for module in lora_modules:
+        module.HAVE_TE = False  # pyright: ignore[reportAttributeAccessIssue]
     return failed
 
 

@@ -160,6 +160,13 @@ class TorchGenerationConfig(Strict):
         "transformers calls the model's forward at every step; auto is fused where the model "
         "allows it, else transformers (logged). Prefill always runs the model's forward.",
     )
+    device: Literal["auto", "cpu"] = Field(
+        default="auto",
+        description="Where the torch engine runs: auto on one of the cluster's GPUs when it has "
+        "any, else the CPU; cpu on the CPU whatever the cluster has, every GPU left to the "
+        "trainer (the Megatron trainer on this CPU, whose ranks' GPUs its CPU stand-in maps to "
+        "the CPU: +experiment=megatron_lora_cpu).",
+    )
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     server: TorchModelServerConfig = Field(default_factory=TorchModelServerConfig)
 

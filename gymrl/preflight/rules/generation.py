@@ -28,10 +28,14 @@ def max_tokens_below_context(config: RecipeConfig) -> list[ConfigIssue]:
 def refit_by_the_trainer(config: RecipeConfig) -> list[ConfigIssue]:
     """Roles that cannot hand weights to each other, refused here rather than at the first
     refit. The torch trainer refits either engine (state dict to the torch engine through Ray,
-    or as safetensors the SGLang servers load); the Megatron trainer only exports a checkpoint
-    to disk, which only SGLang loads."""
+    or as safetensors the SGLang servers load); the Megatron trainer exports every weight as a
+    checkpoint on disk or a broadcast, which only SGLang loads, except with LoRA, where it hands
+    over the adapter alone in PEFT's format, which the torch engine merges
+    (`TorchGenerationEngine.update_adapter`) as it does the torch trainer's."""
     generation = config.generation.backend
     if config.trainer.backend != "megatron" or generation == "sglang":
+        return []
+    if config.trainer.lora.enabled:
         return []
     return [
         ConfigIssue(
@@ -39,7 +43,8 @@ def refit_by_the_trainer(config: RecipeConfig) -> list[ConfigIssue]:
             generation,
             "the megatron trainer (trainer.backend) refits generation with a Hugging Face "
             f"checkpoint on disk, which only SGLang loads; the {generation} engine cannot",
-            "select generation=sglang, or trainer=torch",
+            "select generation=sglang, or trainer=torch, or train LoRA "
+            "(trainer.lora.enabled=true: its adapter refit reaches the torch engine)",
         )
     ]
 

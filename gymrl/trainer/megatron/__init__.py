@@ -62,6 +62,13 @@ RNG states; the scheduler in `extra`) of the torch trainer.
 Router replay (`policy.router_replay.enabled`, `router_replay`): every MoE router of the rank
 takes each micro-batch's routes, the experts SGLang routed each token to, sliced like its tokens.
 
+LoRA (`trainer.lora`): megatron-bridge's `LoRA` is attached by a pre-wrap hook after the weights
+load, so the base is frozen before DDP builds its buffers and the distributed optimizer holds the
+adapter alone; the Hugging Face target names map onto Megatron's fused modules
+(`gymrl.trainer.capabilities.MEGATRON_LORA_MODULES`, `arguments.lora_kwargs`). `export_adapter`
+gives the adapter in PEFT's format (`gymrl.run.adapter.AdapterWeights`), which the role refits into
+the engine (`update_adapter`) and checkpoints write beside an adapter-only distributed checkpoint.
+
 Unsupported here, refused at construction with the fix: a KL term (it needs a reference model,
 a second full copy of the weights per rank).
 """

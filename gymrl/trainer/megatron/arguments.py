@@ -10,7 +10,7 @@ import torch
 from gymrl.config.context_length import megatron_rope_overrides
 from gymrl.config.schema.recipe import RecipeConfig
 from gymrl.config.schema.trainer import MegatronTrainerConfig
-from gymrl.trainer.capabilities import unsupported_by_trainer
+from gymrl.trainer.capabilities import megatron_lora_targets, unsupported_by_trainer
 
 
 def parallel_state_kwargs(trainer: MegatronTrainerConfig) -> dict[str, Any]:
@@ -117,6 +117,27 @@ def optimizer_config_kwargs(config: RecipeConfig) -> dict[str, Any]:
         "fp16": False,
         "params_dtype": torch.bfloat16 if bf16 else torch.float32,
         "use_distributed_optimizer": True,
+    }
+
+
+def lora_kwargs(config: RecipeConfig) -> dict[str, Any]:
+    """Arguments of megatron-bridge's `megatron.bridge.peft.lora.LoRA` for `trainer.lora`.
+
+    The Hugging Face target names become Megatron's fused modules
+    (`gymrl.trainer.capabilities.MEGATRON_LORA_MODULES`); the update is scaled by alpha / rank
+    and dropout is applied to the adapter's input, as PEFT does, and A starts random and B at
+    zero, so the adapted model starts as the base one. The adapter's parameters take the
+    model's dtype (`lora_dtype` None), as PEFT's do.
+    """
+    lora = megatron_config(config).lora
+    return {
+        "target_modules": megatron_lora_targets(lora.target_modules),
+        "dim": lora.rank,
+        "alpha": lora.alpha,
+        "dropout": lora.dropout,
+        "dropout_position": "pre",
+        "lora_A_init_method": "xavier",
+        "lora_B_init_method": "zero",
     }
 
 

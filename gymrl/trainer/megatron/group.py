@@ -16,6 +16,7 @@ from gymrl.cluster.ray_calls import wait_for, wait_for_all
 from gymrl.config.schema.generation import RefitConfig
 from gymrl.config.schema.recipe import RecipeConfig
 from gymrl.generation.sglang.weight_sync import WEIGHT_SYNC_NCCL_ENV
+from gymrl.run.adapter import AdapterWeights
 from gymrl.trainer.grpo_step import reduce_loss_metrics
 from gymrl.trainer.megatron.arguments import (
     data_parallel_size,
@@ -147,6 +148,10 @@ class MegatronTrainerGroup:
 
     def export_weights(self) -> Mapping[str, torch.Tensor]:
         return self._all("export_weights")[0]
+
+    def export_adapter(self) -> AdapterWeights:
+        """The LoRA adapter in PEFT's format (every rank exports; rank 0's is returned)."""
+        return self._all("export_adapter")[0]
 
     def send_weights(
         self, urls: list[str], tp_sizes: list[int], refit: RefitConfig, version: int

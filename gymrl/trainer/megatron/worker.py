@@ -16,10 +16,12 @@ from gymrl.config.schema.recipe import RecipeConfig
 from gymrl.generation.sglang.refit import broadcast_backend, weight_sender
 from gymrl.generation.sglang.weight_sync import WeightSender
 from gymrl.model.policy import model_folder
+from gymrl.run.adapter import AdapterWeights
 from gymrl.run.checkpoint import TrainerState, capture_rng_state, restore_rng_state
 from gymrl.trainer.grpo_step import loss_normalizer, micro_batch_loss, reduce_loss_metrics
 from gymrl.trainer.megatron.arguments import (
     ddp_config_kwargs,
+    lora_kwargs,
     megatron_config,
     megatron_loss_scale,
     optimizer_config_kwargs,
@@ -83,7 +85,8 @@ class MegatronPolicyTrainer:
         self._ps = parallel_state
 
         # The policy's checkpoint folder whatever its source (the embedded SmolLM2 converted).
-        self._bridge = AutoBridge.from_hf_pretrained(model_folder(config.policy))
+        self._policy_folder = model_folder(config.policy)
+        self._bridge = AutoBridge.from_hf_pretrained(self._policy_folder)
         provider = self._bridge.to_megatron_provider(load_weights=True)
         for name, value in provider_overrides(config).items():
             setattr(provider, name, value)
@@ -93,6 +96,15 @@ class MegatronPolicyTrainer:
 
             provider.transformer_layer_spec = local_layer_spec
         provider.finalize()
+        self._lora: Any = None  # megatron-bridge's LoRA, with trainer.lora
+        if self._trainer.lora.enabled:
+            from megatron.bridge.peft.lora import LoRA
+
+            # After the weights load (the provider's first hook) and before DDP wraps the
+            # model: LoRA freezes every base weight, so DDP's gradient buffers and the
+            # distributed optimizer hold the adapter's parameters alone.
+            self._lora = LoRA(**lora_kwargs(config))
+            provider.register_pre_wrap_hook(partial(self._lora, training=True))
         self._model = provider.provide_distributed_model(
             ddp_config=DistributedDataParallelConfig(**ddp_config_kwargs(self._trainer)),
             wrap_with_ddp=True,
@@ -324,6 +336,40 @@ class MegatronPolicyTrainer:
             )
         }
 
+    def export_adapter(self) -> AdapterWeights:
+        """The LoRA adapter in PEFT's format (collective; every rank returns it): Hugging Face
+        module names and PEFT's keys, so the adapter refit, the checkpoint's PEFT files and the
+        engines take it as they take the torch trainer's.
+
+        megatron-bridge exports a fused module's adapter (linear_qkv, linear_fc1) as one entry
+        per Hugging Face module: its B split along the fused output, its A repeated. Each tensor
+        is a copy: on a CPU the export hands back live parameters, which the next step would
+        overwrite, and safetensors refuses one storage under several keys.
+        """
+        if self._lora is None:
+            raise ValueError("export_adapter needs trainer.lora.enabled=true (no adapter)")
+        from megatron.bridge.models.conversion.peft_bridge import (
+            convert_adapter_weights_to_peft_state,
+        )
+
+        exported = self._bridge.export_adapter_weights(self._model, cpu=True, show_progress=False)
+        tensors, _, _ = convert_adapter_weights_to_peft_state(exported)
+        return AdapterWeights(
+            config=self._adapter_config(),
+            tensors={name: tensor.detach().clone() for name, tensor in tensors.items()},
+        )
+
+    def _adapter_config(self) -> dict[str, Any]:
+        """PEFT's `adapter_config.json` fields of this run's adapter (megatron-bridge's own,
+        `build_adapter_config_dict`), with the configured Hugging Face target names."""
+        from megatron.bridge.models.conversion.peft_bridge import build_adapter_config_dict
+
+        return build_adapter_config_dict(
+            self._lora,
+            target_modules=sorted(self._trainer.lora.target_modules),
+            base_model_name_or_path=str(self._policy_folder),
+        )
+
     def export_hf_checkpoint(self, directory: str | os.PathLike[str]) -> str:
         """A Hugging Face checkpoint in `directory`, for SGLang's refit (collective)."""
         return export_hf_checkpoint(self._bridge, self._model, directory)
@@ -375,12 +421,18 @@ class MegatronPolicyTrainer:
             self._optimizer,
             state,
             keep_last=self._config.checkpoint.keep_last,
+            adapter=None if self._lora is None else self.export_adapter(),
         )
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         """Restore everything :meth:`save_checkpoint` wrote (collective); return the resume
         info `{"step", "weight_version", "data_state", "extra"}`."""
-        state = load_distributed_checkpoint(path, self._model, self._optimizer)
+        state = load_distributed_checkpoint(
+            path,
+            self._model,
+            self._optimizer,
+            adapter_config=None if self._lora is None else self._adapter_config(),
+        )
         self._scheduler.load_state_dict(state.extra["scheduler"])
         self.weight_version = state.weight_version
         restore_rng_state(state.rng[self.rank])

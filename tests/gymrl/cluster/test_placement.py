@@ -103,6 +103,17 @@ def test_the_torch_engine_and_trainer_each_get_a_gpu_or_share_the_only_one(gpus,
     assert placement.gym_shards.device == placement.buffer.device == "cpu"
 
 
+def test_a_torch_engine_on_the_cpu_leaves_every_gpu_to_the_trainer():
+    """`generation.device: cpu` (+experiment=megatron_lora_cpu: the Megatron rank on the one GPU
+    the CPU shim maps to the CPU, the torch engine beside it on the CPU)."""
+    placement = plan_placement(_config("+experiment=megatron_lora_cpu"))
+    assert placement.generation == placement.policy_server
+    assert placement.generation.device == "cpu" and placement.generation.bundle_of_actor == ()
+    assert placement.trainer.device == "cuda" and placement.bundles == ({"GPU": 1.0, "CPU": 1.0},)
+    torch_trainer = plan_placement(_config("cluster.gpus_per_node=1", "generation.device=cpu"))
+    assert torch_trainer.trainer.gpus_per_actor == 1.0 and torch_trainer.generation.device == "cpu"
+
+
 def test_a_torch_trainer_next_to_sglang_takes_a_gpu_only_when_one_is_left():
     sglang = ["generation=sglang", "generation.server.max_tokens_per_turn=256"]
     left = plan_placement(_config(*sglang, "generation.num_engines=1", "cluster.gpus_per_node=2"))

@@ -246,7 +246,7 @@ def test_megatron_trainer_with_the_torch_engine_is_refused_before_the_first_refi
     issue = issues["generation.backend"]
     assert issue.value == "torch"
     assert "only SGLang loads" in issue.problem
-    assert issue.fix == "select generation=sglang, or trainer=torch"
+    assert issue.fix.startswith("select generation=sglang, or trainer=torch, or train LoRA")
 
 
 def test_an_explicit_compute_dtype_that_no_torch_backend_would_read_is_refused():
@@ -558,11 +558,18 @@ def test_a_lora_rank_above_a_targets_smaller_side_is_refused_with_the_largest_al
     assert "at most 64" in issue.fix and "q_proj" in issue.problem
 
 
-def test_lora_with_megatron_or_an_moe_is_refused_naming_what_to_pick():
-    megatron = _issues(
-        ["trainer=megatron", "generation=sglang", "cluster=slurm_8gpu", "trainer.lora.enabled=true"]
+def test_lora_with_megatron_and_sglang_validates_and_an_moe_under_torch_is_refused():
+    config = validate_config(
+        compose_raw(
+            [
+                "trainer=megatron",
+                "generation=sglang",
+                "cluster=slurm_8gpu",
+                "trainer.lora.enabled=true",
+            ]
+        )
     )
-    assert "Megatron trainer does not train LoRA" in megatron["trainer.lora.enabled"].problem
+    assert config.trainer.lora.enabled and config.generation.backend == "sglang"
     moe = _issues(["policy=tiny_qwen3_moe", "trainer.lora.enabled=true"])
     assert "experts" in moe["trainer.lora.enabled"].problem
 
@@ -582,3 +589,36 @@ def test_lora_into_sglang_validates_and_what_sglang_cannot_serve_is_named_with_t
     assert "qkv_proj" in issue.problem and "['q_proj']" in issue.fix
     gate = _issues([*lora, "trainer.lora.target_modules=[q_proj,v_proj,up_proj]"])
     assert "['gate_proj']" in gate["trainer.lora.target_modules"].fix
+
+
+_MEGATRON_LORA = [
+    "trainer=megatron",
+    "cluster=slurm_8gpu",
+    "policy=qwen2p5_math_1p5b",
+    "trainer.lora.enabled=true",
+]
+
+
+def test_megatron_lora_with_the_torch_engine_validates_its_adapter_refit_reaching_it():
+    config = validate_config(compose_raw(_MEGATRON_LORA))
+    assert config.trainer.backend == "megatron" and config.generation.backend == "torch"
+
+
+def test_megatron_lora_naming_part_of_a_fused_module_is_refused_with_the_whole_set():
+    partial = [*_MEGATRON_LORA, "trainer.lora.target_modules=[q_proj,v_proj,up_proj]"]
+    with pytest.raises(ConfigError) as raised:
+        validate_config(compose_raw(partial))
+    qkv, fc1 = raised.value.issues
+    assert qkv.key == fc1.key == "trainer.lora.target_modules"
+    assert "one fused linear_qkv" in qkv.problem and "['k_proj'] too" in qkv.problem
+    assert qkv.fix.startswith("name all of ['q_proj', 'k_proj', 'v_proj'] or none of them")
+    assert "one fused linear_fc1" in fc1.problem and "['gate_proj'] too" in fc1.problem
+    whole = [*_MEGATRON_LORA, "trainer.lora.target_modules=[q_proj,k_proj,v_proj,down_proj]"]
+    validate_config(compose_raw(whole))
+
+
+def test_megatron_lora_on_an_moe_policys_experts_is_refused_naming_attention_only():
+    moe = ["+experiment=flagship_cpu", "trainer.lora.enabled=true", "dry_run=true"]
+    issue = _issues(moe)["trainer.lora.target_modules"]
+    assert "experts" in issue.problem and "['down_proj', 'gate_proj', 'up_proj']" in issue.problem
+    assert issue.fix.startswith("set trainer.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]")

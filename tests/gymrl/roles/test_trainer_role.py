@@ -185,3 +185,46 @@ def test_megatron_role_waits_trainer_start_timeout_s_for_its_ranks(tmp_path, mon
         on_cleanup=lambda what, close: None,  # the stand-in group holds nothing to close
     )
     assert received["start_timeout_s"] == 2400.0
+
+
+def test_a_megatron_lora_role_refits_the_groups_adapter_alone(tmp_path, monkeypatch):
+    """With LoRA the Megatron role hands the generation server the adapter its ranks export
+    (PEFT's format, as the torch trainer's), whatever the engine: no checkpoint on disk, no
+    broadcast."""
+    import gymrl.trainer.megatron.group as megatron_group
+    from gymrl.run.adapter import AdapterWeights
+
+    adapter = AdapterWeights({"r": 1, "lora_alpha": 2}, {"k.lora_A.weight": torch.ones(1, 2)})
+
+    class Ranks:
+        def __init__(self, config, **kwargs):
+            del config, kwargs
+
+        def export_adapter(self):
+            return adapter
+
+    monkeypatch.setattr(megatron_group, "MegatronTrainerGroup", Ranks)
+    config = validate_config(
+        compose_raw(
+            [
+                "trainer=megatron",
+                "cluster=slurm_8gpu",
+                "policy=qwen2p5_math_1p5b",
+                "trainer.lora.enabled=true",
+            ]
+        )
+    )
+    role = start_trainer(
+        config,
+        tmp_path,
+        torch_threads=1,
+        placement=plan_placement(config),
+        group=None,
+        on_cleanup=lambda what, close: None,  # the stand-in group holds nothing to close
+    )
+    generation = RecordingGeneration.remote()
+    role.refit(generation, 3)
+    ((version, received),) = ray.get(generation.received.remote())
+    assert version == 3 and received.config == adapter.config
+    assert torch.equal(received.tensors["k.lora_A.weight"], adapter.tensors["k.lora_A.weight"])
+    assert not (tmp_path / "refit").exists()

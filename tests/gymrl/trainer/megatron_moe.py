@@ -106,6 +106,43 @@ def expert_parallel_run(
     torch.distributed.destroy_process_group()
 
 
+ATTENTION_LORA = [
+    "trainer.lora.enabled=true",
+    "trainer.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]",
+    "trainer.lora.rank=4",
+    "trainer.lora.alpha=8",
+    "trainer.optimizer.lr=1e-2",
+]
+
+
+def expert_parallel_lora_run(rank: int, world_size: int, port: int, out: str) -> None:
+    """One rank of an attention-only LoRA run at EP `world_size` (an MoE's experts are refused
+    as LoRA targets): two train steps, then the log-probabilities of the fixed batch (every
+    rank's rows) and the exported adapter (its config and tensors). Rank 0 saves them to
+    `out`."""
+    from tests.gymrl.trainer.megatron_setup import megatron_batch, megatron_run_config
+
+    config = megatron_run_config(
+        ["policy=tiny_qwen3_moe", *ATTENTION_LORA],
+        ep=world_size,
+        ranks=world_size,
+        generation="torch",
+    )
+    trainer = _start_rank(rank, world_size, port, ep=world_size, temperature=0.8, config=config)
+    trajectories, advantages = megatron_batch(trainer._vocab_size)
+    for _ in range(2):
+        _step(trainer, trajectories, advantages)
+    logprobs: dict[int, list[float]] = {}
+    for part in _everyones(trainer.compute_logprobs(trajectories)):
+        logprobs |= part
+    adapter = trainer.export_adapter()
+    if rank == 0:
+        torch.save(
+            {"logprobs": logprobs, "config": adapter.config, "tensors": adapter.tensors}, out
+        )
+    torch.distributed.destroy_process_group()
+
+
 def expert_parallel_refit_run(
     rank: int, world_size: int, url: str, prompt: list[int], port: int, out: str
 ) -> None:

@@ -24,26 +24,40 @@ TRANSFORMER_IMPL = (
 )
 
 
-def tiny_config(folder: Path, *, tp: int = 1, ranks: int = 1) -> RecipeConfig:
-    """The tiny policy at `folder`, trained by Megatron on `ranks` ranks at TP `tp`, in fp32."""
+def tiny_config(
+    folder: Path, *, tp: int = 1, ranks: int = 1, lora: Sequence[str] = ()
+) -> RecipeConfig:
+    """The tiny policy at `folder`, trained by Megatron on `ranks` ranks at TP `tp`, in fp32;
+    `lora`: `trainer.lora` overrides, which train an adapter refitted into the torch engine."""
     pretrained = ["policy.source=pretrained", f"++policy.path={folder}"]
-    return megatron_run_config(pretrained, tp=tp, ranks=ranks)
+    if not lora:
+        return megatron_run_config(pretrained, tp=tp, ranks=ranks)
+    return megatron_run_config(
+        [*pretrained, "trainer.lora.enabled=true", *lora], tp=tp, ranks=ranks, generation="torch"
+    )
 
 
 def megatron_run_config(
-    policy: Sequence[str], *, tp: int = 1, ep: int = 1, ranks: int = 1
+    policy: Sequence[str],
+    *,
+    tp: int = 1,
+    ep: int = 1,
+    ranks: int = 1,
+    generation: str = "sglang",
 ) -> RecipeConfig:
     """The policy of the overrides `policy`, trained by Megatron on `ranks` ranks at TP `tp` and
     EP `ep`, in fp32.
 
-    Megatron trains next to SGLang engines (torch generation cannot refit from Megatron): the
-    config has one engine GPU besides the trainer's, and the tests build only the trainer.
+    Megatron trains next to SGLang engines (torch generation refits from Megatron only with
+    LoRA, `generation=torch`): the config has one engine GPU besides the trainer's, and the
+    tests build only the trainer.
     """
+    engines = ["generation.num_engines=1"] if generation == "sglang" else []
     raw = compose_raw(
         [
             "trainer=megatron",
-            "generation=sglang",
-            "generation.num_engines=1",
+            f"generation={generation}",
+            *engines,
             "generation.server.max_tokens_per_turn=256",
             *policy,
             "policy.dtype=float32",
@@ -135,5 +149,28 @@ def tensor_parallel_run(
         torch.save(
             {"logprobs": logprobs, "metrics": metrics, "gradients": gradients, "weights": weights},
             out,
+        )
+    torch.distributed.destroy_process_group()
+
+
+def tensor_parallel_lora_run(
+    rank: int, world_size: int, folder: str, lora: list[str], port: int, out: str
+) -> None:
+    """One rank of a LoRA run at TP `world_size` (`lora`: `trainer.lora` overrides): two train
+    steps, then the log-probabilities of the fixed batch and the exported adapter; rank 0 saves
+    them (the adapter as its config and tensors) to `out`."""
+    from gymrl.trainer.megatron.worker import MegatronPolicyTrainer
+
+    join_as_rank(rank, world_size, port)
+    config = tiny_config(Path(folder), tp=world_size, ranks=world_size, lora=lora)
+    trainer = MegatronPolicyTrainer(config, temperature=0.8)
+    trajectories, advantages = megatron_batch(trainer._vocab_size)
+    for _ in range(2):
+        trainer.train_step(trajectories, advantages)
+    logprobs = trainer.compute_logprobs(trajectories)
+    adapter = trainer.export_adapter()
+    if rank == 0:
+        torch.save(
+            {"logprobs": logprobs, "config": adapter.config, "tensors": adapter.tensors}, out
         )
     torch.distributed.destroy_process_group()
