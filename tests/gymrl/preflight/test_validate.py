@@ -565,6 +565,7 @@ def test_lora_with_megatron_and_sglang_validates_and_an_moe_under_torch_is_refus
                 "trainer=megatron",
                 "generation=sglang",
                 "cluster=slurm_8gpu",
+                "generation.server.max_tokens_per_turn=1024",
                 "trainer.lora.enabled=true",
             ]
         )
