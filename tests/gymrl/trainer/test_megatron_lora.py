@@ -45,6 +45,11 @@ def lora_trainer(megatron_runtime, tiny_llama):
         config = tiny_config(folder, lora=LORA)
         yield MegatronPolicyTrainer(config, temperature=0.8), config, hf_model
     finally:
+        # The trainer set up Megatron's parallel groups in this process; the next module's
+        # trainer sets them up again, which Megatron refuses while these exist.
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)

@@ -48,6 +48,11 @@ def tiny_trainer(megatron_runtime, tiny_llama):
     try:
         yield MegatronPolicyTrainer(tiny_config(folder), temperature=0.8), folder, hf_model
     finally:
+        # The trainer set up Megatron's parallel groups in this process; the next module's
+        # trainer sets them up again, which Megatron refuses while these exist.
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
