@@ -36,7 +36,7 @@ from tests.support.real_sglang import cpu_generation, start_cpu_server  # a test
 QUESTIONS = ["Name three colours.", "Describe a cat.", "Why is the sky blue?", "Count to ten."]
 
 
-def _requests(tokenizer, new_tokens: int) -> list[GenerationRequest]:
+def chat_requests(tokenizer, new_tokens: int) -> list[GenerationRequest]:
     requests = []
     for question in QUESTIONS:
         text = tokenizer.apply_chat_template(
@@ -47,7 +47,7 @@ def _requests(tokenizer, new_tokens: int) -> list[GenerationRequest]:
     return requests
 
 
-def _tokens_per_s(generate, requests) -> float:
+def tokens_per_s(generate, requests) -> float:
     start = time.perf_counter()
     outputs = generate(requests)
     seconds = time.perf_counter() - start
@@ -63,7 +63,7 @@ def main() -> None:
     args = parser.parse_args()
     folder = ensure_smollm2_checkpoint("~/.cache/gym-grpo-recipes/models")
     tokenizer = load_tokenizer(folder)
-    requests = _requests(tokenizer, args.new_tokens)
+    requests = chat_requests(tokenizer, args.new_tokens)
     weights = load_pretrained(folder, torch.float32).state_dict()
     print(f"batch: {len(requests)} greedy requests x {args.new_tokens} new tokens")
     for threads in args.threads:
@@ -97,8 +97,8 @@ def _compare(url: str, folder: Path, requests, threads: int, repeats: int) -> No
         served.generate(requests[:1])  # the server's first request pays for its lazy set-up
         real, torch_engine = [], []
         for _ in range(repeats):
-            real.append(_tokens_per_s(served.generate, requests))
-            torch_engine.append(_tokens_per_s(local.generate, requests))
+            real.append(tokens_per_s(served.generate, requests))
+            torch_engine.append(tokens_per_s(local.generate, requests))
         print(
             f"threads={threads} tokens/s real SGLang: {', '.join(f'{v:.1f}' for v in real)}; "
             f"torch engine: {', '.join(f'{v:.1f}' for v in torch_engine)}"

@@ -36,29 +36,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the test helper's root
 
+from benchmarks.bench_sglang_cpu import chat_requests, tokens_per_s  # the same prompts and timing
 from gymrl.config.schema.grpo import GRPOConfig
 from gymrl.config.schema.trainer import LoraConfig
 from gymrl.generation.sglang.adapters import AdapterServing, adapter_name, load_request
 from gymrl.generation.sglang.engine import SGLangEngine
 from gymrl.generation.sglang.weight_sync import WeightSender
-from gymrl.generation.types import GenerationRequest, SamplingParams
 from gymrl.model.loading import ensure_smollm2_checkpoint, load_pretrained, load_tokenizer
 from gymrl.model.tokens import model_end_token_ids
 from gymrl.run.adapter import AdapterWeights, attach_lora
 from tests.support.real_sglang import cpu_generation, start_cpu_server  # a test helper
-
-QUESTIONS = ["Name three colours.", "Describe a cat.", "Why is the sky blue?", "Count to ten."]
-
-
-def _requests(tokenizer, new_tokens: int) -> list[GenerationRequest]:
-    requests = []
-    for question in QUESTIONS:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
-        )
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        requests.append(GenerationRequest(ids, SamplingParams(new_tokens, temperature=0.0)))
-    return requests
 
 
 def _adapters(folder: Path, lora: LoraConfig, count: int) -> list[AdapterWeights]:
@@ -72,12 +59,6 @@ def _adapters(folder: Path, lora: LoraConfig, count: int) -> list[AdapterWeights
                     parameter.normal_(0.0, 0.01)
         adapters.append(AdapterWeights.of(model))
     return adapters
-
-
-def _tokens_per_s(generate, requests) -> float:
-    start = time.perf_counter()
-    outputs = generate(requests)
-    return sum(len(out.token_ids) for out in outputs) / (time.perf_counter() - start)
 
 
 def _figures(values: list[float]) -> str:
@@ -97,7 +78,7 @@ def main() -> None:
     serving = AdapterServing.of(lora, grpo, cpu_generation().launch)
     assert serving is not None
     adapters = _adapters(folder, lora, args.refits)
-    requests = _requests(load_tokenizer(folder), args.new_tokens)
+    requests = chat_requests(load_tokenizer(folder), args.new_tokens)
     with tempfile.TemporaryDirectory() as logs:
         server = start_cpu_server(
             folder, Path(logs) / "server.log", context_length=2048, adapters=serving
@@ -117,7 +98,7 @@ def main() -> None:
             )
             with engine:
                 engine.generate(requests[:1])
-                rates = [_tokens_per_s(engine.generate, requests) for _ in range(args.repeats)]
+                rates = [tokens_per_s(engine.generate, requests) for _ in range(args.repeats)]
             print(f"tokens/s on a server without --enable-lora: {_figures(rates)}")
         finally:
             plain.stop()
@@ -157,8 +138,8 @@ def _adapter_part(url, folder, serving, adapters, requests, repeats: int) -> Non
         )
         try:
             for _ in range(repeats):
-                base.append(_tokens_per_s(plain.generate, requests))
-                adapted.append(_tokens_per_s(engine.generate, requests))
+                base.append(tokens_per_s(plain.generate, requests))
+                adapted.append(tokens_per_s(engine.generate, requests))
         finally:
             plain.close()
         print(f"tokens/s base (no lora_path): {_figures(base)}")
