@@ -26,8 +26,6 @@ from gymrl.generation.sglang.engine import SGLangEngine, SGLangError
 from gymrl.generation.sglang.servers import server_command
 from gymrl.generation.types import GenerationRequest, SamplingParams
 from gymrl.run.adapter import AdapterWeights
-from nemo_gym_ext.http_server import serve_in_thread
-from tests.support.sglang_standin import make_standin
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -46,21 +44,6 @@ def _adapter(seed: int = 0, modules=("self_attn.q_proj", "mlp.down_proj"), rank=
             tensors[f"{key}.lora_B.weight"] = torch.randn(8, rank, generator=generator)
     config = {"r": rank, "lora_alpha": 2 * rank, "target_modules": {"q_proj", "down_proj"}}
     return AdapterWeights(config=config, tensors=tensors)
-
-
-@pytest.fixture
-def standin():
-    started = []
-
-    def start(**kwargs):
-        app, state = make_standin(**kwargs)
-        server = serve_in_thread(app)
-        started.append(server)
-        return server.url, state
-
-    yield start
-    for server in started:
-        server.close()
 
 
 def _engine(urls, serving: AdapterServing | None = None, **kwargs) -> SGLangEngine:

@@ -33,25 +33,8 @@ from gymrl.generation.sglang.servers import (
     server_environment,
 )
 from gymrl.generation.types import GenerationRequest, SamplingParams, UnsupportedRequestError
-from nemo_gym_ext.http_server import serve_in_thread
 from nemo_gym_ext.ports import free_port
-from tests.support.sglang_standin import WEIGHT_OFFSET, make_standin
-
-
-@pytest.fixture
-def standin():
-    """Start stand-in servers on demand; all are closed at the end of the test."""
-    started = []
-
-    def start(**kwargs):
-        app, state = make_standin(**kwargs)
-        server = serve_in_thread(app)
-        started.append(server)
-        return server.url, state
-
-    yield start
-    for server in started:
-        server.close()
+from tests.support.sglang_standin import WEIGHT_OFFSET
 
 
 @pytest.fixture
