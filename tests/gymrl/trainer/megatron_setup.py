@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import os
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,8 @@ from gymrl.algo.trajectory import Trajectory
 from gymrl.config.compose import compose_raw
 from gymrl.config.schema.recipe import RecipeConfig
 from gymrl.preflight.validate import validate_config
+from gymrl.trainer.megatron.distributed import distributed_env
+from nemo_gym_ext.ports import free_port
 
 # CUDA where there is one; else the CPU through megatron_on_cpu.py.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -174,3 +178,24 @@ def tensor_parallel_lora_run(
             {"logprobs": logprobs, "config": adapter.config, "tensors": adapter.tensors}, out
         )
     torch.distributed.destroy_process_group()
+
+
+@contextlib.contextmanager
+def in_process_rank() -> Iterator[None]:
+    """This process as rank 0 of 1 for a trainer built in it: the distributed env set, and on
+    exit restored and Megatron's parallel groups destroyed (the next module's trainer sets them
+    up again, which Megatron refuses while these exist)."""
+    env = distributed_env(0, 1, "127.0.0.1", free_port())
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import pickle
 import re
 from pathlib import Path
@@ -20,9 +19,8 @@ import torch
 
 from gymrl.config.schema.generation import TorchGenerationConfig
 from gymrl.run.adapter import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, AdapterWeights
-from gymrl.trainer.megatron.distributed import distributed_env
 from gymrl.trainer.megatron.worker import MegatronPolicyTrainer
-from tests.gymrl.trainer.megatron_setup import DEVICE, megatron_batch, tiny_config
+from tests.gymrl.trainer.megatron_setup import DEVICE, in_process_rank, megatron_batch, tiny_config
 
 pytestmark = pytest.mark.megatron
 
@@ -35,26 +33,10 @@ HF_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 
 @pytest.fixture(scope="module")
 def lora_trainer(megatron_runtime, tiny_llama):
-    from nemo_gym_ext.ports import free_port
-
     folder, hf_model = tiny_llama
-    env = distributed_env(0, 1, "127.0.0.1", free_port())
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
+    with in_process_rank():
         config = tiny_config(folder, lora=LORA)
         yield MegatronPolicyTrainer(config, temperature=0.8), config, hf_model
-    finally:
-        # The trainer set up Megatron's parallel groups in this process; the next module's
-        # trainer sets them up again, which Megatron refuses while these exist.
-        from megatron.core import parallel_state
-
-        parallel_state.destroy_model_parallel()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _adapter_numel(hf_model) -> int:

@@ -21,12 +21,12 @@ from gymrl.trainer.megatron.arguments import (
     provider_overrides,
     scheduler_kwargs,
 )
-from gymrl.trainer.megatron.distributed import distributed_env
 from gymrl.trainer.megatron.worker import MegatronPolicyTrainer
 from gymrl.trainer.parity_gate import ParityCheck, ParityGateError
 from tests.gymrl.trainer.fixed_trajectories import fixed_trajectory
 from tests.gymrl.trainer.megatron_setup import (
     DEVICE,
+    in_process_rank,
     megatron_batch,
     tensor_parallel_run,
     tiny_config,
@@ -37,27 +37,9 @@ pytestmark = pytest.mark.megatron
 
 @pytest.fixture(scope="module")
 def tiny_trainer(megatron_runtime, tiny_llama):
-    import os
-
-    from nemo_gym_ext.ports import free_port
-
     folder, hf_model = tiny_llama
-    env = distributed_env(0, 1, "127.0.0.1", free_port())
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
+    with in_process_rank():
         yield MegatronPolicyTrainer(tiny_config(folder), temperature=0.8), folder, hf_model
-    finally:
-        # The trainer set up Megatron's parallel groups in this process; the next module's
-        # trainer sets them up again, which Megatron refuses while these exist.
-        from megatron.core import parallel_state
-
-        parallel_state.destroy_model_parallel()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def test_megatron_logprobs_match_hugging_face(tiny_trainer):
